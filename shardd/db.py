@@ -1,0 +1,143 @@
+"""The shard's PostgreSQL pool, the per-call transaction, and the mapping of database failures.
+
+The idempotency interceptor opens the one transaction of a mutating call and publishes its connection
+in a context variable; handlers take it with `current_transaction()`, so the key claim, the handler's
+writes and the stored outcome commit together. Read-only handlers open their own with `read()`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import psycopg
+import psycopg_pool
+from psycopg import errors
+
+from shardrouter.errors import DeadlineExceeded, Internal, Reason, Unavailable
+
+log = logging.getLogger(__name__)
+
+Connection = psycopg.Connection[object]
+
+
+
+@dataclass(frozen=True)
+class CallTransaction:
+    """The open transaction of a guarded call and the idempotency key it claimed."""
+
+    conn: Connection
+    key: uuid.UUID
+
+
+_current: contextvars.ContextVar[CallTransaction | None] = contextvars.ContextVar("shardd_txn", default=None)
+
+
+class Database:
+    """A connection pool to the shard's database with failures mapped to domain errors."""
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        min_size: int = 2,
+        max_size: int = 16,
+        acquire_timeout_s: float = 2.0,
+        transient_retry_ms: int = 250,
+        check_connections: bool = True,
+    ) -> None:
+        if min_size < 1 or max_size < min_size:
+            raise ValueError("pool sizes must satisfy 1 <= min_size <= max_size")
+        if acquire_timeout_s <= 0:
+            raise ValueError("acquire_timeout_s must be positive")
+        self.acquire_timeout_s = acquire_timeout_s
+        self.transient_retry_ms = transient_retry_ms
+        self.pool: psycopg_pool.ConnectionPool[Connection] = psycopg_pool.ConnectionPool(
+            dsn,
+            min_size=min_size,
+            max_size=max_size,
+            open=False,
+            name="shardd",
+            # A checkout after a database restart gets a fresh connection instead of a dead one.
+            check=psycopg_pool.ConnectionPool.check_connection if check_connections else None,
+            kwargs={"autocommit": False, "application_name": "shardd"},
+            reconnect_timeout=3600,
+        )
+
+    def open(self, wait_s: float = 30.0) -> None:
+        """Open the pool and wait until `min_size` connections are up."""
+        self.pool.open(wait=True, timeout=wait_s)
+
+    def close(self) -> None:
+        """Close every connection."""
+        self.pool.close()
+
+    @contextmanager
+    def connection(self) -> Iterator[Connection]:
+        """A pooled connection; pool exhaustion and connection failure become UNAVAILABLE fast."""
+        try:
+            with self.pool.connection(timeout=self.acquire_timeout_s) as conn:
+                yield conn
+        except psycopg_pool.PoolTimeout as exc:
+            raise Unavailable(
+                f"the shard's database connections are all busy (waited {self.acquire_timeout_s:g} s); "
+                "nothing was applied, retry with the same idempotency key",
+                reason=Reason.DATABASE_BUSY,
+                retry_after_ms=self.transient_retry_ms,
+            ) from exc
+
+    @contextmanager
+    def read(self) -> Iterator[Connection]:
+        """A connection in a read-only transaction, with database failures mapped."""
+        with mapped_database_errors(self.transient_retry_ms), self.connection() as conn:
+            with conn.transaction():
+                conn.execute("SET TRANSACTION READ ONLY")
+                yield conn
+
+
+@contextmanager
+def bind_transaction(conn: Connection, key: uuid.UUID) -> Iterator[None]:
+    """Make `conn` (which claimed `key`) the current call's transaction for the handlers below."""
+    token = _current.set(CallTransaction(conn, key))
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def current_transaction() -> CallTransaction:
+    """The transaction the idempotency interceptor opened for this call."""
+    call = _current.get()
+    if call is None:
+        raise Internal("a mutating handler ran outside the idempotency interceptor", reason=Reason.INTERNAL)
+    return call
+
+
+@contextmanager
+def mapped_database_errors(retry_after_ms: int) -> Iterator[None]:
+    """Turn transient psycopg failures into UNAVAILABLE / DEADLINE_EXCEEDED (nothing committed)."""
+    try:
+        yield
+    except errors.QueryCanceled as exc:
+        raise DeadlineExceeded(
+            "the call's deadline ran out while the database worked; nothing was applied",
+            reason=Reason.DATABASE_BUSY,
+        ) from exc
+    except (errors.SerializationFailure, errors.DeadlockDetected, errors.LockNotAvailable) as exc:
+        raise Unavailable(
+            f"the database could not order this call against a concurrent one ({exc.sqlstate}); "
+            "nothing was applied, retry with the same idempotency key",
+            reason=Reason.DATABASE_BUSY,
+            retry_after_ms=retry_after_ms,
+        ) from exc
+    except psycopg.OperationalError as exc:
+        log.warning("database unavailable: %s", exc.__class__.__name__)
+        raise Unavailable(
+            "the shard's database is unavailable; nothing was applied, retry with the same idempotency key",
+            reason=Reason.DATABASE_UNAVAILABLE,
+            retry_after_ms=retry_after_ms,
+        ) from exc

@@ -1,0 +1,33 @@
+"""Settings of the idempotency mechanism, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+
+@dataclass(frozen=True, kw_only=True)
+class IdempotencyConfig:
+    """How keys are claimed, answered and expired."""
+
+    #: Keys older than this are refused as expired; their partitions are dropped by retention.
+    retention: timedelta = timedelta(days=30)
+    #: Keys dated further in the future than this are refused (caller clock skew).
+    max_clock_skew: timedelta = timedelta(minutes=5)
+    #: Longest wait for a duplicate's row lock while claiming (backstop to the advisory lock).
+    claim_lock_timeout_ms: int = 50
+    #: Lock wait allowed to the handler after the claim (hot account rows).
+    handler_lock_timeout_ms: int = 2000
+    #: Delay suggested in RetryInfo when the same key is in flight.
+    in_flight_retry_ms: int = 100
+    #: Delay suggested in RetryInfo after a transient database failure.
+    transient_retry_ms: int = 250
+
+    def __post_init__(self) -> None:
+        if self.retention <= timedelta(0):
+            raise ValueError("retention must be positive")
+        if self.max_clock_skew < timedelta(0):
+            raise ValueError("max_clock_skew must not be negative")
+        for name in ("claim_lock_timeout_ms", "handler_lock_timeout_ms", "in_flight_retry_ms"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")

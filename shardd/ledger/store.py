@@ -1,0 +1,303 @@
+"""Every SQL statement on accounts, ledger entries, transfers, the outbox and dead letters.
+
+Functions take the caller's connection and never commit: the idempotency interceptor owns the
+transaction. Accounts are locked in id order so two transfers between the same pair cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+Connection = psycopg.Connection[Any]
+
+
+@dataclass(frozen=True)
+class AccountRow:
+    """An account as stored."""
+
+    id: str
+    currency: str
+    balance: int
+    state: str
+
+
+@dataclass(frozen=True)
+class TransferRow:
+    """A transfer as stored on its source shard."""
+
+    id: uuid.UUID
+    source_account_id: str
+    destination_account_id: str
+    destination_shard_id: str
+    amount_minor: int
+    currency: str
+    reference: str
+    state: str
+    created_at: datetime
+    updated_at: datetime
+
+
+@dataclass(frozen=True)
+class AttemptRow:
+    """One delivery attempt of a transfer's credit."""
+
+    attempted_at: datetime
+    status_code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class OutboxRow:
+    """A credit waiting to be delivered to another shard."""
+
+    id: int
+    transfer_id: uuid.UUID
+    destination_shard_id: str
+    idempotency_key: uuid.UUID
+    payload: bytes
+    attempts: int
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class DeadLetterRow:
+    """A transfer whose credit failed for good, and its compensation."""
+
+    transfer_id: uuid.UUID
+    outbox_id: int
+    reason: str
+    refund_key: uuid.UUID
+    created_at: datetime
+    refunded_at: datetime | None
+    replay_count: int
+    source_account_id: str
+    amount_minor: int
+    currency: str
+
+
+def create_account_if_missing(conn: Connection, account_id: str, currency: str) -> None:
+    """Open an account with a zero balance unless it exists."""
+    conn.execute(
+        "INSERT INTO accounts (id, currency) VALUES (%s, %s) ON CONFLICT (id) DO NOTHING",
+        (account_id, currency),
+    )
+
+
+def lock_accounts(conn: Connection, account_ids: Sequence[str]) -> dict[str, AccountRow]:
+    """Lock the existing accounts among `account_ids` (in id order) and return them."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(
+            "SELECT id, currency, balance, state FROM accounts WHERE id = ANY(%s) ORDER BY id FOR UPDATE",
+            (sorted(set(account_ids)),),
+        ).fetchall()
+    return {r["id"]: AccountRow(r["id"], r["currency"], r["balance"], r["state"]) for r in rows}
+
+
+def read_account(conn: Connection, account_id: str) -> AccountRow | None:
+    """An account without locking it."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        r = cur.execute(
+            "SELECT id, currency, balance, state FROM accounts WHERE id = %s", (account_id,)
+        ).fetchone()
+    return None if r is None else AccountRow(r["id"], r["currency"], r["balance"], r["state"])
+
+
+def add_to_balance(conn: Connection, account_id: str, delta: int) -> int:
+    """Move an account's balance by `delta` (the CHECK constraints forbid < 0); the new balance."""
+    row = conn.execute(
+        "UPDATE accounts SET balance = balance + %s WHERE id = %s RETURNING balance", (delta, account_id)
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def insert_entry(
+    conn: Connection,
+    *,
+    account_id: str,
+    amount_minor: int,
+    kind: str,
+    idempotency_key: uuid.UUID,
+    entry_id: uuid.UUID,
+    transfer_id: uuid.UUID | None = None,
+    reference: str = "",
+) -> None:
+    """Append one ledger entry."""
+    conn.execute(
+        "INSERT INTO ledger_entries (id, account_id, amount_minor, kind, transfer_id, idempotency_key, reference)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s)",
+        (entry_id, account_id, amount_minor, kind, transfer_id, idempotency_key, reference),
+    )
+
+
+def entry_of_transfer(conn: Connection, transfer_id: uuid.UUID, kind: str) -> uuid.UUID | None:
+    """The id of a transfer's ledger entry of one kind, if written."""
+    row = conn.execute(
+        "SELECT id FROM ledger_entries WHERE transfer_id = %s AND kind = %s", (transfer_id, kind)
+    ).fetchone()
+    return None if row is None else row[0]  # type: ignore[no-any-return]
+
+
+def insert_transfer(conn: Connection, transfer: TransferRow) -> None:
+    """Record a transfer on its source shard."""
+    conn.execute(
+        "INSERT INTO transfers (id, source_account_id, destination_account_id, destination_shard_id,"
+        " amount_minor, currency, reference, state, created_at, updated_at)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        (
+            transfer.id,
+            transfer.source_account_id,
+            transfer.destination_account_id,
+            transfer.destination_shard_id,
+            transfer.amount_minor,
+            transfer.currency,
+            transfer.reference,
+            transfer.state,
+            transfer.created_at,
+            transfer.updated_at,
+        ),
+    )
+
+
+def read_transfer(conn: Connection, transfer_id: uuid.UUID, *, lock: bool = False) -> TransferRow | None:
+    """A transfer by id (optionally locked for update)."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        r = cur.execute(
+            "SELECT id, source_account_id, destination_account_id, destination_shard_id, amount_minor,"
+            " currency, reference, state, created_at, updated_at FROM transfers WHERE id = %s"
+            + (" FOR UPDATE" if lock else ""),
+            (transfer_id,),
+        ).fetchone()
+    return None if r is None else TransferRow(**r)
+
+
+def set_transfer_state(conn: Connection, transfer_id: uuid.UUID, *, expected: str, new: str) -> bool:
+    """Move a transfer from `expected` to `new`; False if it was not in `expected`."""
+    result = conn.execute(
+        "UPDATE transfers SET state = %s, updated_at = now() WHERE id = %s AND state = %s",
+        (new, transfer_id, expected),
+    )
+    return result.rowcount == 1
+
+
+def attempts_of(conn: Connection, transfer_id: uuid.UUID) -> list[AttemptRow]:
+    """Delivery attempts of a transfer's credit, oldest first."""
+    rows = conn.execute(
+        "SELECT attempted_at, status_code, message FROM delivery_attempts WHERE transfer_id = %s ORDER BY id",
+        (transfer_id,),
+    ).fetchall()
+    return [AttemptRow(*r) for r in rows]
+
+
+def insert_outbox(
+    conn: Connection, *, transfer_id: uuid.UUID, destination_shard_id: str, key: uuid.UUID, payload: bytes
+) -> None:
+    """Queue a credit for another shard, in the transaction that debited the source."""
+    conn.execute(
+        "INSERT INTO outbox (transfer_id, destination_shard_id, idempotency_key, payload)"
+        " VALUES (%s, %s, %s, %s)",
+        (transfer_id, destination_shard_id, key, payload),
+    )
+
+
+def claim_due_outbox(conn: Connection, limit: int) -> list[OutboxRow]:
+    """Lock up to `limit` due credits, oldest first, skipping rows other relay workers hold."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(
+            "SELECT id, transfer_id, destination_shard_id, idempotency_key, payload, attempts, created_at"
+            " FROM outbox WHERE delivered_at IS NULL AND dead_lettered_at IS NULL AND next_attempt_at <= now()"
+            " ORDER BY next_attempt_at, id LIMIT %s FOR UPDATE SKIP LOCKED",
+            (limit,),
+        ).fetchall()
+    return [OutboxRow(**r) for r in rows]
+
+
+def record_attempt(conn: Connection, transfer_id: uuid.UUID, status_code: str, message: str) -> None:
+    """Append a delivery attempt to a transfer's history."""
+    conn.execute(
+        "INSERT INTO delivery_attempts (transfer_id, status_code, message) VALUES (%s, %s, %s)",
+        (transfer_id, status_code, message[:500]),
+    )
+
+
+def mark_delivered(conn: Connection, outbox_id: int) -> None:
+    """The destination confirmed the credit."""
+    conn.execute("UPDATE outbox SET delivered_at = now(), last_error = NULL WHERE id = %s", (outbox_id,))
+
+
+def postpone(conn: Connection, outbox_id: int, delay_s: float, error: str) -> None:
+    """Try the credit again after `delay_s`."""
+    conn.execute(
+        "UPDATE outbox SET attempts = attempts + 1, last_error = %s,"
+        " next_attempt_at = now() + make_interval(secs => %s) WHERE id = %s",
+        (error[:500], delay_s, outbox_id),
+    )
+
+
+def dead_letter(conn: Connection, *, row: OutboxRow, reason: str, refund_key: uuid.UUID) -> None:
+    """Move a credit to the dead letters; its refund is sent separately (and idempotently)."""
+    conn.execute(
+        "UPDATE outbox SET dead_lettered_at = now(), attempts = attempts + 1, last_error = %s WHERE id = %s",
+        (reason[:500], row.id),
+    )
+    conn.execute(
+        "INSERT INTO dead_letters (transfer_id, outbox_id, reason, refund_key) VALUES (%s, %s, %s, %s)"
+        " ON CONFLICT (transfer_id) DO NOTHING",
+        (row.transfer_id, row.id, reason[:500], refund_key),
+    )
+
+
+def mark_refunded(conn: Connection, transfer_id: uuid.UUID) -> None:
+    """The dead letter's refund is applied."""
+    conn.execute(
+        "UPDATE dead_letters SET refunded_at = coalesce(refunded_at, now()) WHERE transfer_id = %s",
+        (transfer_id,),
+    )
+
+
+def note_replay(conn: Connection, transfer_id: uuid.UUID) -> None:
+    """Count a manual replay of a dead letter."""
+    conn.execute(
+        "UPDATE dead_letters SET replay_count = replay_count + 1, last_replayed_at = now()"
+        " WHERE transfer_id = %s",
+        (transfer_id,),
+    )
+
+
+_DEAD_LETTER_SELECT = (
+    "SELECT d.transfer_id, d.outbox_id, d.reason, d.refund_key, d.created_at, d.refunded_at,"
+    " d.replay_count, t.source_account_id, t.amount_minor, t.currency"
+    " FROM dead_letters d JOIN transfers t ON t.id = d.transfer_id"
+)
+
+
+def list_dead_letters(conn: Connection, *, unrefunded_only: bool = False) -> list[DeadLetterRow]:
+    """Dead letters, oldest first."""
+    where = " WHERE d.refunded_at IS NULL" if unrefunded_only else ""
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(_DEAD_LETTER_SELECT + where + " ORDER BY d.created_at").fetchall()
+    return [DeadLetterRow(**r) for r in rows]
+
+
+def read_dead_letter(conn: Connection, transfer_id: uuid.UUID) -> DeadLetterRow | None:
+    """One dead letter."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        r = cur.execute(_DEAD_LETTER_SELECT + " WHERE d.transfer_id = %s", (transfer_id,)).fetchone()
+    return None if r is None else DeadLetterRow(**r)
+
+
+def outbox_backlog(conn: Connection) -> tuple[int, float]:
+    """Undelivered credits and the age in seconds of the oldest."""
+    row = conn.execute(
+        "SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0) FROM outbox"
+        " WHERE delivered_at IS NULL AND dead_lettered_at IS NULL"
+    ).fetchone()
+    assert row is not None
+    return int(row[0]), float(row[1])

@@ -1,0 +1,213 @@
+"""The outbox relay: delivers cross-shard credits at least once; the destination makes them exactly-once.
+
+Workers lock due outbox rows with `FOR UPDATE SKIP LOCKED` (oldest first, in batches), send each
+credit to the destination shard's `CreditTransfer` with the credit's own idempotency key, and mark the
+row delivered only after the destination answered OK. A redelivery after a crash replays the stored
+outcome at the destination, so the credit applies once.
+
+A credit that fails for good (unknown or closed account, currency mismatch) or that is older than
+`relay_max_age_s` goes to `dead_letters` and is compensated by `RefundTransfer` on this shard, keyed
+by the transfer's refund key. Before giving up on age, the relay fences the credit with `VoidCredit`
+under the credit's key, so a slow credit can never land after the refund.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import grpc
+
+from shardd.db import Database, mapped_database_errors
+from shardd.ledger import store
+from shardd.ledger.service import refund_key
+from shardd.settings import ShardSettings
+from shardrouter import grpcserver
+from shardrouter.errors import ShardRouterError
+from shardrouter.internal.v1 import ledger_pb2
+from shardrouter.keys import KEY_METADATA
+from shardrouter.shardmap import ShardMap
+
+log = logging.getLogger(__name__)
+
+_PERMANENT = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT}
+_INTERNAL = "/shardrouter.internal.v1.ShardLedgerService"
+_IDLE_S = 0.2
+_MAX_BACKOFF_S = 60.0
+
+
+@dataclass(frozen=True)
+class RelayStats:
+    """What one pass of the relay did."""
+
+    delivered: int = 0
+    postponed: int = 0
+    dead_lettered: int = 0
+    refunded: int = 0
+
+
+class ShardClients:
+    """One channel per peer shard, with keepalive, reused by every worker."""
+
+    def __init__(self, settings: ShardSettings, shard_map: ShardMap) -> None:
+        self._settings = settings
+        self._map = shard_map
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def call(
+        self, shard_id: str, method: str, payload: bytes, key: uuid.UUID, timeout_s: float
+    ) -> tuple[grpc.StatusCode, str]:
+        """Send raw request bytes to a shard's internal method; the status and message it answered."""
+        channel = self._channel(shard_id)
+        rpc = channel.unary_unary(f"{_INTERNAL}/{method}")
+        metadata = ((KEY_METADATA, str(key)), ("x-caller-id", f"relay:{self._settings.shard_id}"))
+        try:
+            rpc(payload, timeout=timeout_s, metadata=metadata)
+        except grpc.RpcError as err:
+            return err.code(), err.details() or ""  # type: ignore[attr-defined]
+        return grpc.StatusCode.OK, ""
+
+    def close(self) -> None:
+        """Close every channel."""
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+    def _channel(self, shard_id: str) -> grpc.Channel:
+        with self._lock:
+            channel = self._channels.get(shard_id)
+            if channel is None:
+                shard = self._map.shard_by_id(shard_id)
+                if shard is None:
+                    raise LookupError(f"shard {shard_id} is not in the shard map")
+                options = [("grpc.keepalive_time_ms", 30_000), ("grpc.enable_retries", 0)]
+                s = self._settings
+                if s.tls_enabled:
+                    creds = grpcserver.channel_credentials(s.tls_cert, s.tls_key, s.tls_ca)
+                    channel = grpc.secure_channel(shard.address, creds, options=options)
+                else:
+                    channel = grpc.insecure_channel(shard.address, options=options)
+                self._channels[shard_id] = channel
+            return channel
+
+
+class OutboxRelay:
+    """Background workers draining this shard's outbox."""
+
+    def __init__(self, settings: ShardSettings, database: Database, shard_map: ShardMap) -> None:
+        self._settings = settings
+        self._db = database
+        self._clients = ShardClients(settings, shard_map)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        """Start the worker threads."""
+        for i in range(self._settings.relay_workers):
+            thread = threading.Thread(target=self._work, name=f"relay-{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        """Stop the workers after their current batch."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=self._settings.relay_call_timeout_s * 2 + 5)
+        self._clients.close()
+
+    def run_once(self) -> RelayStats:
+        """Deliver one batch of due credits, then retry refunds still owed."""
+        stats = self._deliver_batch()
+        refunded = self.refund_owed()
+        return RelayStats(stats.delivered, stats.postponed, stats.dead_lettered, refunded)
+
+    def refund_owed(self, transfer_id: uuid.UUID | None = None) -> int:
+        """Send RefundTransfer for dead letters not yet refunded (or for one, even if refunded)."""
+        with mapped_database_errors(250), self._db.connection() as conn, conn.transaction():
+            if transfer_id is None:
+                letters = store.list_dead_letters(conn, unrefunded_only=True)
+            else:
+                one = store.read_dead_letter(conn, transfer_id)
+                letters = [one] if one else []
+        done = 0
+        for letter in letters:
+            request = ledger_pb2.RefundTransferRequest(transfer_id=str(letter.transfer_id), reason=letter.reason)
+            code, message = self._clients.call(
+                self._settings.shard_id,
+                "RefundTransfer",
+                request.SerializeToString(deterministic=True),
+                letter.refund_key,
+                self._settings.relay_call_timeout_s,
+            )
+            if code is grpc.StatusCode.OK:
+                done += 1
+            else:
+                log.warning("refund of %s not confirmed: %s %s", letter.transfer_id, code.name, message)
+        return done
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            try:
+                stats = self.run_once()
+            except (ShardRouterError, LookupError) as exc:
+                log.warning("relay pass failed: %s", exc)
+                stats = RelayStats()
+            except Exception:
+                log.exception("relay pass crashed")
+                stats = RelayStats()
+            if stats.delivered + stats.postponed + stats.dead_lettered == 0:
+                self._stop.wait(_IDLE_S)
+
+    def _deliver_batch(self) -> RelayStats:
+        delivered = postponed = dead = 0
+        with mapped_database_errors(250), self._db.connection() as conn, conn.transaction():
+            for row in store.claim_due_outbox(conn, self._settings.relay_batch):
+                if self._stop.is_set():
+                    break
+                code, message = self._clients.call(
+                    row.destination_shard_id, "CreditTransfer", row.payload, row.idempotency_key,
+                    self._settings.relay_call_timeout_s,
+                )
+                store.record_attempt(conn, row.transfer_id, code.name, message)
+                if code is grpc.StatusCode.OK:
+                    store.mark_delivered(conn, row.id)
+                    store.set_transfer_state(conn, row.transfer_id, expected="pending", new="completed")
+                    delivered += 1
+                elif code in _PERMANENT:
+                    self._dead_letter(conn, row, f"{code.name}: {message}")
+                    dead += 1
+                elif self._too_old(row) and self._fence(row):
+                    self._dead_letter(conn, row, f"undelivered after {self._settings.relay_max_age_s} s: {code.name}")
+                    dead += 1
+                else:
+                    store.postpone(conn, row.id, _backoff(row.attempts), f"{code.name}: {message}")
+                    postponed += 1
+        return RelayStats(delivered, postponed, dead)
+
+    def _too_old(self, row: store.OutboxRow) -> bool:
+        return (datetime.now(UTC) - row.created_at).total_seconds() > self._settings.relay_max_age_s
+
+    def _fence(self, row: store.OutboxRow) -> bool:
+        """Void the credit at the destination; True only if it can no longer apply."""
+        request = ledger_pb2.VoidCreditRequest(transfer_id=str(row.transfer_id), reason="relay gave up")
+        code, message = self._clients.call(
+            row.destination_shard_id, "VoidCredit", request.SerializeToString(deterministic=True),
+            row.idempotency_key, self._settings.relay_call_timeout_s,
+        )
+        if code is not grpc.StatusCode.OK:
+            log.info("credit %s not voided (%s %s); keep delivering", row.transfer_id, code.name, message)
+        return code is grpc.StatusCode.OK
+
+    def _dead_letter(self, conn: store.Connection, row: store.OutboxRow, reason: str) -> None:
+        log.warning("credit of transfer %s dead-lettered: %s", row.transfer_id, reason)
+        store.dead_letter(conn, row=row, reason=reason, refund_key=refund_key(row.transfer_id))
+
+
+def _backoff(attempts: int) -> float:
+    return min(_MAX_BACKOFF_S, 0.2 * 2 ** min(attempts, 10)) * random.uniform(0.5, 1.5)

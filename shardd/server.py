@@ -1,0 +1,147 @@
+"""Assembles a shard daemon: database, migrations, partitions, interceptors, servicers, relay."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+import grpc
+import psycopg
+from grpc_health.v1 import health
+
+from shardd import migrations, partitions
+from shardd.db import Database
+from shardd.idempotency import IdempotencyConfig, IdempotencyInterceptor, MutatingMethod
+from shardd.idempotency.interceptor import OutcomeListener
+from shardd.identity import IdentityPolicy
+from shardd.ledger.service import (
+    ShardLedgerServicer,
+    ShardLocator,
+    TransferServicer,
+    validate_credit,
+    validate_transfer_id_only,
+)
+from shardd.settings import ShardSettings
+from shardrouter import grpcserver
+from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
+from shardrouter.shardmap import ShardMap, load_shard_map
+from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
+from shardrouter.validation import validate_deposit, validate_transfer
+
+log = logging.getLogger(__name__)
+
+PUBLIC_SERVICE = transfer_pb2.DESCRIPTOR.services_by_name["TransferService"].full_name
+INTERNAL_SERVICE = ledger_pb2.DESCRIPTOR.services_by_name["ShardLedgerService"].full_name
+# Partitions exist this many months past the current one, so an insert never lacks one.
+MONTHS_AHEAD = 2
+
+
+def mutating_methods() -> list[MutatingMethod]:
+    """Every mutating method of the shard, each guarded by the idempotency interceptor."""
+    return [
+        MutatingMethod(f"/{PUBLIC_SERVICE}/Transfer", validate_transfer),
+        MutatingMethod(f"/{PUBLIC_SERVICE}/Deposit", validate_deposit),
+        # The credit and its void share a scope: whichever claims the credit's key first wins for good.
+        MutatingMethod(f"/{INTERNAL_SERVICE}/CreditTransfer", validate_credit, scope_name="transfer_in"),
+        MutatingMethod(f"/{INTERNAL_SERVICE}/VoidCredit", validate_transfer_id_only, scope_name="transfer_in"),
+        MutatingMethod(f"/{INTERNAL_SERVICE}/RefundTransfer", validate_transfer_id_only),
+    ]
+
+
+def idempotency_config(settings: ShardSettings) -> IdempotencyConfig:
+    """The interceptor's configuration from the daemon's settings."""
+    return IdempotencyConfig(
+        retention=settings.retention,
+        max_clock_skew=timedelta(seconds=settings.max_clock_skew_s),
+        claim_lock_timeout_ms=settings.claim_lock_timeout_ms,
+        handler_lock_timeout_ms=settings.handler_lock_timeout_ms,
+        in_flight_retry_ms=settings.in_flight_retry_ms,
+    )
+
+
+def prepare_database(dsn: str, retention: timedelta) -> None:
+    """Apply migrations and create every partition a live key could need."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        migrations.apply_migrations(conn)  # type: ignore[arg-type]
+        partitions.ensure_partitions(
+            conn,  # type: ignore[arg-type]
+            now=datetime.now(UTC),
+            retention=retention,
+            months_ahead=MONTHS_AHEAD,
+        )
+
+
+@dataclass
+class ShardDaemon:
+    """A running shard daemon (what `start_shard` returns)."""
+
+    settings: ShardSettings
+    server: grpc.Server
+    port: int
+    database: Database
+    health: health.HealthServicer
+    shard_map: ShardMap | None
+    background: list[object] = field(default_factory=list)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Graceful stop: health NOT_SERVING, drain calls, stop the relay, close the pool."""
+        grpcserver.graceful_stop(self.server, self.health, self.settings.shutdown_grace_s if grace_s is None else grace_s)
+        for task in self.background:
+            task.stop()  # type: ignore[attr-defined]
+        self.database.close()
+
+
+def start_shard(settings: ShardSettings, *, listeners: Sequence[OutcomeListener] = ()) -> ShardDaemon:
+    """Migrate, then serve; health turns SERVING only when the schema is ready."""
+    shard_map = load_shard_map(settings.shard_map) if settings.shard_map else None
+    if shard_map is not None and shard_map.shard_by_id(settings.shard_id) is None:
+        raise SystemExit(f"shard map {settings.shard_map} has no shard {settings.shard_id!r}")
+    locator = ShardLocator(settings.shard_id, (lambda a: shard_map.shard_for(a).id) if shard_map else None)
+    database = Database(
+        settings.dsn,
+        min_size=settings.pool_min,
+        max_size=settings.pool_max,
+        acquire_timeout_s=settings.pool_timeout_s,
+    )
+    interceptor = IdempotencyInterceptor(
+        database=database,
+        methods=mutating_methods(),
+        config=idempotency_config(settings),
+        identity=IdentityPolicy(dev_mode=settings.dev_mode, trusted_proxies=frozenset(settings.trusted_proxies)),
+        listeners=listeners,
+    )
+    server = grpcserver.new_server(
+        workers=settings.workers,
+        interceptors=[interceptor],
+        options=grpcserver.server_options(
+            max_message_bytes=settings.max_message_bytes,
+            max_metadata_bytes=settings.max_metadata_bytes,
+            max_streams=settings.workers * 4,
+        ),
+    )
+    transfer_pb2_grpc.add_TransferServiceServicer_to_server(TransferServicer(database, locator), server)
+    ledger_pb2_grpc.add_ShardLedgerServiceServicer_to_server(ShardLedgerServicer(locator), server)
+    health_servicer = grpcserver.add_health_and_reflection(server, [PUBLIC_SERVICE, INTERNAL_SERVICE])
+    credentials = (
+        grpcserver.server_credentials(settings.tls_cert, settings.tls_key, settings.tls_ca)
+        if settings.tls_enabled
+        else None
+    )
+    port = grpcserver.bind(server, settings.listen, credentials)
+    server.start()  # health answers NOT_SERVING while the schema is prepared
+    prepare_database(settings.dsn, settings.retention)
+    database.open()
+    daemon = ShardDaemon(settings, server, port, database, health_servicer, shard_map)
+    if shard_map is not None and settings.relay_workers > 0:
+        from shardd.relay import OutboxRelay
+
+        relay = OutboxRelay(settings, database, shard_map)
+        relay.start()
+        daemon.background.append(relay)
+    grpcserver.mark_serving(health_servicer, [PUBLIC_SERVICE, INTERNAL_SERVICE])
+    if not settings.tls_enabled and not settings.dev_mode:
+        log.warning("no TLS and not in dev mode: every call will be refused as unauthenticated")
+    log.info("shard %s serving on port %d", settings.shard_id, port)
+    return daemon

@@ -1,0 +1,146 @@
+"""The one typed settings object of a shard daemon, read from flags and `SHARDD_*` environment.
+
+Flags win over the environment, which wins over the defaults; the defaults run locally.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any
+
+ENV_PREFIX = "SHARDD_"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardSettings:
+    """Everything a shard daemon is configured with."""
+
+    #: This shard's id, as in the shard map.
+    shard_id: str = "shard-0"
+    #: libpq connection string of the shard's own database.
+    dsn: str = "postgresql://postgres@127.0.0.1:5432/postgres"
+    #: gRPC listen address (host:port).
+    listen: str = "127.0.0.1:50061"
+    #: Port of the Prometheus /metrics endpoint (0 disables it).
+    metrics_port: int = 9465
+    #: Shard map file; needed to route credits to other shards. Empty: a single-shard system.
+    shard_map: str = ""
+    #: gRPC worker threads (concurrent calls being served).
+    workers: int = 16
+    #: Database pool bounds and how long a call may wait for a connection.
+    pool_min: int = 2
+    pool_max: int = 16
+    pool_timeout_s: float = 2.0
+    #: Idempotency keys expire after this many days.
+    retention_days: int = 30
+    #: Keys dated this far in the future are still accepted.
+    max_clock_skew_s: int = 300
+    #: Bounded lock wait when claiming a key (ms), and lock wait allowed to handlers (ms).
+    claim_lock_timeout_ms: int = 50
+    handler_lock_timeout_ms: int = 2000
+    #: RetryInfo delay for an in-flight duplicate (ms).
+    in_flight_retry_ms: int = 100
+    #: Outbox relay: worker threads (0: no relay), batch size, delivery give-up age, per-call deadline.
+    relay_workers: int = 2
+    relay_batch: int = 32
+    relay_max_age_s: int = 6 * 3600
+    relay_call_timeout_s: float = 5.0
+    #: Dead letters may be replayed by hand for this long; retention must outlast it.
+    dead_letter_replay_days: int = 7
+    #: Largest request accepted (bytes).
+    max_message_bytes: int = 64 * 1024
+    #: Largest request metadata accepted (bytes).
+    max_metadata_bytes: int = 16 * 1024
+    #: mTLS: server certificate, key, and the CA that signs client certificates (all or none).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    #: Client certificate common names allowed to speak for a caller via `x-caller-id`.
+    trusted_proxies: tuple[str, ...] = ("router",)
+    #: Dev mode believes `x-caller-id` without TLS. Never in production.
+    dev_mode: bool = False
+    #: Seconds to finish in-flight calls on SIGTERM.
+    shutdown_grace_s: float = 10.0
+    #: Log format: "json" or "text".
+    log_format: str = "json"
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid shardd settings: " + "; ".join(problems))
+
+    @property
+    def retention(self) -> timedelta:
+        """Key retention window."""
+        return timedelta(days=self.retention_days)
+
+    @property
+    def tls_enabled(self) -> bool:
+        """Whether mTLS is configured."""
+        return bool(self.tls_cert)
+
+    def problems(self) -> list[str]:
+        """Every reason these settings are unusable."""
+        out = []
+        if self.workers < 1:
+            out.append("workers must be at least 1")
+        if not 1 <= self.pool_min <= self.pool_max:
+            out.append("pool sizes must satisfy 1 <= pool_min <= pool_max")
+        if self.retention_days < 1:
+            out.append("retention_days must be at least 1")
+        if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_ca and not self.tls_cert):
+            out.append("tls_cert and tls_key go together, and tls_ca needs them")
+        if self.log_format not in ("json", "text"):
+            out.append("log_format must be json or text")
+        # The source document's late-replay failure: a key that expires before its slowest retry
+        # path (relay redelivery, then a manual dead-letter replay) lets that retry apply twice.
+        slowest = timedelta(seconds=self.relay_max_age_s) + timedelta(days=self.dead_letter_replay_days)
+        if self.retention < slowest * 2:
+            out.append(
+                f"retention_days={self.retention_days} must be at least twice the slowest retry path "
+                f"(relay_max_age_s + dead_letter_replay_days = {slowest}), or a late replay could apply twice"
+            )
+        return out
+
+
+def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> ShardSettings:
+    """Settings from `--flag value` arguments and `SHARDD_*` variables."""
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(prog="shardd", add_help=False)
+    for f in fields(ShardSettings):
+        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None)
+    known, _ = parser.parse_known_args(list(argv or []))
+    values: dict[str, Any] = {}
+    for f in fields(ShardSettings):
+        raw = getattr(known, f.name)
+        if raw is None:
+            raw = env.get(ENV_PREFIX + f.name.upper())
+        if raw is not None:
+            values[f.name] = _convert(f, raw)
+    return ShardSettings(**values)
+
+
+def _convert(f: Any, raw: str) -> Any:
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    try:
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+        if kind == "bool":
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+        if kind.startswith("tuple"):
+            return tuple(p.strip() for p in raw.split(",") if p.strip())
+    except ValueError:
+        raise ValueError(f"{ENV_PREFIX}{f.name.upper()} / --{f.name.replace('_', '-')}: cannot read {raw!r} as {kind}") from None
+    return raw
+
+
+ENV_NAMES = tuple(ENV_PREFIX + f.name.upper() for f in fields(ShardSettings))

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC stubs (do not edit; see scripts/generate_stubs.py)."""

@@ -1,0 +1,168 @@
+"""The shard map: which shard owns an account, by hash slots.
+
+An account's slot is `crc32(utf-8 account id) % slots` (16384 by default); each shard owns inclusive
+slot ranges, and together the ranges must cover every slot exactly once. Moving a range to another
+shard is a map change, not a rehash of every account. The file is YAML or JSON:
+
+    slots: 16384
+    shards:
+      - id: shard-0
+        address: 127.0.0.1:50061
+        slot_ranges: [[0, 8191]]
+      - id: shard-1
+        address: 127.0.0.1:50062
+        slot_ranges: [[8192, 16383]]
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_SLOTS = 16384
+_SHARD_ID = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+
+
+class ShardMapError(ValueError):
+    """A shard map file that cannot be used, with the file and the problem in the message."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One shard: its id and the gRPC address of its daemon."""
+
+    id: str
+    address: str
+
+
+@dataclass(frozen=True)
+class ShardMap:
+    """Slot ranges to shards; look-ups are a binary search over the ranges' starts."""
+
+    slots: int
+    shards: tuple[Shard, ...]
+    # Sorted, non-overlapping (start, end, shard index) covering 0..slots-1.
+    ranges: tuple[tuple[int, int, int], ...]
+
+    def slot_of(self, account_id: str) -> int:
+        """The hash slot of an account id."""
+        return zlib.crc32(account_id.encode()) % self.slots
+
+    def shard_for(self, account_id: str) -> Shard:
+        """The shard that owns an account."""
+        slot = self.slot_of(account_id)
+        i = bisect.bisect_right(self._starts, slot) - 1
+        return self.shards[self.ranges[i][2]]
+
+    def shard_by_id(self, shard_id: str) -> Shard | None:
+        """The shard with this id, if the map has one."""
+        return next((s for s in self.shards if s.id == shard_id), None)
+
+    @property
+    def _starts(self) -> list[int]:
+        return [r[0] for r in self.ranges]
+
+
+def even_shard_map(addresses: dict[str, str], slots: int = DEFAULT_SLOTS) -> ShardMap:
+    """A map that splits the slots evenly over the given shards, in order."""
+    items = list(addresses.items())
+    raw = {
+        "slots": slots,
+        "shards": [
+            {
+                "id": shard_id,
+                "address": address,
+                "slot_ranges": [[i * slots // len(items), (i + 1) * slots // len(items) - 1]],
+            }
+            for i, (shard_id, address) in enumerate(items)
+        ],
+    }
+    return parse_shard_map(raw, source="<generated>")
+
+
+def shard_map_document(shard_map: ShardMap) -> dict[str, Any]:
+    """The map as the plain document `parse_shard_map` reads (for writing a file)."""
+    return {
+        "slots": shard_map.slots,
+        "shards": [
+            {
+                "id": shard.id,
+                "address": shard.address,
+                "slot_ranges": [[s, e] for s, e, idx in shard_map.ranges if idx == i],
+            }
+            for i, shard in enumerate(shard_map.shards)
+        ],
+    }
+
+
+def load_shard_map(path: str | Path) -> ShardMap:
+    """Read and check a shard map file; ShardMapError names the file and the problem."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ShardMapError(f"shard map {source}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        raw = yaml.safe_load(text)  # YAML is a superset of JSON, so one parser reads both
+    except yaml.YAMLError as exc:
+        raise ShardMapError(f"shard map {source}: not valid YAML or JSON: {exc}") from exc
+    return parse_shard_map(raw, source=source)
+
+
+def parse_shard_map(raw: object, *, source: str) -> ShardMap:
+    """Check a parsed shard map document and build the map."""
+
+    def fail(problem: str) -> ShardMapError:
+        return ShardMapError(f"shard map {source}: {problem}")
+
+    if not isinstance(raw, dict):
+        raise fail("top level must be a mapping with 'shards' (and optionally 'slots')")
+    slots = raw.get("slots", DEFAULT_SLOTS)
+    if not isinstance(slots, int) or isinstance(slots, bool) or not 1 <= slots <= 1 << 20:
+        raise fail("'slots' must be an integer between 1 and 1048576")
+    entries = raw.get("shards")
+    if not isinstance(entries, list) or not entries:
+        raise fail("'shards' must be a non-empty list")
+    shards: list[Shard] = []
+    ranges: list[tuple[int, int, int]] = []
+    for index, entry in enumerate(entries):
+        where = f"shards[{index}]"
+        if not isinstance(entry, dict):
+            raise fail(f"{where} must be a mapping with id, address, slot_ranges")
+        shard_id, address = entry.get("id"), entry.get("address")
+        if not isinstance(shard_id, str) or _SHARD_ID.fullmatch(shard_id) is None:
+            raise fail(f"{where}.id must be a lower-case DNS label such as shard-0")
+        if any(s.id == shard_id for s in shards):
+            raise fail(f"{where}.id {shard_id!r} appears twice")
+        if not isinstance(address, str) or ":" not in address:
+            raise fail(f"{where}.address must be host:port")
+        shard_ranges = entry.get("slot_ranges")
+        if not isinstance(shard_ranges, list) or not shard_ranges:
+            raise fail(f"{where}.slot_ranges must be a non-empty list of [first, last] pairs")
+        for pair in shard_ranges:
+            if (
+                not isinstance(pair, list)
+                or len(pair) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
+                or not 0 <= pair[0] <= pair[1] < slots
+            ):
+                raise fail(f"{where}.slot_ranges entry {pair!r} must be [first, last] with 0 <= first <= last < {slots}")
+            ranges.append((pair[0], pair[1], index))
+        shards.append(Shard(id=shard_id, address=address))
+    ranges.sort()
+    expected = 0
+    for start, end, index in ranges:
+        if start < expected:
+            raise fail(f"slot {start} is owned twice (again by {shards[index].id})")
+        if start > expected:
+            raise fail(f"slots {expected}..{start - 1} are owned by no shard")
+        expected = end + 1
+    if expected != slots:
+        raise fail(f"slots {expected}..{slots - 1} are owned by no shard")
+    return ShardMap(slots=slots, shards=tuple(shards), ranges=tuple(ranges))
