@@ -43,7 +43,9 @@ def generate(out: Path) -> None:
         init = out / package_dir / "__init__.py"
         init.parent.mkdir(parents=True, exist_ok=True)
         if not init.exists():
-            init.write_text('"""Generated protobuf and gRPC stubs (do not edit; see scripts/generate_stubs.py)."""\n')
+            init.write_text(
+                '"""Generated protobuf and gRPC stubs (do not edit; see scripts/generate_stubs.py)."""\n'
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -56,7 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("schema up to date")
         return 0
     if command == ["retention", "run"]:
-        result = retention_job.run_retention(settings.dsn, retention=settings.retention, months_ahead=MONTHS_AHEAD)
+        result = retention_job.run_retention(
+            settings.dsn, retention=settings.retention, months_ahead=MONTHS_AHEAD
+        )
         print(json.dumps(result.__dict__, default=list))
         return 0
     if command[:1] == ["dead-letters"]:
@@ -88,12 +89,12 @@ def _dead_letters(settings: ShardSettings, words: list[str]) -> int:
             return 0
         if len(words) == 2 and words[0] in ("show", "replay"):
             transfer_id = _uuid_or_exit(words[1])
-            letter = store.read_dead_letter(conn, transfer_id)
-            if letter is None:
+            found = store.read_dead_letter(conn, transfer_id)
+            if found is None:
                 print(f"no dead letter for transfer {transfer_id}", file=sys.stderr)
                 return 1
             if words[0] == "show":
-                print(json.dumps(_letter_json(letter), indent=2))
+                print(json.dumps(_letter_json(found), indent=2))
                 return 0
             store.note_replay(conn, transfer_id)
             conn.commit()
@@ -121,21 +122,27 @@ def _lookup_key(settings: ShardSettings, text: str) -> int:
         print(f"no record of key {key} (never seen, rolled back, or expired)")
         return 1
     for r in records:
-        print(json.dumps({
-            "scope": r.scope,
-            "method": r.method,
-            "state": r.state.value,
-            "status_code": r.outcome.code if r.outcome else None,
-            "status_message": r.outcome.message if r.outcome else None,
-            "created_at": r.created_at.isoformat(),
-            "completed_at": r.completed_at.isoformat() if r.completed_at else None,
-            "expires_at": (r.key_time + settings.retention).isoformat(),
-        }))
+        print(
+            json.dumps(
+                {
+                    "scope": r.scope,
+                    "method": r.method,
+                    "state": r.state.value,
+                    "status_code": r.outcome.code if r.outcome else None,
+                    "status_message": r.outcome.message if r.outcome else None,
+                    "created_at": r.created_at.isoformat(),
+                    "completed_at": r.completed_at.isoformat() if r.completed_at else None,
+                    "expires_at": (r.key_time + settings.retention).isoformat(),
+                }
+            )
+        )
     return 0
 
 
 def _letter_json(letter: object) -> dict[str, object]:
-    return {k: (str(v) if not isinstance(v, int | str | type(None)) else v) for k, v in letter.__dict__.items()}
+    return {
+        k: (str(v) if not isinstance(v, int | str | type(None)) else v) for k, v in letter.__dict__.items()
+    }
 
 
 def _uuid_or_exit(text: str) -> uuid.UUID:

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 import psycopg_pool
@@ -22,8 +23,7 @@ from shardrouter.errors import DeadlineExceeded, Internal, Reason, Unavailable
 
 log = logging.getLogger(__name__)
 
-Connection = psycopg.Connection[object]
-
+Connection = psycopg.Connection[Any]
 
 
 @dataclass(frozen=True)

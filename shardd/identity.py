@@ -65,4 +65,5 @@ def _peer_common_name(context: grpc.ServicerContext) -> str | None:
     names = context.auth_context().get("x509_common_name")
     if not names:
         return None
-    return names[0].decode("utf-8", "replace")
+    first = names if isinstance(names, bytes) else next(iter(names))
+    return first.decode("utf-8", "replace")

@@ -7,6 +7,7 @@ against one database do not race. Never edit a released migration: add the next 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import psycopg
 
@@ -144,7 +145,7 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
 )
 
 
-def apply_migrations(conn: psycopg.Connection[object]) -> list[int]:
+def apply_migrations(conn: psycopg.Connection[Any]) -> list[int]:
     """Apply every migration newer than the database's version; returns the numbers applied."""
     applied: list[int] = []
     with conn.transaction():
@@ -155,12 +156,12 @@ def apply_migrations(conn: psycopg.Connection[object]) -> list[int]:
             " applied_at timestamptz NOT NULL DEFAULT now())"
         )
         row = conn.execute("SELECT coalesce(max(version), 0) FROM schema_version").fetchone()
-        current = int(row[0]) if row else 0  # type: ignore[index]
+        current = int(row[0]) if row else 0
         for version, description, sql in MIGRATIONS:
             if version <= current:
                 continue
             with conn.transaction():
-                conn.execute(sql.encode())  # type: ignore[arg-type]
+                conn.execute(sql.encode())
                 conn.execute(
                     "INSERT INTO schema_version (version, description) VALUES (%s, %s)",
                     (version, description),
@@ -170,12 +171,10 @@ def apply_migrations(conn: psycopg.Connection[object]) -> list[int]:
     return applied
 
 
-def schema_version(conn: psycopg.Connection[object]) -> int:
+def schema_version(conn: psycopg.Connection[Any]) -> int:
     """The newest migration applied to this database (0 if none)."""
-    row = conn.execute(
-        "SELECT coalesce(max(version), 0) FROM schema_version"
-    ).fetchone()
-    return int(row[0]) if row else 0  # type: ignore[index]
+    row = conn.execute("SELECT coalesce(max(version), 0) FROM schema_version").fetchone()
+    return int(row[0]) if row else 0
 
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -19,9 +19,12 @@ import re
 import time
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
+from typing import Any
 
 import psycopg
 from psycopg import errors, sql
+
+Connection = psycopg.Connection[Any]
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ def expired_months(existing: list[Month], now: datetime, retention: timedelta) -
     return [m for m in existing if m.end() <= cutoff]
 
 
-def existing_partitions(conn: psycopg.Connection[object]) -> list[Month]:
+def existing_partitions(conn: Connection) -> list[Month]:
     """Months that have an attached partition, oldest first."""
     rows = conn.execute(
         "SELECT c.relname FROM pg_inherits i"
@@ -106,7 +109,7 @@ def existing_partitions(conn: psycopg.Connection[object]) -> list[Month]:
     return sorted(months)
 
 
-def partition_sizes(conn: psycopg.Connection[object]) -> list[PartitionInfo]:
+def partition_sizes(conn: Connection) -> list[PartitionInfo]:
     """Estimated rows (planner statistics, cheap) and on-disk bytes of each partition."""
     rows = conn.execute(
         "SELECT c.relname, greatest(c.reltuples, 0)::bigint, pg_total_relation_size(c.oid)"
@@ -119,11 +122,11 @@ def partition_sizes(conn: psycopg.Connection[object]) -> list[PartitionInfo]:
         match = _NAME.fullmatch(str(name))
         if match:
             month = Month(int(match.group(1)), int(match.group(2)))
-            result.append(PartitionInfo(month, int(count), int(size)))  # type: ignore[call-overload]
+            result.append(PartitionInfo(month, int(count), int(size)))
     return sorted(result, key=lambda p: p.month)
 
 
-def create_partition(conn: psycopg.Connection[object], month: Month) -> bool:
+def create_partition(conn: Connection, month: Month) -> bool:
     """Create and attach one month's partition if missing; True if it was created.
 
     `conn` must be in autocommit mode: each step is its own short transaction.
@@ -134,9 +137,9 @@ def create_partition(conn: psycopg.Connection[object], month: Month) -> bool:
     start, end = sql.Literal(month.start()), sql.Literal(month.end())
     _ddl(
         conn,
-        sql.SQL(
-            "CREATE TABLE IF NOT EXISTS {t} (LIKE {p} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
-        ).format(t=table, p=sql.Identifier(PARENT)),
+        sql.SQL("CREATE TABLE IF NOT EXISTS {t} (LIKE {p} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)").format(
+            t=table, p=sql.Identifier(PARENT)
+        ),
     )
     bounds = sql.Identifier(f"{month.table}_bounds")
     _ddl(
@@ -158,7 +161,7 @@ def create_partition(conn: psycopg.Connection[object], month: Month) -> bool:
     return True
 
 
-def drop_partition(conn: psycopg.Connection[object], month: Month) -> None:
+def drop_partition(conn: Connection, month: Month) -> None:
     """Detach (concurrently) and drop one month's partition. `conn` must be in autocommit mode."""
     table = sql.Identifier(month.table)
     if month in existing_partitions(conn):
@@ -182,13 +185,13 @@ def drop_partition(conn: psycopg.Connection[object], month: Month) -> None:
 
 
 def ensure_partitions(
-    conn: psycopg.Connection[object], *, now: datetime, retention: timedelta, months_ahead: int
+    conn: Connection, *, now: datetime, retention: timedelta, months_ahead: int
 ) -> list[Month]:
     """Create every partition a key inside the retention window could need; returns those created."""
     return [m for m in months_to_keep(now, retention, months_ahead) if create_partition(conn, m)]
 
 
-def first_missing_month(conn: psycopg.Connection[object], needed: list[Month]) -> Month | None:
+def first_missing_month(conn: Connection, needed: list[Month]) -> Month | None:
     """The first needed month without a partition, if any."""
     have = set(existing_partitions(conn))
     return next((m for m in needed if m not in have), None)
@@ -199,7 +202,7 @@ def today() -> date:
     return datetime.now(UTC).date()
 
 
-def _ddl(conn: psycopg.Connection[object], statement: sql.Composable) -> None:
+def _ddl(conn: Connection, statement: sql.Composed) -> None:
     """Run DDL with a short lock wait, retrying: waiting long would queue the traffic behind us."""
     for attempt in range(1, DDL_ATTEMPTS + 1):
         try:

@@ -34,7 +34,11 @@ from shardrouter.shardmap import ShardMap
 
 log = logging.getLogger(__name__)
 
-_PERMANENT = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT}
+_PERMANENT = {
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.INVALID_ARGUMENT,
+}
 _INTERNAL = "/shardrouter.internal.v1.ShardLedgerService"
 _IDLE_S = 0.2
 _MAX_BACKOFF_S = 60.0
@@ -64,12 +68,12 @@ class ShardClients:
     ) -> tuple[grpc.StatusCode, str]:
         """Send raw request bytes to a shard's internal method; the status and message it answered."""
         channel = self._channel(shard_id)
-        rpc = channel.unary_unary(f"{_INTERNAL}/{method}")
+        rpc = channel.unary_unary(f"{_INTERNAL}/{method}", None, None)
         metadata = ((KEY_METADATA, str(key)), ("x-caller-id", f"relay:{self._settings.shard_id}"))
         try:
             rpc(payload, timeout=timeout_s, metadata=metadata)
         except grpc.RpcError as err:
-            return err.code(), err.details() or ""  # type: ignore[attr-defined]
+            return err.code(), err.details() or ""
         return grpc.StatusCode.OK, ""
 
     def close(self) -> None:
@@ -137,7 +141,9 @@ class OutboxRelay:
                 letters = [one] if one else []
         done = 0
         for letter in letters:
-            request = ledger_pb2.RefundTransferRequest(transfer_id=str(letter.transfer_id), reason=letter.reason)
+            request = ledger_pb2.RefundTransferRequest(
+                transfer_id=str(letter.transfer_id), reason=letter.reason
+            )
             code, message = self._clients.call(
                 self._settings.shard_id,
                 "RefundTransfer",
@@ -171,7 +177,10 @@ class OutboxRelay:
                 if self._stop.is_set():
                     break
                 code, message = self._clients.call(
-                    row.destination_shard_id, "CreditTransfer", row.payload, row.idempotency_key,
+                    row.destination_shard_id,
+                    "CreditTransfer",
+                    row.payload,
+                    row.idempotency_key,
                     self._settings.relay_call_timeout_s,
                 )
                 store.record_attempt(conn, row.transfer_id, code.name, message)
@@ -183,7 +192,9 @@ class OutboxRelay:
                     self._dead_letter(conn, row, f"{code.name}: {message}")
                     dead += 1
                 elif self._too_old(row) and self._fence(row):
-                    self._dead_letter(conn, row, f"undelivered after {self._settings.relay_max_age_s} s: {code.name}")
+                    self._dead_letter(
+                        conn, row, f"undelivered after {self._settings.relay_max_age_s} s: {code.name}"
+                    )
                     dead += 1
                 else:
                     store.postpone(conn, row.id, _backoff(row.attempts), f"{code.name}: {message}")
@@ -197,8 +208,11 @@ class OutboxRelay:
         """Void the credit at the destination; True only if it can no longer apply."""
         request = ledger_pb2.VoidCreditRequest(transfer_id=str(row.transfer_id), reason="relay gave up")
         code, message = self._clients.call(
-            row.destination_shard_id, "VoidCredit", request.SerializeToString(deterministic=True),
-            row.idempotency_key, self._settings.relay_call_timeout_s,
+            row.destination_shard_id,
+            "VoidCredit",
+            request.SerializeToString(deterministic=True),
+            row.idempotency_key,
+            self._settings.relay_call_timeout_s,
         )
         if code is not grpc.StatusCode.OK:
             log.info("credit %s not voided (%s %s); keep delivering", row.transfer_id, code.name, message)
@@ -210,4 +224,5 @@ class OutboxRelay:
 
 
 def _backoff(attempts: int) -> float:
-    return min(_MAX_BACKOFF_S, 0.2 * 2 ** min(attempts, 10)) * random.uniform(0.5, 1.5)
+    delay: float = min(_MAX_BACKOFF_S, 0.2 * 2.0 ** min(attempts, 10))
+    return delay * random.uniform(0.5, 1.5)

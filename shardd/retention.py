@@ -43,14 +43,19 @@ def run_retention(
             return RetentionResult(False, (), (), (), 0.0)
         try:
             created = partitions.ensure_partitions(
-                conn, now=moment, retention=retention, months_ahead=months_ahead  # type: ignore[arg-type]
+                conn,
+                now=moment,
+                retention=retention,
+                months_ahead=months_ahead,
             )
             expired = partitions.expired_months(
-                partitions.existing_partitions(conn), moment, retention  # type: ignore[arg-type]
+                partitions.existing_partitions(conn),
+                moment,
+                retention,
             )
             for month in expired:
-                partitions.drop_partition(conn, month)  # type: ignore[arg-type]
-            kept = partitions.existing_partitions(conn)  # type: ignore[arg-type]
+                partitions.drop_partition(conn, month)
+            kept = partitions.existing_partitions(conn)
             conn.execute(
                 "INSERT INTO retention_runs (started_at, dropped, created) VALUES (%s, %s, %s)",
                 (started, [m.table for m in expired], [m.table for m in created]),
@@ -59,7 +64,11 @@ def run_retention(
             conn.execute("SELECT pg_advisory_unlock(%s)", (_RETENTION_LOCK,))
     seconds = (datetime.now(UTC) - started).total_seconds()
     result = RetentionResult(
-        True, tuple(m.table for m in expired), tuple(m.table for m in created), tuple(m.table for m in kept), seconds
+        True,
+        tuple(m.table for m in expired),
+        tuple(m.table for m in created),
+        tuple(m.table for m in kept),
+        seconds,
     )
     log.info("retention run: dropped %s, created %s in %.3f s", result.dropped, result.created, seconds)
     return result

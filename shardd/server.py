@@ -25,6 +25,7 @@ from shardd.ledger.service import (
 )
 from shardd.settings import ShardSettings
 from shardrouter import grpcserver
+from shardrouter.error_interceptor import DomainErrorInterceptor
 from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
 from shardrouter.shardmap import ShardMap, load_shard_map
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
@@ -45,7 +46,9 @@ def mutating_methods() -> list[MutatingMethod]:
         MutatingMethod(f"/{PUBLIC_SERVICE}/Deposit", validate_deposit),
         # The credit and its void share a scope: whichever claims the credit's key first wins for good.
         MutatingMethod(f"/{INTERNAL_SERVICE}/CreditTransfer", validate_credit, scope_name="transfer_in"),
-        MutatingMethod(f"/{INTERNAL_SERVICE}/VoidCredit", validate_transfer_id_only, scope_name="transfer_in"),
+        MutatingMethod(
+            f"/{INTERNAL_SERVICE}/VoidCredit", validate_transfer_id_only, scope_name="transfer_in"
+        ),
         MutatingMethod(f"/{INTERNAL_SERVICE}/RefundTransfer", validate_transfer_id_only),
     ]
 
@@ -64,9 +67,9 @@ def idempotency_config(settings: ShardSettings) -> IdempotencyConfig:
 def prepare_database(dsn: str, retention: timedelta) -> None:
     """Apply migrations and create every partition a live key could need."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        migrations.apply_migrations(conn)  # type: ignore[arg-type]
+        migrations.apply_migrations(conn)
         partitions.ensure_partitions(
-            conn,  # type: ignore[arg-type]
+            conn,
             now=datetime.now(UTC),
             retention=retention,
             months_ahead=MONTHS_AHEAD,
@@ -87,7 +90,9 @@ class ShardDaemon:
 
     def stop(self, grace_s: float | None = None) -> None:
         """Graceful stop: health NOT_SERVING, drain calls, stop the relay, close the pool."""
-        grpcserver.graceful_stop(self.server, self.health, self.settings.shutdown_grace_s if grace_s is None else grace_s)
+        grpcserver.graceful_stop(
+            self.server, self.health, self.settings.shutdown_grace_s if grace_s is None else grace_s
+        )
         for task in self.background:
             task.stop()  # type: ignore[attr-defined]
         self.database.close()
@@ -109,12 +114,14 @@ def start_shard(settings: ShardSettings, *, listeners: Sequence[OutcomeListener]
         database=database,
         methods=mutating_methods(),
         config=idempotency_config(settings),
-        identity=IdentityPolicy(dev_mode=settings.dev_mode, trusted_proxies=frozenset(settings.trusted_proxies)),
+        identity=IdentityPolicy(
+            dev_mode=settings.dev_mode, trusted_proxies=frozenset(settings.trusted_proxies)
+        ),
         listeners=listeners,
     )
     server = grpcserver.new_server(
         workers=settings.workers,
-        interceptors=[interceptor],
+        interceptors=[DomainErrorInterceptor(skip={m.full_name for m in mutating_methods()}), interceptor],
         options=grpcserver.server_options(
             max_message_bytes=settings.max_message_bytes,
             max_metadata_bytes=settings.max_metadata_bytes,

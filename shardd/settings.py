@@ -139,7 +139,9 @@ def _convert(f: Any, raw: str) -> Any:
         if kind.startswith("tuple"):
             return tuple(p.strip() for p in raw.split(",") if p.strip())
     except ValueError:
-        raise ValueError(f"{ENV_PREFIX}{f.name.upper()} / --{f.name.replace('_', '-')}: cannot read {raw!r} as {kind}") from None
+        raise ValueError(
+            f"{ENV_PREFIX}{f.name.upper()} / --{f.name.replace('_', '-')}: cannot read {raw!r} as {kind}"
+        ) from None
     return raw
 
 

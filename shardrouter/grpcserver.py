@@ -10,6 +10,7 @@ import threading
 from collections.abc import Sequence
 from concurrent import futures
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,8 +18,18 @@ from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
 
+if TYPE_CHECKING:
+    # grpc-stubs makes these generic; at run time they are plain classes.
+    ServerInterceptorBase = grpc.ServerInterceptor[Any, Any]
+    MethodHandler = grpc.RpcMethodHandler[Any, Any]
+else:
+    ServerInterceptorBase = grpc.ServerInterceptor
+    MethodHandler = grpc.RpcMethodHandler
 
-def server_options(*, max_message_bytes: int, max_metadata_bytes: int, max_streams: int) -> list[tuple[str, int]]:
+
+def server_options(
+    *, max_message_bytes: int, max_metadata_bytes: int, max_streams: int
+) -> list[tuple[str, int]]:
     """Channel arguments every server of ours uses."""
     return [
         # grpcio sets SO_REUSEPORT by default: a second server on a busy port would silently share it.
@@ -55,7 +66,7 @@ def channel_credentials(cert: str, key: str, ca: str) -> grpc.ChannelCredentials
 
 
 def new_server(
-    *, workers: int, interceptors: Sequence[grpc.ServerInterceptor], options: list[tuple[str, int]]
+    *, workers: int, interceptors: Sequence[ServerInterceptorBase], options: list[tuple[str, int]]
 ) -> grpc.Server:
     """A thread-pool gRPC server (see README: sync measured faster than asyncio here)."""
     return grpc.server(
@@ -68,9 +79,7 @@ def new_server(
 
 def bind(server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
     """Bind `address`; fails loudly if the port is taken. Returns the bound port."""
-    port = (
-        server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    )
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise SystemExit(f"cannot listen on {address}: the address is in use or invalid")
     return port

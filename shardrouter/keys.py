@@ -41,7 +41,9 @@ def derived_key(base: uuid.UUID, purpose: str) -> uuid.UUID:
     """
     digest = int.from_bytes(hashlib.sha256(base.bytes + purpose.encode()).digest()[:10], "big")
     ms = base.int >> 80
-    value = (ms << 80) | (0x7 << 76) | ((digest >> 62) & 0xFFF) << 64 | (0b10 << 62) | (digest & ((1 << 62) - 1))
+    value = (
+        (ms << 80) | (0x7 << 76) | ((digest >> 62) & 0xFFF) << 64 | (0b10 << 62) | (digest & ((1 << 62) - 1))
+    )
     return uuid.UUID(int=value)
 
 

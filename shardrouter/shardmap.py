@@ -152,7 +152,9 @@ def parse_shard_map(raw: object, *, source: str) -> ShardMap:
                 or not all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
                 or not 0 <= pair[0] <= pair[1] < slots
             ):
-                raise fail(f"{where}.slot_ranges entry {pair!r} must be [first, last] with 0 <= first <= last < {slots}")
+                raise fail(
+                    f"{where}.slot_ranges entry {pair!r} must be [first, last] with 0 <= first <= last < {slots}"
+                )
             ranges.append((pair[0], pair[1], index))
         shards.append(Shard(id=shard_id, address=address))
     ranges.sort()

@@ -35,6 +35,7 @@ from shardrouter.errors import (
     to_grpc_status,
     to_status_proto,
 )
+from shardrouter.grpcserver import MethodHandler, ServerInterceptorBase
 from shardrouter.keys import KEY_FORMAT_HINT, KEY_METADATA, key_time, parse_key
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class CallOutcome:
     code: grpc.StatusCode
 
 
-class IdempotencyInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+class IdempotencyInterceptor(ServerInterceptorBase):
     """Claims keys in PostgreSQL for every configured mutating method."""
 
     def __init__(
@@ -96,9 +97,9 @@ class IdempotencyInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], MethodHandler | None],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> MethodHandler | None:
         """Wrap guarded unary methods; pass every other method through untouched."""
         handler = continuation(handler_call_details)
         method = self._methods.get(handler_call_details.method)
@@ -119,7 +120,7 @@ class IdempotencyInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
 class _GuardedCall:
     """One guarded method's behaviour: bytes in, bytes out."""
 
-    def __init__(self, owner: IdempotencyInterceptor, method: MutatingMethod, handler: grpc.RpcMethodHandler):
+    def __init__(self, owner: IdempotencyInterceptor, method: MutatingMethod, handler: MethodHandler):
         self._owner = owner
         self._method = method
         self._handler = handler
@@ -189,7 +190,10 @@ class _GuardedCall:
     def _decode(self, raw: bytes) -> Message:
         deserialize = self._handler.request_deserializer
         try:
-            return deserialize(raw) if deserialize else raw  # type: ignore[no-any-return]
+            if deserialize is None:
+                raise Internal(f"{self._method.full_name} has no request deserializer")
+            message: Message = deserialize(raw)
+            return message
         except DecodeError as exc:
             raise InvalidArgument(
                 f"the request body is not a valid {self._method.full_name} request message (protobuf)",
@@ -247,6 +251,7 @@ class _GuardedCall:
     ) -> StoredOutcome:
         behaviour = self._handler.unary_unary
         serialize = self._handler.response_serializer
+        assert behaviour is not None  # only unary-unary methods are guarded
         try:
             with conn.transaction(), bind_transaction(conn, key):  # savepoint: a stored failure undoes writes
                 response = behaviour(request, context)

@@ -38,9 +38,7 @@ class StoredOutcome:
     @staticmethod
     def trailers_from_json(raw: Sequence[Sequence[str]] | None) -> tuple[Trailer, ...]:
         """The inverse of `trailers_json`."""
-        return tuple(
-            (k, base64.b64decode(v) if k.endswith("-bin") else v) for k, v in (raw or ())
-        )
+        return tuple((k, base64.b64decode(v) if k.endswith("-bin") else v) for k, v in (raw or ()))
 
 
 class RecordState(enum.StrEnum):

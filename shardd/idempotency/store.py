@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
+from typing import Any
 
 import psycopg
 from psycopg import errors
@@ -38,7 +39,7 @@ _COLUMNS = (
 
 
 def claim_key(
-    conn: psycopg.Connection[object],
+    conn: psycopg.Connection[Any],
     *,
     scope: str,
     key: uuid.UUID,
@@ -52,7 +53,7 @@ def claim_key(
     row = conn.execute(
         "SELECT pg_try_advisory_xact_lock(hashtextextended(%s, 0))", (f"{scope} {key}",)
     ).fetchone()
-    if row is None or not row[0]:  # type: ignore[index]
+    if row is None or not row[0]:
         return Claim(ClaimStatus.IN_FLIGHT)
     _set_lock_timeout(conn, claim_lock_timeout_ms)
     try:
@@ -76,7 +77,7 @@ def claim_key(
 
 
 def complete_key(
-    conn: psycopg.Connection[object],
+    conn: psycopg.Connection[Any],
     *,
     scope: str,
     key: uuid.UUID,
@@ -104,7 +105,7 @@ def complete_key(
 
 
 def lookup_key(
-    conn: psycopg.Connection[object], *, scope: str, key: uuid.UUID, key_time: datetime
+    conn: psycopg.Connection[Any], *, scope: str, key: uuid.UUID, key_time: datetime
 ) -> IdempotencyRecord | None:
     """The committed (or own in-progress) record of a key, if any."""
     with conn.cursor(row_factory=dict_row) as cur:
@@ -115,7 +116,7 @@ def lookup_key(
     return None if row is None else _record(row)
 
 
-def find_key(conn: psycopg.Connection[object], *, key: uuid.UUID, key_time: datetime) -> list[IdempotencyRecord]:
+def find_key(conn: psycopg.Connection[Any], *, key: uuid.UUID, key_time: datetime) -> list[IdempotencyRecord]:
     """Every record of a key across scopes (for support look-ups by an operator)."""
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(
@@ -125,39 +126,39 @@ def find_key(conn: psycopg.Connection[object], *, key: uuid.UUID, key_time: date
     return [_record(r) for r in rows]
 
 
-def count_records(conn: psycopg.Connection[object]) -> int:
+def count_records(conn: psycopg.Connection[Any]) -> int:
     """Exact number of records (tests and small tables only; metrics use estimates)."""
     row = conn.execute("SELECT count(*) FROM idempotency_record").fetchone()
-    return int(row[0]) if row else 0  # type: ignore[index]
+    return int(row[0]) if row else 0
 
 
-def _set_lock_timeout(conn: psycopg.Connection[object], ms: int) -> None:
+def _set_lock_timeout(conn: psycopg.Connection[Any], ms: int) -> None:
     conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{ms}ms",))
 
 
-def _record(row: dict[str, object]) -> IdempotencyRecord:
+def _record(row: dict[str, Any]) -> IdempotencyRecord:
     state = RecordState(str(row["state"]))
     outcome = None
     if state is RecordState.COMPLETED:
         outcome = StoredOutcome(
-            code=int(row["status_code"]),  # type: ignore[call-overload]
+            code=int(row["status_code"]),
             message=str(row["status_message"] or ""),
             details=_bytes(row["status_details"]),
             response=_bytes(row["response"]),
-            trailers=StoredOutcome.trailers_from_json(row["trailers"]),  # type: ignore[arg-type]
+            trailers=StoredOutcome.trailers_from_json(row["trailers"]),
         )
     return IdempotencyRecord(
         scope=str(row["scope"]),
-        key=row["key"],  # type: ignore[arg-type]
-        key_time=row["key_time"],  # type: ignore[arg-type]
+        key=row["key"],
+        key_time=row["key_time"],
         method=str(row["method"]),
-        request_hash=bytes(row["request_hash"]),  # type: ignore[arg-type]
+        request_hash=bytes(row["request_hash"]),
         state=state,
         outcome=outcome,
-        created_at=row["created_at"],  # type: ignore[arg-type]
-        completed_at=row["completed_at"],  # type: ignore[arg-type]
+        created_at=row["created_at"],
+        completed_at=row["completed_at"],
     )
 
 
-def _bytes(value: object) -> bytes | None:
-    return None if value is None else bytes(value)  # type: ignore[arg-type]
+def _bytes(value: Any) -> bytes | None:
+    return None if value is None else bytes(value)

@@ -149,7 +149,9 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         account_id, amount = request.account_id, request.amount
         self._require_local(account_id)
         store.create_account_if_missing(call.conn, account_id, amount.currency)
-        account = _usable_account(store.lock_accounts(call.conn, [account_id]).get(account_id), account_id, amount.currency)
+        account = _usable_account(
+            store.lock_accounts(call.conn, [account_id]).get(account_id), account_id, amount.currency
+        )
         _check_limit(account, amount.amount_minor)
         balance = store.add_to_balance(call.conn, account_id, amount.amount_minor)
         entry_id = new_key()
@@ -163,7 +165,8 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
             reference=request.reference,
         )
         return transfer_pb2.DepositResponse(
-            entry_id=str(entry_id), balance=transfer_pb2.Money(amount_minor=balance, currency=account.currency)
+            entry_id=str(entry_id),
+            balance=transfer_pb2.Money(amount_minor=balance, currency=account.currency),
         )
 
     def GetBalance(
@@ -181,7 +184,9 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         return transfer_pb2.GetBalanceResponse(
             account_id=account.id,
             balance=transfer_pb2.Money(amount_minor=account.balance, currency=account.currency),
-            state=transfer_pb2.ACCOUNT_STATE_OPEN if account.state == "open" else transfer_pb2.ACCOUNT_STATE_CLOSED,
+            state=transfer_pb2.ACCOUNT_STATE_OPEN
+            if account.state == "open"
+            else transfer_pb2.ACCOUNT_STATE_CLOSED,
         )
 
     def GetTransfer(
@@ -308,10 +313,14 @@ def validate_credit(request: ledger_pb2.CreditTransferRequest) -> None:
     if account_id_problem(request.destination_account_id) or not _is_uuid(request.transfer_id):
         raise InvalidArgument("CreditTransfer needs a valid destination_account_id and transfer_id")
     if problems:
-        raise InvalidArgument("CreditTransfer amount is invalid: " + "; ".join(p.description for p in problems))
+        raise InvalidArgument(
+            "CreditTransfer amount is invalid: " + "; ".join(p.description for p in problems)
+        )
 
 
-def validate_transfer_id_only(request: ledger_pb2.VoidCreditRequest | ledger_pb2.RefundTransferRequest) -> None:
+def validate_transfer_id_only(
+    request: ledger_pb2.VoidCreditRequest | ledger_pb2.RefundTransferRequest,
+) -> None:
     """The request must name a transfer by its UUID."""
     if not _is_uuid(request.transfer_id):
         raise InvalidArgument("transfer_id must be a UUID")
@@ -328,8 +337,11 @@ def _usable_account(account: AccountRow | None, account_id: str, currency: str) 
     if account is None:
         raise _account_not_found(account_id)
     if account.state != "open":
-        raise FailedPrecondition(f"account {account_id} is closed", reason=Reason.ACCOUNT_CLOSED,
-                                 metadata={"account_id": account_id})
+        raise FailedPrecondition(
+            f"account {account_id} is closed",
+            reason=Reason.ACCOUNT_CLOSED,
+            metadata={"account_id": account_id},
+        )
     if account.currency != currency:
         raise FailedPrecondition(
             f"account {account_id} holds {account.currency}, not {currency}",
@@ -349,8 +361,11 @@ def _check_limit(account: AccountRow, credit: int) -> None:
 
 
 def _account_not_found(account_id: str) -> NotFound:
-    return NotFound(f"account {account_id} does not exist", reason=Reason.ACCOUNT_NOT_FOUND,
-                    metadata={"account_id": account_id})
+    return NotFound(
+        f"account {account_id} does not exist",
+        reason=Reason.ACCOUNT_NOT_FOUND,
+        metadata={"account_id": account_id},
+    )
 
 
 def _timestamp(moment: datetime) -> timestamp_pb2.Timestamp:
@@ -370,8 +385,9 @@ def _transfer_message(transfer: TransferRow, attempts: list[store.AttemptRow]) -
         created_at=_timestamp(transfer.created_at),
         updated_at=_timestamp(transfer.updated_at),
         delivery_attempts=[
-            transfer_pb2.DeliveryAttempt(attempted_at=_timestamp(a.attempted_at), status_code=a.status_code,
-                                         message=a.message)
+            transfer_pb2.DeliveryAttempt(
+                attempted_at=_timestamp(a.attempted_at), status_code=a.status_code, message=a.message
+            )
             for a in attempts
         ],
     )

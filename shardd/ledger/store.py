@@ -142,7 +142,7 @@ def entry_of_transfer(conn: Connection, transfer_id: uuid.UUID, kind: str) -> uu
     row = conn.execute(
         "SELECT id FROM ledger_entries WHERE transfer_id = %s AND kind = %s", (transfer_id, kind)
     ).fetchone()
-    return None if row is None else row[0]  # type: ignore[no-any-return]
+    return None if row is None else row[0]
 
 
 def insert_transfer(conn: Connection, transfer: TransferRow) -> None:

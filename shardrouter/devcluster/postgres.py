@@ -51,8 +51,16 @@ class LocalPostgres:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._own(self.data_dir)
         self._run(
-            [str(POSTGRES_BIN_PATH / "initdb"), "-D", str(self.data_dir), "-U", "postgres",
-             "--auth=trust", "--encoding=UTF8", "--no-sync"]
+            [
+                str(POSTGRES_BIN_PATH / "initdb"),
+                "-D",
+                str(self.data_dir),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "--encoding=UTF8",
+                "--no-sync",
+            ]
         )
         with (self.data_dir / "postgresql.conf").open("a") as conf:
             conf.write(
@@ -66,8 +74,19 @@ class LocalPostgres:
         self.init()
         log = self.data_dir / "server.log"
         self._run(
-            [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(self.data_dir), "-l", str(log), "-w",
-             "-t", str(int(timeout_s)), "-o", f"-p {self.port} -c listen_addresses=127.0.0.1", "start"]
+            [
+                str(POSTGRES_BIN_PATH / "pg_ctl"),
+                "-D",
+                str(self.data_dir),
+                "-l",
+                str(log),
+                "-w",
+                "-t",
+                str(int(timeout_s)),
+                "-o",
+                f"-p {self.port} -c listen_addresses=127.0.0.1",
+                "start",
+            ]
         )
         self.wait_ready(timeout_s)
 
@@ -86,7 +105,10 @@ class LocalPostgres:
         """Stop the server: `fast` (clean), or `immediate` (like a crash: recovery at next start)."""
         if not (self.data_dir / "postmaster.pid").exists():
             return
-        self._run([str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(self.data_dir), "-m", mode, "-w", "stop"], check=False)
+        self._run(
+            [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(self.data_dir), "-m", mode, "-w", "stop"],
+            check=False,
+        )
 
     def restart(self, mode: str = "fast") -> None:
         """Stop then start on the same port."""
@@ -114,7 +136,7 @@ class LocalPostgres:
                 if parent == Path("/"):
                     break
                 mode = parent.stat().st_mode
-                os.chmod(parent, mode | 0o011)  # let the server user traverse to its data directory
+                os.chmod(parent, mode | 0o011)  # noqa: S103 - the server user must traverse to its data
             os.chown(path, self._user.pw_uid, self._user.pw_gid)
 
     def _run(self, cmd: list[str], check: bool = True) -> None:
@@ -125,7 +147,9 @@ class LocalPostgres:
             kwargs["extra_groups"] = []
         result = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120, **kwargs)  # type: ignore[call-overload]
         if check and result.returncode != 0:
-            raise RuntimeError(f"{Path(cmd[0]).name} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
+            raise RuntimeError(
+                f"{Path(cmd[0]).name} failed ({result.returncode}): {result.stderr.strip()[-2000:]}"
+            )
 
 
 def _run_as_user() -> pwd.struct_passwd | None:

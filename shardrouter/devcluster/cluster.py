@@ -1,0 +1,178 @@
+"""A whole shard-router system on one machine: a PostgreSQL per shard, one `shardd` process per shard,
+and the router, each a separate process on loopback. Used by `shard-router dev up` and the e2e tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shardrouter.devcluster.postgres import LocalPostgres, free_port
+from shardrouter.shardmap import even_shard_map, shard_map_document
+
+log = logging.getLogger(__name__)
+
+
+def default_data_dir() -> Path:
+    """Where the local cluster keeps its databases unless told otherwise."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "shard-router" / "cluster"
+
+
+@dataclass
+class Daemon:
+    """One started process of the cluster."""
+
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    port: int
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        """Its gRPC address."""
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Start it and wait for gRPC health SERVING."""
+        with self.log_path.open("ab") as out:
+            self.proc = subprocess.Popen(
+                self.command, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); see {self.log_path}")
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5).status == 1:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+        raise TimeoutError(f"{self.name} did not become healthy; see {self.log_path}")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL if it does not leave in time."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+@dataclass
+class LocalCluster:
+    """PostgreSQL servers, shard daemons and a router, started and stopped together."""
+
+    data_dir: Path
+    shards: int = 2
+    router_port: int = 50051
+    extra_env: dict[str, str] = field(default_factory=dict)
+    databases: list[LocalPostgres] = field(default_factory=list)
+    shard_daemons: list[Daemon] = field(default_factory=list)
+    router: Daemon | None = None
+
+    @property
+    def shard_map_path(self) -> Path:
+        """The shard map file the router and the relays read."""
+        return self.data_dir / "shard-map.yaml"
+
+    def start(self) -> None:
+        """Start everything; on any failure stop what was started."""
+        if self.shards < 1:
+            raise ValueError("a cluster needs at least one shard")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        (self.data_dir / "logs").mkdir(exist_ok=True)
+        try:
+            self._start_databases()
+            ports = {f"shard-{i}": free_port() for i in range(self.shards)}
+            shard_map = even_shard_map({sid: f"127.0.0.1:{port}" for sid, port in ports.items()})
+            self.shard_map_path.write_text(yaml.safe_dump(shard_map_document(shard_map), sort_keys=False))
+            for i, (shard_id, port) in enumerate(ports.items()):
+                self.shard_daemons.append(self._shardd(shard_id, port, self.databases[i]))
+            for daemon in self.shard_daemons:
+                daemon.start()
+            self.router = self._router()
+            self.router.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop the router, then the shards, then the databases (clean shutdowns)."""
+        if self.router:
+            self.router.stop()
+        for daemon in self.shard_daemons:
+            daemon.stop()
+        for db in self.databases:
+            db.stop("fast")
+
+    def wipe(self) -> None:
+        """Delete all data of the cluster."""
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def _start_databases(self) -> None:
+        for i in range(self.shards):
+            db = LocalPostgres(self.data_dir / f"pg-shard-{i}")
+            db.start()
+            db.create_database("shardd")
+            self.databases.append(db)
+
+    def _env(self) -> dict[str, str]:
+        root = str(Path(__file__).resolve().parents[2])
+        path = os.environ.get("PYTHONPATH", "")
+        return {**os.environ, "PYTHONPATH": f"{root}:{path}" if path else root, **self.extra_env}
+
+    def _shardd(self, shard_id: str, port: int, db: LocalPostgres) -> Daemon:
+        env = {
+            **self._env(),
+            "SHARDD_SHARD_ID": shard_id,
+            "SHARDD_DSN": db.dsn_for("shardd"),
+            "SHARDD_LISTEN": f"127.0.0.1:{port}",
+            "SHARDD_SHARD_MAP": str(self.shard_map_path),
+            "SHARDD_DEV_MODE": "true",
+            "SHARDD_METRICS_PORT": self.extra_env.get(f"SHARDD_METRICS_PORT_{shard_id}", "0"),
+            "OTEL_SERVICE_NAME": f"shardd-{shard_id}",
+        }
+        return Daemon(
+            shard_id,
+            [sys.executable, "-m", "shardd.cli", "serve"],
+            env,
+            port,
+            self.data_dir / "logs" / f"{shard_id}.log",
+        )
+
+    def _router(self) -> Daemon:
+        env = {
+            **self._env(),
+            "ROUTER_LISTEN": f"127.0.0.1:{self.router_port}",
+            "ROUTER_SHARD_MAP": str(self.shard_map_path),
+            "ROUTER_DEV_MODE": "true",
+            "ROUTER_METRICS_PORT": self.extra_env.get("ROUTER_METRICS_PORT", "0"),
+            "OTEL_SERVICE_NAME": "router",
+        }
+        return Daemon(
+            "router",
+            [sys.executable, "-m", "router.cli", "serve"],
+            env,
+            self.router_port,
+            self.data_dir / "logs" / "router.log",
+        )

@@ -1,0 +1,124 @@
+"""Shared fixtures: one real PostgreSQL per test session, a fresh database per test, shard daemons."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import psycopg
+import pytest
+
+from shardd.server import ShardDaemon, start_shard
+from shardd.settings import ShardSettings
+from shardrouter.devcluster.postgres import LocalPostgres
+from shardrouter.keys import new_key
+from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
+from tests.processes import ServiceProcess, shardd_process
+
+_counter = itertools.count()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", help="also run long soak / chaos variants")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="long variant: run with --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]:
+    """A real PostgreSQL server (embedded wheel) on a loopback port, for the whole session."""
+    server = LocalPostgres(tmp_path_factory.mktemp("pg") / "data")
+    server.start()
+    yield server
+    server.destroy()
+
+
+@pytest.fixture
+def database(postgres: LocalPostgres) -> str:
+    """DSN of a fresh, empty database on the session server."""
+    name = f"t{next(_counter)}_{uuid.uuid4().hex[:8]}"
+    postgres.create_database(name)
+    return postgres.dsn_for(name)
+
+
+def make_settings(dsn: str, **overrides: object) -> ShardSettings:
+    """Shard settings for an in-process test daemon on a free port."""
+    values: dict[str, object] = {
+        "dsn": dsn,
+        "listen": "127.0.0.1:0",
+        "metrics_port": 0,
+        "dev_mode": True,
+        "workers": 16,
+        "pool_max": 16,
+        "shutdown_grace_s": 1.0,
+        "relay_workers": 0,
+    }
+    values.update(overrides)
+    return ShardSettings(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def shard(database: str) -> Iterator[ShardDaemon]:
+    """A shard daemon served in this process (real gRPC server on loopback, real PostgreSQL)."""
+    daemon = start_shard(make_settings(database))
+    yield daemon
+    daemon.stop(0.5)
+
+
+@pytest.fixture
+def stub(shard: ShardDaemon) -> Iterator[transfer_pb2_grpc.TransferServiceStub]:
+    """A TransferService client of the `shard` fixture."""
+    with grpc.insecure_channel(f"127.0.0.1:{shard.port}") as channel:
+        yield transfer_pb2_grpc.TransferServiceStub(channel)
+
+
+@pytest.fixture
+def db(database: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    """An autocommit connection to the test database, for assertions."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        yield conn
+
+
+@pytest.fixture
+def shard_processes(tmp_path: Path) -> Iterator[list[ServiceProcess]]:
+    """A list that end-to-end tests append started processes to; all are stopped afterwards."""
+    started: list[ServiceProcess] = []
+    yield started
+    for process in started:
+        process.kill()
+
+
+def key_metadata(key: uuid.UUID | str | None = None, caller: str | None = None) -> list[tuple[str, str]]:
+    """Metadata with an idempotency key (a new one unless given) and optionally a caller id."""
+    md = [("idempotency-key", str(key or new_key()))]
+    if caller:
+        md.append(("x-caller-id", caller))
+    return md
+
+
+def money(amount: int, currency: str = "EUR") -> transfer_pb2.Money:
+    """A Money message."""
+    return transfer_pb2.Money(amount_minor=amount, currency=currency)
+
+
+def deposit(
+    stub: transfer_pb2_grpc.TransferServiceStub, account: str, amount: int, currency: str = "EUR"
+) -> None:
+    """Deposit with a fresh key (test set-up)."""
+    stub.Deposit(
+        transfer_pb2.DepositRequest(account_id=account, amount=money(amount, currency)),
+        metadata=key_metadata(),
+    )
+
+
+__all__ = ["ServiceProcess", "deposit", "key_metadata", "make_settings", "money", "shardd_process"]
