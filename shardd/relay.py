@@ -90,7 +90,13 @@ class ShardClients:
                 shard = self._map.shard_by_id(shard_id)
                 if shard is None:
                     raise LookupError(f"shard {shard_id} is not in the shard map")
-                options = [("grpc.keepalive_time_ms", 30_000), ("grpc.enable_retries", 0)]
+                options = [
+                    ("grpc.keepalive_time_ms", 30_000),
+                    ("grpc.enable_retries", 0),  # the outbox is the retry loop
+                    # A shard back from a restart is reached within a second, not after a long backoff.
+                    ("grpc.initial_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", 5_000),
+                ]
                 s = self._settings
                 if s.tls_enabled:
                     creds = grpcserver.channel_credentials(s.tls_cert, s.tls_key, s.tls_ca)
