@@ -37,10 +37,10 @@ class ServiceProcess:
 
     def start(self, timeout_s: float = 30.0) -> None:
         """Start and wait until gRPC health says SERVING."""
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, *self.args], env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
-        )
+        with self.log_path.open("ab") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, *self.args], env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+            )
         wait_serving(self.address, timeout_s, self)
 
     def kill(self) -> None:
