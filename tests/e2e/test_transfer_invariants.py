@@ -128,7 +128,7 @@ def _run(postgres: LocalPostgres, tmp_path: Path, transfers: int, seconds_budget
             list(pool.map(lambda job: send(*job), jobs))
         stop_chaos.set()
         chaos_thread.join()
-        for sid, p in procs.items():
+        for p in procs.values():
             if p.proc is None or p.proc.poll() is not None:
                 p.start()
 
