@@ -51,6 +51,9 @@ class ShardSettings:
     relay_call_timeout_s: float = 5.0
     #: Dead letters may be replayed by hand for this long; retention must outlast it.
     dead_letter_replay_days: int = 7
+    #: Admission: calls in flight in total and per caller before new ones are shed at once.
+    max_in_flight: int = 64
+    max_in_flight_per_caller: int = 32
     #: Largest request accepted (bytes).
     max_message_bytes: int = 64 * 1024
     #: Largest request metadata accepted (bytes).
@@ -91,6 +94,8 @@ class ShardSettings:
             out.append("workers must be at least 1")
         if not 1 <= self.pool_min <= self.pool_max:
             out.append("pool sizes must satisfy 1 <= pool_min <= pool_max")
+        if self.max_in_flight < 1 or self.max_in_flight_per_caller < 1:
+            out.append("max_in_flight and max_in_flight_per_caller must be at least 1")
         if self.retention_days < 1:
             out.append("retention_days must be at least 1")
         if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_ca and not self.tls_cert):
