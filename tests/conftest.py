@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,13 +36,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pg_data_dir() -> Path:
+    """A fresh folder for a PostgreSQL data directory.
+
+    Not under pytest's tmp_path: pytest resets its root to mode 0700 whenever a session starts, which
+    would lock the unprivileged server user out of a data directory in use.
+    """
+    return Path(tempfile.mkdtemp(prefix="shard-router-pg-")) / "data"
+
+
 @pytest.fixture(scope="session")
-def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]:
+def postgres() -> Iterator[LocalPostgres]:
     """A real PostgreSQL server (embedded wheel) on a loopback port, for the whole session."""
-    server = LocalPostgres(tmp_path_factory.mktemp("pg") / "data")
+    server = LocalPostgres(pg_data_dir())
     server.start()
     yield server
     server.destroy()
+    shutil.rmtree(server.data_dir.parent, ignore_errors=True)
 
 
 @pytest.fixture
