@@ -50,21 +50,23 @@ def claim_key(
     handler_lock_timeout_ms: int,
 ) -> Claim:
     """Try to claim a key in the caller's open transaction. Never SELECT-then-INSERT."""
+    # One round trip: the claim's bounded lock wait, then the advisory lock. Round trips are most of
+    # a call's cost (scripts/bench_concurrency_model.py).
     row = conn.execute(
-        "SELECT pg_try_advisory_xact_lock(hashtextextended(%s, 0))", (f"{scope} {key}",)
+        "SELECT set_config('lock_timeout', %s, true), pg_try_advisory_xact_lock(hashtextextended(%s, 0))",
+        (f"{claim_lock_timeout_ms}ms", f"{scope} {key}"),
     ).fetchone()
-    if row is None or not row[0]:
+    if row is None or not row[1]:
         return Claim(ClaimStatus.IN_FLIGHT)
-    _set_lock_timeout(conn, claim_lock_timeout_ms)
     try:
-        with conn.transaction():  # a savepoint, so a lock timeout leaves the outer transaction usable
-            inserted = conn.execute(
-                "INSERT INTO idempotency_record (scope, key, key_time, method, request_hash, state)"
-                " VALUES (%s, %s, %s, %s, %s, 'in_progress')"
-                " ON CONFLICT (scope, key, key_time) DO NOTHING RETURNING key",
-                (scope, key, key_time, method, request_hash),
-            ).fetchone()
+        inserted = conn.execute(
+            "INSERT INTO idempotency_record (scope, key, key_time, method, request_hash, state)"
+            " VALUES (%s, %s, %s, %s, %s, 'in_progress')"
+            " ON CONFLICT (scope, key, key_time) DO NOTHING RETURNING key",
+            (scope, key, key_time, method, request_hash),
+        ).fetchone()
     except errors.LockNotAvailable:
+        # The transaction is now aborted; the caller answers "in flight" and rolls it back.
         return Claim(ClaimStatus.IN_FLIGHT)
     _set_lock_timeout(conn, handler_lock_timeout_ms)
     if inserted is not None:
