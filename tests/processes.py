@@ -122,7 +122,7 @@ def shardd_process(
 
 
 def router_process(
-    tmp: Path, *, shard_map: Path, port: int | None = None, extra_env: dict[str, str] | None = None,
+    tmp: Path, *, shard_map: Path, port: int | None = None, extra_env: dict[str, str] | None = None
 ) -> ServiceProcess:
     """A `router serve` process in dev mode (no TLS) on a free loopback port."""
     port = port or free_port()
@@ -138,4 +138,5 @@ def router_process(
         "ROUTER_RELOAD_INTERVAL_S": "0.2",
         **(extra_env or {}),
     }
-    return ServiceProcess(f"router-{port}", ["-m", "router.cli", "serve"], env, port, tmp / f"router-{port}.log")
+    log_path = tmp / f"router-{port}.log"
+    return ServiceProcess(f"router-{port}", ["-m", "router.cli", "serve"], env, port, log_path)

@@ -1,0 +1,70 @@
+"""The `router` command: `router serve` runs the gRPC front door until SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from router.server import start_router
+from router.settings import parse_settings
+from shardrouter import grpcserver
+from shardrouter.logs import configure_logging
+from shardrouter.shardmap import ShardMapError
+
+log = logging.getLogger("router")
+
+USAGE = """router COMMAND [--flag value ...]
+
+commands:
+  serve                      forward TransferService calls to the shard that owns each account
+
+Every setting is a flag (--listen, --shard-map, --workers, ...) or a ROUTER_* environment variable;
+see README.md."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `router` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if args else 2
+    if _positional(args) != ["serve"]:
+        print(USAGE, file=sys.stderr)
+        return 2
+    try:
+        settings = parse_settings(args)
+    except ValueError as exc:
+        print(f"router: {exc}", file=sys.stderr)
+        return 2
+    configure_logging("router", level=settings.log_level, fmt=settings.log_format)
+    try:
+        router = start_router(settings)
+    except ShardMapError as exc:
+        # A start-up configuration error: one clear line, no traceback.
+        print(f"router: cannot start: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a TLS file that cannot be read
+        print(f"router: cannot start: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    grpcserver.wait_for_termination_signal()
+    router.stop()
+    log.info("stopped")
+    return 0
+
+
+def _positional(args: list[str]) -> list[str]:
+    """The command words: every argument that is neither a `--flag` nor a flag's value."""
+    words, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg.startswith("--"):
+            skip = "=" not in arg
+        else:
+            words.append(arg)
+    return words
+
+
+if __name__ == "__main__":
+    sys.exit(main())

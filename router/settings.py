@@ -1,0 +1,143 @@
+"""The one typed settings object of the router, read from flags and `ROUTER_*` environment.
+
+Flags win over the environment, which wins over the defaults; the defaults run locally. Same
+approach as `shardd.settings`, so operators learn one convention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+ENV_PREFIX = "ROUTER_"
+MAX_FORWARD_RETRIES = 5
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterSettings:
+    """Everything the router is configured with."""
+
+    #: gRPC listen address (host:port).
+    listen: str = "127.0.0.1:50051"
+    #: Port of the Prometheus /metrics endpoint (0 disables it).
+    metrics_port: int = 9464
+    #: Shard map file (YAML or JSON, see `shardrouter.shardmap`); reloaded when it changes.
+    shard_map: str = "shard-map.yaml"
+    #: Seconds between checks of the shard map file.
+    reload_interval_s: float = 1.0
+    #: gRPC worker threads (concurrent calls being forwarded).
+    workers: int = 32
+    #: Dev mode passes a caller-sent `x-caller-id` through without TLS. Never in production.
+    dev_mode: bool = False
+    #: The router's own server TLS: certificate and key; with a CA, callers need client certificates
+    #: (mTLS) and the verified certificate's common name becomes the forwarded `x-caller-id`.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    #: TLS towards the shards: the router's client certificate and key (its identity to the shards,
+    #: which trust it to speak for callers) and the CA that signs the shards' certificates.
+    shard_tls_cert: str = ""
+    shard_tls_key: str = ""
+    shard_tls_ca: str = ""
+    #: Largest request accepted (bytes).
+    max_message_bytes: int = 64 * 1024
+    #: Largest request metadata accepted (bytes).
+    max_metadata_bytes: int = 16 * 1024
+    #: Upper bound of the deadline given to a shard when the caller set none, or a longer one (s).
+    #: Above the 30 s that GetTransfer may wait, so a legitimate long poll is never cut short.
+    max_deadline_s: float = 60.0
+    #: Extra attempts for a keyed call whose shard could not be reached (never for keyless calls).
+    forward_retries: int = 2
+    #: Seconds to finish in-flight calls on SIGTERM.
+    shutdown_grace_s: float = 10.0
+    #: Log format: "json" or "text".
+    log_format: str = "json"
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid router settings: " + "; ".join(problems))
+
+    @property
+    def tls_enabled(self) -> bool:
+        """Whether the router serves TLS."""
+        return bool(self.tls_cert)
+
+    @property
+    def verifies_callers(self) -> bool:
+        """Whether callers must present a client certificate (mTLS), so their identity is known."""
+        return bool(self.tls_cert and self.tls_ca)
+
+    @property
+    def shard_tls_enabled(self) -> bool:
+        """Whether the router speaks TLS to the shards."""
+        return bool(self.shard_tls_cert or self.shard_tls_ca)
+
+    def problems(self) -> list[str]:
+        """Every reason these settings are unusable."""
+        out = []
+        if ":" not in self.listen:
+            out.append("listen must be host:port")
+        if not self.shard_map:
+            out.append("shard_map must name the shard map file")
+        if self.reload_interval_s <= 0:
+            out.append("reload_interval_s must be positive")
+        if self.workers < 1:
+            out.append("workers must be at least 1")
+        if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_ca and not self.tls_cert):
+            out.append("tls_cert and tls_key go together, and tls_ca needs them")
+        if bool(self.shard_tls_cert) != bool(self.shard_tls_key):
+            out.append("shard_tls_cert and shard_tls_key go together")
+        if self.max_message_bytes < 1024 or self.max_metadata_bytes < 1024:
+            out.append("max_message_bytes and max_metadata_bytes must be at least 1024")
+        if self.max_deadline_s <= 0:
+            out.append("max_deadline_s must be positive")
+        if not 0 <= self.forward_retries <= MAX_FORWARD_RETRIES:
+            out.append(f"forward_retries must be between 0 and {MAX_FORWARD_RETRIES}")
+        if self.shutdown_grace_s < 0:
+            out.append("shutdown_grace_s must not be negative")
+        if self.log_format not in ("json", "text"):
+            out.append("log_format must be json or text")
+        return out
+
+
+def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> RouterSettings:
+    """Settings from `--flag value` arguments and `ROUTER_*` variables."""
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(prog="router", add_help=False)
+    for f in fields(RouterSettings):
+        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None)
+    known, _ = parser.parse_known_args(list(argv or []))
+    values: dict[str, Any] = {}
+    for f in fields(RouterSettings):
+        raw = getattr(known, f.name)
+        if raw is None:
+            raw = env.get(ENV_PREFIX + f.name.upper())
+        if raw is not None:
+            values[f.name] = _convert(f, raw)
+    return RouterSettings(**values)
+
+
+def _convert(f: Any, raw: str) -> Any:
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    try:
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+        if kind == "bool":
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+    except ValueError:
+        raise ValueError(
+            f"{ENV_PREFIX}{f.name.upper()} / --{f.name.replace('_', '-')}: cannot read {raw!r} as {kind}"
+        ) from None
+    return raw
+
+
+ENV_NAMES = tuple(ENV_PREFIX + f.name.upper() for f in fields(RouterSettings))

@@ -1,0 +1,222 @@
+"""Forwarding throughput of the router: sync `grpc.server` (the real router) versus `grpc.aio`.
+
+Not a test (pytest does not collect it). Run:  python -m tests.router.bench_forwarding [seconds [rounds]]
+
+Each variant runs in its own process between the same echo upstream (a bytes echo on loopback, its
+own process) and the same load generator (a `grpc.aio` client with 32 calls in flight, its own
+process), so the figures differ only by the forwarder. The aio forwarder below does what
+`router.forwarding` does on the hot path - decode a copy to read the routing account, look up the
+shard, filter metadata, pass the deadline, relay response bytes and trailers - and exists only
+here, to be measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+CONCURRENCY = 32
+WARMUP_S = 1.0
+SERVICE = "shardrouter.v1.TransferService"
+METHOD = f"/{SERVICE}/GetBalance"
+
+
+# --- echo upstream (stands in for a shard) -------------------------------------------------------------
+
+
+def _run_echo(port_out: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]
+    def echo(raw: bytes, context: grpc.ServicerContext) -> bytes:
+        context.set_trailing_metadata((("x-shard", "echo"),))
+        return raw
+
+    class Handler(grpc.GenericRpcHandler):
+        def service(self, details):
+            return grpc.unary_unary_rpc_method_handler(echo)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=[("grpc.so_reuseport", 0)])
+    server.add_generic_rpc_handlers((Handler(),))
+    port_out.put(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    stop.wait()
+    server.stop(0)
+
+
+# --- the two forwarders ---------------------------------------------------------------------------------
+
+
+def _run_sync_router(map_path: str, port_out: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]
+    from router.server import start_router
+    from router.settings import RouterSettings
+
+    router = start_router(
+        RouterSettings(
+            listen="127.0.0.1:0", shard_map=map_path, dev_mode=True, metrics_port=0, log_level="WARNING"
+        )
+    )
+    port_out.put(router.port)
+    stop.wait()
+    router.stop(0)
+
+
+def _run_aio_router(map_path: str, port_out: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]
+    from router.metadata import forwardable
+    from router.routing import METHODS_BY_PATH, routing_account
+    from shardrouter.shardmap import load_shard_map
+
+    shard_map = load_shard_map(map_path)
+
+    async def main() -> None:
+        channels: dict[str, grpc.aio.Channel] = {}
+
+        def handler_for(path: str):
+            method = METHODS_BY_PATH[path]
+
+            async def forward(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+                account = routing_account(method, raw)
+                shard = shard_map.shard_for(account)
+                channel = channels.get(shard.address)
+                if channel is None:
+                    channel = channels[shard.address] = grpc.aio.insecure_channel(shard.address)
+                remaining = context.time_remaining()
+                timeout = 60.0 if remaining is None or remaining > 60 else remaining
+                call = channel.unary_unary(path)(
+                    raw, timeout=timeout, metadata=tuple(forwardable(context.invocation_metadata() or ()))
+                )
+                try:
+                    response = await call
+                except grpc.aio.AioRpcError as err:
+                    await context.abort(err.code(), err.details() or "", err.trailing_metadata())
+                context.set_trailing_metadata(tuple(await call.trailing_metadata() or ()))
+                return response  # type: ignore[no-any-return]
+
+            return grpc.unary_unary_rpc_method_handler(forward)
+
+        handlers = {path: handler_for(path) for path in METHODS_BY_PATH}
+
+        class Handler(grpc.GenericRpcHandler):
+            def service(self, details):
+                return handlers.get(details.method)
+
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server.add_generic_rpc_handlers((Handler(),))
+        port_out.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        while not stop.is_set():
+            await asyncio.sleep(0.1)
+        await server.stop(0)
+
+    asyncio.run(main())
+
+
+# --- load generator -------------------------------------------------------------------------------------
+
+
+def _run_load(port: int, seconds: float, result_out: mp.Queue) -> None:  # type: ignore[type-arg]
+    from shardrouter.v1 import transfer_pb2
+
+    request = transfer_pb2.GetBalanceRequest(account_id="acct-bench").SerializeToString()
+    metadata = (
+        ("idempotency-key", "0192d1a8-7c1e-7b3a-9f2e-3c4d5e6f7a8b"),
+        ("traceparent", "00-" + "a" * 32 + "-" + "b" * 16 + "-01"),
+    )
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary(METHOD)
+            await call(request, timeout=5, metadata=metadata)
+            done = 0
+            errors = 0
+            end = time.monotonic() + WARMUP_S + seconds
+            start_count = time.monotonic() + WARMUP_S
+
+            async def worker() -> None:
+                nonlocal done, errors
+                while (now := time.monotonic()) < end:
+                    try:
+                        reply = await call(request, timeout=5, metadata=metadata)
+                        ok = reply == request
+                    except grpc.aio.AioRpcError:
+                        ok = False
+                    if now >= start_count:
+                        if ok:
+                            done += 1
+                        else:
+                            errors += 1
+
+            await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+            result_out.put((done / seconds, errors))
+
+    asyncio.run(main())
+
+
+def _measure(port: int, seconds: float, ctx: mp.context.SpawnContext) -> tuple[float, int]:
+    out = ctx.Queue()
+    load = ctx.Process(target=_run_load, args=(port, seconds, out))
+    load.start()
+    rps, errors = out.get(timeout=seconds + 60)
+    load.join(10)
+    return rps, errors
+
+
+def main(argv: list[str]) -> int:
+    seconds = float(argv[0]) if argv else 5.0
+    rounds = int(argv[1]) if len(argv) > 1 else 3
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    ports = ctx.Queue()
+    echo = ctx.Process(target=_run_echo, args=(ports, stop), daemon=True)
+    echo.start()
+    echo_port = ports.get(timeout=30)
+    variants = (("sync grpc.server router", _run_sync_router), ("grpc.aio forwarder", _run_aio_router))
+    results: dict[str, list[tuple[float, int]]] = {"direct to echo (baseline)": []}
+    results.update({name: [] for name, _ in variants})
+    with tempfile.TemporaryDirectory() as tmp:
+        map_path = Path(tmp) / "shard-map.json"
+        map_path.write_text(
+            json.dumps(
+                {
+                    "slots": 16384,
+                    "shards": [
+                        {"id": "echo-0", "address": f"127.0.0.1:{echo_port}", "slot_ranges": [[0, 16383]]}
+                    ],
+                }
+            )
+        )
+        # Rounds alternate the variants, so drift in the machine's load hits both alike.
+        for _ in range(rounds):
+            results["direct to echo (baseline)"].append(_measure(echo_port, seconds, ctx))
+            for name, target in variants:
+                router_stop = ctx.Event()
+                router = ctx.Process(target=target, args=(str(map_path), ports, router_stop), daemon=True)
+                router.start()
+                port = ports.get(timeout=30)
+                results[name].append(_measure(port, seconds, ctx))
+                router_stop.set()
+                router.join(10)
+    stop.set()
+    echo.join(10)
+    print(
+        f"unary GetBalance forwarding, {CONCURRENCY} calls in flight, {rounds} rounds x {seconds:.0f} s "
+        f"per variant, {mp.cpu_count()} CPUs"
+    )
+    for name, runs in results.items():
+        figures = sorted(rps for rps, _ in runs)
+        errors = sum(e for _, e in runs)
+        print(
+            f"  {name:28s} median {statistics.median(figures):7.0f} rps  "
+            f"(runs: {', '.join(f'{r:.0f}' for r in figures)})  errors={errors}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
