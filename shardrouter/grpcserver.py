@@ -79,7 +79,10 @@ def new_server(
 
 def bind(server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
     """Bind `address`; fails loudly if the port is taken. Returns the bound port."""
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as exc:  # recent grpcio raises instead of returning 0
+        raise SystemExit(f"cannot listen on {address}: the address is in use or invalid ({exc})") from None
     if port == 0:
         raise SystemExit(f"cannot listen on {address}: the address is in use or invalid")
     return port
@@ -104,8 +107,11 @@ def mark_serving(servicer: health.HealthServicer, service_names: Sequence[str]) 
         servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
-def wait_for_termination_signal() -> None:
-    """Block until SIGTERM or SIGINT."""
+def install_termination_handlers() -> threading.Event:
+    """Catch SIGTERM and SIGINT from now on; the returned event is set when one arrives.
+
+    Install before the server starts, so a SIGTERM during start-up still leads to a clean stop.
+    """
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -114,7 +120,12 @@ def wait_for_termination_signal() -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    stop.wait()
+    return stop
+
+
+def wait_for_termination_signal() -> None:
+    """Block until SIGTERM or SIGINT."""
+    install_termination_handlers().wait()
 
 
 def graceful_stop(server: grpc.Server, servicer: health.HealthServicer, grace_s: float) -> None:
