@@ -1,0 +1,99 @@
+"""The `shard-router` command end to end: a subprocess against the in-process shard's port."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardd.server import ShardDaemon
+from shardrouter.cli import default_store_path
+from tests.client.cli_helpers import balance_of, child_env, cli, ledger_count
+
+
+def test_deposit_transfer_balance_and_exit_codes(shard: ShardDaemon, database: str, tmp_path: Path) -> None:
+    target = f"127.0.0.1:{shard.port}"
+    store = tmp_path / "ops.db"
+
+    def run(*args: str):
+        return cli(tmp_path, "--target", target, *args, store=store)
+
+    dep = run("deposit", "--account", "alice", "--amount", "10.00", "--currency", "EUR")
+    assert dep.code == 0, dep.output
+    assert dep.stdout.startswith("deposit ") and "OK: 10.00 EUR to alice, balance 10.00 EUR" in dep.stdout
+    assert run("deposit", "--account", "bob", "--amount", "0.01", "--currency", "eur").code == 0
+
+    tr = run("transfer", "--from", "alice", "--to", "bob", "--amount", "2.50", "--currency", "EUR")
+    assert tr.code == 0, tr.output
+    line = tr.stdout.strip()
+    assert line.startswith("transfer ") and line.endswith("COMPLETED: 2.50 EUR alice -> bob")
+    transfer_id = line.split()[1]
+
+    bal = run("balance", "alice")
+    assert (bal.code, bal.stdout.strip()) == (0, "alice: 7.50 EUR (OPEN)")
+    assert balance_of(database, "bob") == 251
+
+    got = run("get-transfer", "--from", "alice", transfer_id, "--wait-ms", "100")
+    assert got.code == 0 and got.stdout.strip() == f"transfer {transfer_id} COMPLETED: 2.50 EUR alice -> bob"
+
+    poor = run("transfer", "--from", "bob", "--to", "alice", "--amount", "99.00", "--currency", "EUR")
+    assert poor.code == 1, poor.output
+    assert "refused" in poor.stderr and "INSUFFICIENT_FUNDS" in poor.stderr and poor.stdout == ""
+
+    bad = run("transfer", "--from", "alice", "--to", "bob", "--amount", "1.001", "--currency", "EUR")
+    assert bad.code == 2 and "EUR has 2 decimal places" in bad.stderr
+    same = run("transfer", "--from", "alice", "--to", "alice", "--amount", "1.00", "--currency", "EUR")
+    assert same.code == 2 and "destination_account_id must differ" in same.stderr
+    usage = run("transfer", "--from", "alice")
+    assert usage.code == 2 and "required" in usage.stderr
+    unknown = run("balance", "nobody")
+    assert unknown.code == 1 and "ACCOUNT_NOT_FOUND" in unknown.stderr
+
+    js = run("--json", "transfer", "--from", "alice", "--to", "bob", "--amount", "1.00", "--currency", "EUR")
+    data = js.json()
+    assert js.code == 0 and data["exit_code"] == 0
+    assert data["result"]["code"] == "OK" and data["result"]["replayed"] is False
+    assert data["operation"]["state"] == "succeeded"
+    assert data["result"]["response"]["transfer"]["amount"] == {"amount_minor": "100", "currency": "EUR"}
+    key = data["operation"]["idempotency_key"]
+    assert ledger_count(database, key) == 2
+    js_bal = run("balance", "alice", "--json").json()
+    assert js_bal["formatted"] == "6.50 EUR" and js_bal["exit_code"] == 0
+
+    pending = run("pending")
+    assert pending.code == 0 and pending.stdout.strip() == "no unfinished operations"
+
+
+def test_unreachable_target_exits_3_keeps_the_operation_pending_and_resume_finishes_it(
+    shard: ShardDaemon, database: str, tmp_path: Path
+) -> None:
+    store = tmp_path / "ops.db"
+    down = cli(
+        tmp_path,
+        "--target", "127.0.0.1:1", "--budget-s", "0.5", "--attempt-timeout-s", "0.2",
+        "deposit", "--account", "dora", "--amount", "3.00", "--currency", "EUR",
+        store=store,
+    )  # fmt: skip
+    assert down.code == 3, down.output
+    assert "still pending" in down.stderr and "shard-router resume" in down.stderr
+    listed = cli(tmp_path, "pending", store=store)
+    assert listed.code == 0 and " deposit pending: 3.00 EUR to dora" in listed.stdout
+    resumed = cli(tmp_path, "--target", f"127.0.0.1:{shard.port}", "resume", store=store)
+    assert resumed.code == 0, resumed.output
+    assert "OK: 3.00 EUR to dora" in resumed.stdout and "(replayed)" not in resumed.stdout
+    assert balance_of(database, "dora") == 300
+    again = cli(tmp_path, "--target", f"127.0.0.1:{shard.port}", "resume", store=store)
+    assert again.stdout.strip() == "no pending operations"
+    assert balance_of(database, "dora") == 300
+
+
+def test_default_store_lives_in_the_user_data_dir(shard: ShardDaemon, tmp_path: Path) -> None:
+    env = child_env(tmp_path, SHARD_ROUTER_TARGET=f"127.0.0.1:{shard.port}")
+    run = cli(tmp_path, "deposit", "--account", "erin", "--amount", "1", "--currency", "JPY", env=env)
+    assert run.code == 0, run.output
+    assert (tmp_path / "xdg" / "shard-router" / "operations.db").is_file()
+    assert default_store_path({"HOME": "/h"}).parent.name == "shard-router"
+    assert default_store_path({"XDG_DATA_HOME": "/d"}) == Path("/d/shard-router/operations.db")
+
+
+def test_dev_is_dispatched_to_the_devcluster_cli(tmp_path: Path) -> None:
+    run = cli(tmp_path, "dev", "--help")
+    assert run.code == 0 and "shard-router dev" in run.stdout
