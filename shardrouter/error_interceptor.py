@@ -12,8 +12,9 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
-from shardrouter.errors import Internal, Reason, ShardRouterError, to_grpc_status
+from shardrouter.errors import Internal, InvalidArgument, Reason, ShardRouterError, to_grpc_status
 from shardrouter.grpcserver import MethodHandler, ServerInterceptorBase
 
 log = logging.getLogger(__name__)
@@ -36,9 +37,12 @@ class DomainErrorInterceptor(ServerInterceptorBase):
             return handler
         behaviour = handler.unary_unary
         method = handler_call_details.method
+        deserialize = handler.request_deserializer
 
-        def mapped(request: Any, context: grpc.ServicerContext) -> Any:
+        def mapped(raw: Any, context: grpc.ServicerContext) -> Any:
             try:
+                # Decoding here, not in grpc, so garbage bytes are INVALID_ARGUMENT rather than INTERNAL.
+                request = _decode(deserialize, raw, method)
                 return behaviour(request, context)
             except ShardRouterError as error:
                 context.abort_with_status(to_grpc_status(error))
@@ -51,8 +55,16 @@ class DomainErrorInterceptor(ServerInterceptorBase):
                 raise AssertionError("unreachable") from exc
             return None  # pragma: no cover
 
-        return grpc.unary_unary_rpc_method_handler(
-            mapped,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        return grpc.unary_unary_rpc_method_handler(mapped, response_serializer=handler.response_serializer)
+
+
+def _decode(deserialize: Callable[[bytes], Any] | None, raw: Any, method: str) -> Any:
+    if deserialize is None:
+        return raw
+    try:
+        return deserialize(raw)
+    except DecodeError as exc:
+        raise InvalidArgument(
+            f"the request body is not a valid {method} request message (protobuf)",
+            reason=Reason.INVALID_REQUEST,
+        ) from exc

@@ -21,6 +21,8 @@ KEY_FORMAT_HINT = (
     "and sent unchanged on every retry"
 )
 _CANONICAL_LENGTH = 36
+# Far enough for any real clock, and leaves room for "time + retention" inside datetime's range.
+_LAST_MS = int(datetime(9000, 1, 1, tzinfo=UTC).timestamp() * 1000)
 
 
 def new_key(now_ms: int | None = None) -> uuid.UUID:
@@ -58,7 +60,17 @@ def parse_key(text: str) -> uuid.UUID:
     if str(key) != text.lower():
         raise _invalid("not in canonical 8-4-4-4-12 hex form")
     if key.variant != uuid.RFC_4122 or key.version != 7:
-        raise _invalid(f"a version {key.version} UUID, not version 7")
+        raise _invalid(
+            f"a version {key.version} UUID, not version 7"
+            if key.version
+            else "not an RFC 9562 UUID, so not version 7"
+        )
+    if (key.int >> 80) > _LAST_MS:
+        raise InvalidArgument(
+            "invalid idempotency-key: its UUIDv7 time lies in the far future (after the year 9000); "
+            "generate keys from the current time",
+            reason=Reason.IDEMPOTENCY_KEY_FROM_FUTURE,
+        )
     return key
 
 

@@ -18,7 +18,14 @@ from google.protobuf import timestamp_pb2
 from shardd.db import Database, current_transaction
 from shardd.ledger import store
 from shardd.ledger.store import AccountRow, TransferRow
-from shardrouter.errors import FailedPrecondition, InvalidArgument, NotFound, Reason, Unavailable
+from shardrouter.errors import (
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    NotFound,
+    Reason,
+    Unavailable,
+)
 from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
 from shardrouter.keys import derived_key, new_key
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
@@ -310,20 +317,38 @@ def validate_credit(request: ledger_pb2.CreditTransferRequest) -> None:
     from shardrouter.validation import account_id_problem, money_problems
 
     problems = money_problems("amount", request.amount, request.HasField("amount"))
-    if account_id_problem(request.destination_account_id) or not _is_uuid(request.transfer_id):
-        raise InvalidArgument("CreditTransfer needs a valid destination_account_id and transfer_id")
-    if problems:
-        raise InvalidArgument(
-            "CreditTransfer amount is invalid: " + "; ".join(p.description for p in problems)
-        )
+    for name in ("source_account_id", "destination_account_id"):
+        problem = account_id_problem(getattr(request, name))
+        if problem:
+            problems.append(FieldViolation(name, problem))
+    if request.source_account_id and request.source_account_id == request.destination_account_id:
+        problems.append(FieldViolation("destination_account_id", "must differ from source_account_id"))
+    problems += _transfer_id_problems(request.transfer_id)
+    _refuse("CreditTransfer", problems)
 
 
 def validate_transfer_id_only(
     request: ledger_pb2.VoidCreditRequest | ledger_pb2.RefundTransferRequest,
 ) -> None:
-    """The request must name a transfer by its UUID."""
-    if not _is_uuid(request.transfer_id):
-        raise InvalidArgument("transfer_id must be a UUID")
+    """The request must name a transfer by its UUID; its reason is short printable text."""
+    problems = _transfer_id_problems(request.transfer_id)
+    if len(request.reason) > 500 or any(not ch.isprintable() for ch in request.reason):
+        problems.append(FieldViolation("reason", "must be at most 500 printable characters"))
+    _refuse(type(request).__name__.removesuffix("Request"), problems)
+
+
+def _transfer_id_problems(transfer_id: str) -> list[FieldViolation]:
+    return (
+        [] if _is_uuid(transfer_id) else [FieldViolation("transfer_id", "must be a UUID in canonical form")]
+    )
+
+
+def _refuse(what: str, problems: list[FieldViolation]) -> None:
+    if problems:
+        summary = "; ".join(f"{p.field} {p.description}" for p in problems)
+        raise InvalidArgument(
+            f"invalid {what} request: {summary}", reason=Reason.INVALID_REQUEST, field_violations=problems
+        )
 
 
 def _is_uuid(text: str) -> bool:
