@@ -6,11 +6,10 @@ approach as `shardd.settings`, so operators learn one convention.
 
 from __future__ import annotations
 
-import argparse
-import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+
+from shardrouter.settings_source import env_names, settings_values
 
 ENV_PREFIX = "ROUTER_"
 MAX_FORWARD_RETRIES = 5
@@ -107,37 +106,9 @@ class RouterSettings:
 
 def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> RouterSettings:
     """Settings from `--flag value` arguments and `ROUTER_*` variables."""
-    env = os.environ if env is None else env
-    parser = argparse.ArgumentParser(prog="router", add_help=False)
-    for f in fields(RouterSettings):
-        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None)
-    known, _ = parser.parse_known_args(list(argv or []))
-    values: dict[str, Any] = {}
-    for f in fields(RouterSettings):
-        raw = getattr(known, f.name)
-        if raw is None:
-            raw = env.get(ENV_PREFIX + f.name.upper())
-        if raw is not None:
-            values[f.name] = _convert(f, raw)
-    return RouterSettings(**values)
+    return RouterSettings(
+        **settings_values(RouterSettings, prefix=ENV_PREFIX, prog="router", argv=argv, env=env)
+    )
 
 
-def _convert(f: Any, raw: str) -> Any:
-    kind = f.type if isinstance(f.type, str) else f.type.__name__
-    try:
-        if kind == "int":
-            return int(raw)
-        if kind == "float":
-            return float(raw)
-        if kind == "bool":
-            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(raw)
-            return raw.lower() in ("1", "true", "yes")
-    except ValueError:
-        raise ValueError(
-            f"{ENV_PREFIX}{f.name.upper()} / --{f.name.replace('_', '-')}: cannot read {raw!r} as {kind}"
-        ) from None
-    return raw
-
-
-ENV_NAMES = tuple(ENV_PREFIX + f.name.upper() for f in fields(RouterSettings))
+ENV_NAMES = env_names(RouterSettings, ENV_PREFIX)

@@ -5,12 +5,11 @@ Flags win over the environment, which wins over the defaults; the defaults run l
 
 from __future__ import annotations
 
-import argparse
-import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+
+from shardrouter.settings_source import env_names, settings_values
 
 ENV_PREFIX = "SHARDD_"
 
@@ -115,39 +114,9 @@ class ShardSettings:
 
 def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> ShardSettings:
     """Settings from `--flag value` arguments and `SHARDD_*` variables."""
-    env = os.environ if env is None else env
-    parser = argparse.ArgumentParser(prog="shardd", add_help=False)
-    for f in fields(ShardSettings):
-        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None)
-    known, _ = parser.parse_known_args(list(argv or []))
-    values: dict[str, Any] = {}
-    for f in fields(ShardSettings):
-        raw = getattr(known, f.name)
-        if raw is None:
-            raw = env.get(ENV_PREFIX + f.name.upper())
-        if raw is not None:
-            values[f.name] = _convert(f, raw)
-    return ShardSettings(**values)
+    return ShardSettings(
+        **settings_values(ShardSettings, prefix=ENV_PREFIX, prog="shardd", argv=argv, env=env)
+    )
 
 
-def _convert(f: Any, raw: str) -> Any:
-    kind = f.type if isinstance(f.type, str) else f.type.__name__
-    try:
-        if kind == "int":
-            return int(raw)
-        if kind == "float":
-            return float(raw)
-        if kind == "bool":
-            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(raw)
-            return raw.lower() in ("1", "true", "yes")
-        if kind.startswith("tuple"):
-            return tuple(p.strip() for p in raw.split(",") if p.strip())
-    except ValueError:
-        raise ValueError(
-            f"{ENV_PREFIX}{f.name.upper()} / --{f.name.replace('_', '-')}: cannot read {raw!r} as {kind}"
-        ) from None
-    return raw
-
-
-ENV_NAMES = tuple(ENV_PREFIX + f.name.upper() for f in fields(ShardSettings))
+ENV_NAMES = env_names(ShardSettings, ENV_PREFIX)
