@@ -1,17 +1,22 @@
-"""One gRPC channel per shard address, reused by every call and closed when the address leaves the map.
+"""One `grpc.aio` channel per shard address, reused by every call and closed when the address leaves the map.
 
 A channel multiplexes all calls to its shard over one HTTP/2 connection and reconnects by itself;
 keepalive pings find a dead connection (a shard whose host vanished without a FIN) within seconds
 instead of at the next call's deadline.
+
+The pool belongs to the router's event loop: every method is called on the loop's thread (the
+forwarder's coroutines, and the shard map listener, which hops onto the loop), so it needs no lock.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import grpc
+import grpc.aio
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +33,13 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_reconnect_backoff_ms", 1_000),
 )
 
+if TYPE_CHECKING:  # grpc's classes are generic only in the type stubs
+    #: A bytes-in, bytes-out callable of one method on one shard's channel.
+    BytesCallable = grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]
+
 
 class ChannelPool:
-    """Channels by shard address; thread-safe."""
+    """Channels by shard address; used from the router's event loop only."""
 
     def __init__(
         self,
@@ -47,86 +56,73 @@ class ChannelPool:
             ("grpc.max_receive_message_length", max(max_message_bytes, 4 * 1024 * 1024)),
         ]
         self._retire_after_s = retire_after_s
-        self._lock = threading.Lock()
-        self._channels: dict[str, grpc.Channel] = {}
-        self._callables: dict[str, dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]]] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._callables: dict[str, dict[str, BytesCallable]] = {}
         # Channels dropped from the map, each with the timer that will close it.
-        self._retiring: dict[int, tuple[threading.Timer, grpc.Channel]] = {}
+        self._retiring: dict[int, tuple[asyncio.TimerHandle, grpc.aio.Channel]] = {}
+        # Closes in progress, referenced so that they are not garbage-collected half way.
+        self._closing: set[asyncio.Task[None]] = set()
         self._closed = False
 
-    def get(self, address: str) -> grpc.Channel:
+    def get(self, address: str) -> grpc.aio.Channel:
         """The channel to `address`, created on first use."""
-        channel = self._channels.get(address)  # lock-free fast path: dict reads are atomic
-        if channel is not None:
-            return channel
-        with self._lock:
+        channel = self._channels.get(address)
+        if channel is None:
             if self._closed:
                 raise RuntimeError("channel pool is closed")
-            channel = self._channels.get(address)
-            if channel is None:
-                channel = self._new_channel(address)
-                self._channels[address] = channel
-                log.info("opened channel to %s", address)
-            return channel
+            channel = self._channels[address] = self._new_channel(address)
+            log.info("opened channel to %s", address)
+        return channel
 
-    def unary_bytes(self, address: str, method: str) -> grpc.UnaryUnaryMultiCallable[bytes, bytes]:
+    def unary_bytes(self, address: str, method: str) -> BytesCallable:
         """A bytes-in, bytes-out callable for `method` on the channel to `address` (cached)."""
         callables = self._callables.get(address)
         callable_ = callables.get(method) if callables is not None else None
-        if callable_ is not None:
-            return callable_
-        channel = self.get(address)
-        # No (de)serialisers: the router forwards the caller's bytes and returns the shard's.
-        callable_ = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
-        with self._lock:
-            if self._channels.get(address) is channel:
-                self._callables.setdefault(address, {})[method] = callable_
+        if callable_ is None:
+            # No (de)serialisers: the router forwards the caller's bytes and returns the shard's.
+            callable_ = self.get(address).unary_unary(method, None, None)
+            self._callables.setdefault(address, {})[method] = callable_
         return callable_
 
     def addresses(self) -> frozenset[str]:
         """Addresses with an open channel."""
-        with self._lock:
-            return frozenset(self._channels)
+        return frozenset(self._channels)
 
     def retain(self, addresses: Iterable[str]) -> None:
-        """Drop the channels to every address not in `addresses`.
+        """Drop the channels to every address not in `addresses` (call on the event loop).
 
         A dropped channel is closed only after `retire_after_s`, so calls already in flight on it
         (forwarded under the old map) finish instead of being cancelled.
         """
         keep = set(addresses)
-        with self._lock:
-            gone = {a: c for a, c in self._channels.items() if a not in keep}
-            for address, channel in gone.items():
-                del self._channels[address]
-                self._callables.pop(address, None)
-                timer = threading.Timer(self._retire_after_s, self._close_retired, (address, channel))
-                timer.daemon = True
-                self._retiring[id(channel)] = (timer, channel)
-                timer.start()
-                log.info("retiring channel to %s: no longer in the shard map", address)
+        loop = asyncio.get_running_loop()
+        for address in [a for a in self._channels if a not in keep]:
+            channel = self._channels.pop(address)
+            self._callables.pop(address, None)
+            timer = loop.call_later(self._retire_after_s, self._close_retired, address, channel)
+            self._retiring[id(channel)] = (timer, channel)
+            log.info("retiring channel to %s: no longer in the shard map", address)
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """Close every channel now, retiring ones included."""
-        with self._lock:
-            self._closed = True
-            channels, self._channels = list(self._channels.values()), {}
-            self._callables = {}
-            retiring, self._retiring = list(self._retiring.values()), {}
-        for timer, channel in retiring:
+        self._closed = True
+        channels = list(self._channels.values())
+        self._channels, self._callables = {}, {}
+        for timer, channel in self._retiring.values():
             timer.cancel()
             channels.append(channel)
-        for channel in channels:
-            channel.close()
+        self._retiring = {}
+        await asyncio.gather(*(channel.close(None) for channel in channels), *self._closing)
 
-    def _close_retired(self, address: str, channel: grpc.Channel) -> None:
-        with self._lock:
-            if self._retiring.pop(id(channel), None) is None:
-                return  # `close` got there first
-        channel.close()
+    def _close_retired(self, address: str, channel: grpc.aio.Channel) -> None:
+        if self._retiring.pop(id(channel), None) is None:
+            return  # `close` got there first
+        task = asyncio.get_running_loop().create_task(channel.close(None))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
         log.info("closed channel to %s", address)
 
-    def _new_channel(self, address: str) -> grpc.Channel:
+    def _new_channel(self, address: str) -> grpc.aio.Channel:
         if self._credentials is not None:
-            return grpc.secure_channel(address, self._credentials, options=self._options)
-        return grpc.insecure_channel(address, options=self._options)
+            return grpc.aio.secure_channel(address, self._credentials, options=self._options)
+        return grpc.aio.insecure_channel(address, options=self._options)

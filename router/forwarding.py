@@ -8,19 +8,26 @@ The router has no state to protect, so its only decisions are about reaching the
 shard answered - whatever the status - is passed through as is. A call that never reached the shard
 is the router's own UNAVAILABLE (SHARD_UNAVAILABLE, with RetryInfo); it is retried here first, but
 only when it carries an idempotency key, because only then does the shard make a repeat harmless.
+
+The handler is a `grpc.aio` coroutine and the shard call goes out on a `grpc.aio` channel: a call
+waiting for its shard is a suspended coroutine, not a blocked worker thread. Measured with
+`python -m tests.router.bench_forwarding` (unary GetBalance to a loopback echo shard, 32 calls in
+flight): a sync `grpc.server` + sync-channel forwarder did ~1,100 rps, this asyncio one ~1,550 rps
+(+40%). A caller's cancellation (or expired deadline) cancels the handler's task, and with it the
+shard call it is awaiting.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
+import asyncio
 import logging
 import random
-import time
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import grpc
+import grpc.aio
 from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 
@@ -30,6 +37,13 @@ from router.routing import METHODS_BY_PATH, RoutedMethod, ShardMapHolder, routin
 from shardrouter.errors import ERROR_DOMAIN, Internal, Reason, ShardRouterError, Unavailable, to_grpc_status
 from shardrouter.keys import KEY_METADATA
 from shardrouter.shardmap import Shard
+
+if TYPE_CHECKING:  # grpc's classes are generic only in the type stubs
+    from router.metadata import ServicerContext
+
+    _GenericHandler = grpc.GenericRpcHandler[bytes, bytes]
+else:
+    _GenericHandler = grpc.GenericRpcHandler
 
 log = logging.getLogger(__name__)
 
@@ -41,18 +55,14 @@ RETRY_BACKOFF_S = 0.05
 
 
 @dataclass(frozen=True)
-class _RelayedStatus(grpc.Status):
-    """A shard's final status, handed to `abort_with_status` unchanged."""
+class Outcome:
+    """How the shard's call ended: everything the caller gets back."""
 
     code: grpc.StatusCode
     details: str
+    initial_metadata: tuple[MetadataEntry, ...]
     trailing_metadata: tuple[MetadataEntry, ...]
-
-
-if TYPE_CHECKING:  # grpc's classes are generic only in the type stubs
-    _GenericHandler = grpc.GenericRpcHandler[bytes, bytes]
-else:
-    _GenericHandler = grpc.GenericRpcHandler
+    response: bytes | None  # None unless OK
 
 
 class Forwarder(_GenericHandler):
@@ -74,7 +84,7 @@ class Forwarder(_GenericHandler):
         self._max_deadline_s = max_deadline_s
         # No (de)serialisers: the behaviour receives the request bytes and returns response bytes.
         self._handlers = {
-            path: grpc.unary_unary_rpc_method_handler(functools.partial(self._serve, method))
+            path: grpc.unary_unary_rpc_method_handler(self._behaviour(method))
             for path, method in METHODS_BY_PATH.items()
         }
 
@@ -84,75 +94,101 @@ class Forwarder(_GenericHandler):
         """The handler of a routed method, or None (the server answers UNIMPLEMENTED)."""
         return self._handlers.get(handler_call_details.method)
 
-    def _serve(self, method: RoutedMethod, raw: bytes, context: grpc.ServicerContext) -> bytes:
-        # abort_with_status raises; it is kept outside every try block so nothing can swallow it.
+    def _behaviour(self, method: RoutedMethod) -> Callable[[bytes, ServicerContext], Awaitable[bytes]]:
+        # A plain coroutine function: what grpc.aio's server runs on its event loop.
+        async def serve(raw: bytes, context: ServicerContext) -> bytes:
+            return await self._serve(method, raw, context)
+
+        return serve
+
+    async def _serve(self, method: RoutedMethod, raw: bytes, context: ServicerContext) -> bytes:
+        # abort raises; it is kept outside every try block so nothing can swallow it.
         try:
-            outcome = self._forward(method, raw, context)
+            outcome = await self._forward(method, raw, context)
         except ShardRouterError as error:
-            context.abort_with_status(to_grpc_status(error))
+            status = to_grpc_status(error)
+            await context.abort(status.code, status.details, status.trailing_metadata)
         except Exception:
             log.exception("unexpected failure forwarding %s", method.name)
-            context.abort_with_status(
-                to_grpc_status(
-                    Internal("the router failed unexpectedly forwarding the call", reason=Reason.INTERNAL)
-                )
+            status = to_grpc_status(
+                Internal("the router failed unexpectedly forwarding the call", reason=Reason.INTERNAL)
             )
-        initial = forwardable(outcome.initial_metadata() or ())
+            await context.abort(status.code, status.details, status.trailing_metadata)
+        initial = forwardable(outcome.initial_metadata)
         if initial:
-            context.send_initial_metadata(tuple(initial))
-        code = outcome.code()
-        if code is not grpc.StatusCode.OK:
-            context.abort_with_status(
-                _RelayedStatus(code, outcome.details() or "", tuple(outcome.trailing_metadata() or ()))
-            )
-        context.set_trailing_metadata(tuple(outcome.trailing_metadata() or ()))
-        response: bytes = outcome.result()
-        return response
+            await context.send_initial_metadata(tuple(initial))
+        if outcome.code is not grpc.StatusCode.OK or outcome.response is None:
+            await context.abort(outcome.code, outcome.details, outcome.trailing_metadata)
+        context.set_trailing_metadata(outcome.trailing_metadata)
+        return outcome.response
 
-    def _forward(
-        self, method: RoutedMethod, raw: bytes, context: grpc.ServicerContext
-    ) -> grpc.CallFuture[bytes]:
-        """The shard's finished call (OK or not); raises the router's own errors."""
+    async def _forward(self, method: RoutedMethod, raw: bytes, context: ServicerContext) -> Outcome:
+        """How the shard's call ended (OK or not); raises the router's own errors."""
         metadata = tuple(self._callers.outgoing(context))  # who is calling comes first
         account = routing_account(method, raw)
         shard = self._maps.current.shard_for(account)
         keyed = any(k == KEY_METADATA for k, _ in metadata)
         attempt = 0
         while True:
-            call = self._pool.unary_bytes(shard.address, method.full_name).future(
-                raw, timeout=self._timeout(context), metadata=metadata
-            )
-            # A caller that goes away (cancel, deadline) cancels the shard's work too; if it went
-            # away before the callback could be registered, cancel now.
-            if not context.add_callback(call.cancel):
-                call.cancel()  # type: ignore[no-untyped-call]
-            with contextlib.suppress(grpc.RpcError, grpc.FutureCancelledError):
-                call.result()  # wait; the call's status says what happened
-            if not unreached(call):
-                return call
+            outcome = await self._attempt(shard, method, raw, metadata, context)
+            if not unreached(outcome.code, outcome.trailing_metadata):
+                return outcome
             delay = RETRY_BACKOFF_S * (2**attempt) * random.uniform(0.5, 1.5)
             if not keyed or attempt >= self._retries or self._timeout(context) <= delay:
-                raise self._shard_unavailable(shard, method, call, attempt + 1)
-            time.sleep(delay)
+                raise self._shard_unavailable(shard, method, outcome, attempt + 1)
+            await asyncio.sleep(delay)
             attempt += 1
 
-    def _timeout(self, context: grpc.ServicerContext) -> float:
-        # grpc reports "no deadline" as an enormous number of seconds: cap it, so a shard call never
-        # outlives every caller's patience.
-        remaining = context.time_remaining()
+    async def _attempt(
+        self,
+        shard: Shard,
+        method: RoutedMethod,
+        raw: bytes,
+        metadata: tuple[MetadataEntry, ...],
+        context: ServicerContext,
+    ) -> Outcome:
+        call = self._pool.unary_bytes(shard.address, method.full_name)(
+            raw, timeout=self._timeout(context), metadata=metadata
+        )
+        try:
+            response = await call
+        except grpc.aio.AioRpcError as error:  # an answer like any other: its status says what happened
+            return Outcome(
+                code=error.code(),
+                details=error.details() or "",
+                initial_metadata=_entries(error.initial_metadata()),
+                trailing_metadata=_entries(error.trailing_metadata()),
+                response=None,
+            )
+        except asyncio.CancelledError:
+            # The caller went away (cancel, deadline): the shard's work is cancelled too.
+            call.cancel()
+            raise
+        return Outcome(
+            code=grpc.StatusCode.OK,
+            details="",
+            initial_metadata=_entries(await call.initial_metadata()),
+            trailing_metadata=_entries(await call.trailing_metadata()),
+            response=response,
+        )
+
+    def _timeout(self, context: ServicerContext) -> float:
+        # grpc reports "no deadline" as None: cap it, so a shard call never outlives every caller's
+        # patience.
+        remaining: float | None = context.time_remaining()
         if remaining is None or remaining > self._max_deadline_s:
             return self._max_deadline_s
         return max(remaining, 0.0)
 
     def _shard_unavailable(
-        self, shard: Shard, method: RoutedMethod, call: grpc.CallFuture[bytes], attempts: int
+        self, shard: Shard, method: RoutedMethod, outcome: Outcome, attempts: int
     ) -> Unavailable:
         log.warning(
             "shard %s unreachable for %s after %d attempt(s): %s",
             shard.id,
             method.name,
             attempts,
-            call.details(),
+            outcome.details,
             extra={"shard_id": shard.id, "address": shard.address},
         )
         return Unavailable(
@@ -164,16 +200,22 @@ class Forwarder(_GenericHandler):
         )
 
 
-def unreached(call: grpc.Call) -> bool:
+def _entries(metadata: object) -> tuple[MetadataEntry, ...]:
+    """Metadata (a `grpc.aio.Metadata`, a tuple of pairs, or None) as a tuple of (key, value)."""
+    # The type stubs say the sync API's `_Metadatum` for AioRpcError; at run time it is aio Metadata.
+    return tuple(cast("Iterable[MetadataEntry]", metadata or ()))
+
+
+def unreached(code: grpc.StatusCode, trailers: tuple[MetadataEntry, ...]) -> bool:
     """Whether a failed call never got an answer from the shard (the channel could not reach it).
 
     Every status a shard sends carries `google.rpc.ErrorInfo` of our domain in the details trailer,
     an UNAVAILABLE of its own (database down) included - that one must reach the caller as sent.
     An UNAVAILABLE without it was made by the transport: connection refused, reset, or TLS failure.
     """
-    if call.code() is not grpc.StatusCode.UNAVAILABLE:
+    if code is not grpc.StatusCode.UNAVAILABLE:
         return False
-    return not has_our_error_info(call.trailing_metadata() or ())
+    return not has_our_error_info(trailers)
 
 
 def has_our_error_info(trailers: tuple[MetadataEntry, ...]) -> bool:

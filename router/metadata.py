@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import grpc
+import grpc.aio
 
 from shardrouter.errors import Reason, Unauthenticated
+
+if TYPE_CHECKING:  # grpc's classes are generic only in the type stubs
+    ServicerContext = grpc.aio.ServicerContext[bytes, bytes]
 
 CALLER_METADATA = "x-caller-id"
 MetadataEntry = tuple[str, str | bytes]
@@ -56,9 +60,9 @@ class CallerPolicy:
     #: Without verified callers, believe a caller-sent `x-caller-id` (local development only).
     dev_mode: bool
 
-    def outgoing(self, context: grpc.ServicerContext) -> list[MetadataEntry]:
+    def outgoing(self, context: ServicerContext) -> list[MetadataEntry]:
         """The metadata to send to the shard for this call."""
-        metadata = forwardable(context.invocation_metadata())
+        metadata = forwardable(context.invocation_metadata() or ())
         if self.verifies_callers:
             common_name = peer_common_name(context)
             if common_name is None:  # cannot happen with require_client_auth; refuse if it does
@@ -76,10 +80,9 @@ class CallerPolicy:
         )
 
 
-def peer_common_name(context: grpc.ServicerContext) -> str | None:
+def peer_common_name(context: ServicerContext) -> str | None:
     """The common name of the caller's verified client certificate, if any."""
-    names = context.auth_context().get("x509_common_name")
+    names = list(context.auth_context().get("x509_common_name") or ())
     if not names:
         return None
-    first: bytes = names[0]  # type: ignore[assignment]
-    return first.decode("utf-8", "replace")
+    return names[0].decode("utf-8", "replace")

@@ -4,6 +4,9 @@ Every routed method names its routing account in field 1 of its request; the rou
 of the request only to read that field (the bytes it forwards are the caller's own). The shard map
 comes from a file that is polled and swapped in atomically when it changes; a bad new file never
 replaces a good map.
+
+The polling runs in a daemon thread, so reading and parsing the file never stalls the router's event
+loop; the loop only reads `ShardMapHolder.current`, a reference that is replaced as a whole.
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ class ShardMapHolder:
     atomic swap of the `..data` symlink, which leaves the old inode intact) is seen as surely as an
     in-place rewrite, and a rewrite that keeps size and mtime is not missed either. The file is a
     few hundred bytes; reading it once a second costs nothing.
+
+    `on_change` is called on the polling thread; a listener that touches event-loop objects must hop
+    onto the loop (`loop.call_soon_threadsafe`), as the router's does.
     """
 
     def __init__(

@@ -1,18 +1,20 @@
-"""Forwarding throughput of the router: sync `grpc.server` (the real router) versus `grpc.aio`.
+"""Forwarding throughput of the router (`grpc.aio`) versus a sync `grpc.server` forwarder.
 
 Not a test (pytest does not collect it). Run:  python -m tests.router.bench_forwarding [seconds [rounds]]
 
 Each variant runs in its own process between the same echo upstream (a bytes echo on loopback, its
 own process) and the same load generator (a `grpc.aio` client with 32 calls in flight, its own
-process), so the figures differ only by the forwarder. The aio forwarder below does what
-`router.forwarding` does on the hot path - decode a copy to read the routing account, look up the
-shard, filter metadata, pass the deadline, relay response bytes and trailers - and exists only
-here, to be measured.
+process), so the figures differ only by the forwarder. "router" is the real `router.server` router.
+The sync forwarder below is the router as it was before it moved to asyncio - a thread-pool
+`grpc.server` with sync channels doing the same hot-path work (decode a copy to read the routing
+account, look up the shard, filter metadata, pass the deadline, cancel the shard call when the
+caller goes away, relay response bytes and trailers) - and exists only here, to be compared.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import statistics
@@ -20,6 +22,7 @@ import sys
 import tempfile
 import time
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -28,6 +31,8 @@ CONCURRENCY = 32
 WARMUP_S = 1.0
 SERVICE = "shardrouter.v1.TransferService"
 METHOD = f"/{SERVICE}/GetBalance"
+MAX_DEADLINE_S = 60.0
+WORKERS = 32  # the router's default `workers`; the sync forwarder's thread pool
 
 
 # --- echo upstream (stands in for a shard) -------------------------------------------------------------
@@ -53,68 +58,97 @@ def _run_echo(port_out: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-
 # --- the two forwarders ---------------------------------------------------------------------------------
 
 
-def _run_sync_router(map_path: str, port_out: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]
+def _run_router(map_path: str, port_out: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]
+    """The real router (asyncio)."""
     from router.server import start_router
     from router.settings import RouterSettings
 
-    router = start_router(
-        RouterSettings(
-            listen="127.0.0.1:0", shard_map=map_path, dev_mode=True, metrics_port=0, log_level="WARNING"
+    async def main() -> None:
+        router = await start_router(
+            RouterSettings(
+                listen="127.0.0.1:0",
+                shard_map=map_path,
+                dev_mode=True,
+                metrics_port=0,
+                log_level="WARNING",
+                workers=WORKERS,
+                max_deadline_s=MAX_DEADLINE_S,
+            )
         )
-    )
-    port_out.put(router.port)
-    stop.wait()
-    router.stop(0)
+        port_out.put(router.port)
+        await asyncio.to_thread(stop.wait)
+        await router.stop(0)
+
+    asyncio.run(main())
 
 
-def _run_aio_router(map_path: str, port_out: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]
+def _run_sync_forwarder(map_path: str, port_out: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]
+    """The previous design: sync `grpc.server` with a thread pool, sync channels to the shards."""
+    from router.channels import CHANNEL_OPTIONS
     from router.metadata import forwardable
     from router.routing import METHODS_BY_PATH, routing_account
+    from shardrouter import grpcserver
     from shardrouter.shardmap import load_shard_map
 
     shard_map = load_shard_map(map_path)
+    channels: dict[str, grpc.Channel] = {}
 
-    async def main() -> None:
-        channels: dict[str, grpc.aio.Channel] = {}
+    @dataclass(frozen=True)
+    class Relayed(grpc.Status):
+        code: grpc.StatusCode
+        details: str
+        trailing_metadata: tuple[tuple[str, str | bytes], ...]
 
-        def handler_for(path: str):
-            method = METHODS_BY_PATH[path]
+    def handler_for(path: str):
+        method = METHODS_BY_PATH[path]
 
-            async def forward(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-                account = routing_account(method, raw)
-                shard = shard_map.shard_for(account)
-                channel = channels.get(shard.address)
-                if channel is None:
-                    channel = channels[shard.address] = grpc.aio.insecure_channel(shard.address)
-                remaining = context.time_remaining()
-                timeout = 60.0 if remaining is None or remaining > 60 else remaining
-                call = channel.unary_unary(path)(
-                    raw, timeout=timeout, metadata=tuple(forwardable(context.invocation_metadata() or ()))
+        def forward(raw: bytes, context: grpc.ServicerContext) -> bytes:
+            account = routing_account(method, raw)
+            shard = shard_map.shard_for(account)
+            channel = channels.get(shard.address)
+            if channel is None:
+                channel = channels[shard.address] = grpc.insecure_channel(
+                    shard.address, options=list(CHANNEL_OPTIONS)
                 )
-                try:
-                    response = await call
-                except grpc.aio.AioRpcError as err:
-                    await context.abort(err.code(), err.details() or "", err.trailing_metadata())
-                context.set_trailing_metadata(tuple(await call.trailing_metadata() or ()))
-                return response  # type: ignore[no-any-return]
+            remaining = context.time_remaining()
+            timeout = MAX_DEADLINE_S if remaining is None or remaining > MAX_DEADLINE_S else remaining
+            call = channel.unary_unary(path, request_serializer=None, response_deserializer=None).future(
+                raw, timeout=timeout, metadata=tuple(forwardable(context.invocation_metadata()))
+            )
+            if not context.add_callback(call.cancel):
+                call.cancel()
+            with contextlib.suppress(grpc.RpcError, grpc.FutureCancelledError):
+                call.result()
+            initial = forwardable(call.initial_metadata() or ())
+            if initial:
+                context.send_initial_metadata(tuple(initial))
+            if call.code() is not grpc.StatusCode.OK:
+                context.abort_with_status(
+                    Relayed(call.code(), call.details() or "", tuple(call.trailing_metadata() or ()))
+                )
+            context.set_trailing_metadata(tuple(call.trailing_metadata() or ()))
+            return call.result()  # type: ignore[no-any-return]
 
-            return grpc.unary_unary_rpc_method_handler(forward)
+        return grpc.unary_unary_rpc_method_handler(forward)
 
-        handlers = {path: handler_for(path) for path in METHODS_BY_PATH}
+    handlers = {path: handler_for(path) for path in METHODS_BY_PATH}
 
-        class Handler(grpc.GenericRpcHandler):
-            def service(self, details):
-                return handlers.get(details.method)
+    class Handler(grpc.GenericRpcHandler):
+        def service(self, details):
+            return handlers.get(details.method)
 
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        server.add_generic_rpc_handlers((Handler(),))
-        port_out.put(server.add_insecure_port("127.0.0.1:0"))
-        await server.start()
-        while not stop.is_set():
-            await asyncio.sleep(0.1)
-        await server.stop(0)
-
-    asyncio.run(main())
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=WORKERS),
+        options=grpcserver.server_options(
+            max_message_bytes=64 * 1024, max_metadata_bytes=16 * 1024, max_streams=WORKERS * 4
+        ),
+        maximum_concurrent_rpcs=WORKERS * 8,
+    )
+    server.add_generic_rpc_handlers((Handler(),))
+    port_out.put(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    stop.wait()
+    server.stop(0)
 
 
 # --- load generator -------------------------------------------------------------------------------------
@@ -176,7 +210,10 @@ def main(argv: list[str]) -> int:
     echo = ctx.Process(target=_run_echo, args=(ports, stop), daemon=True)
     echo.start()
     echo_port = ports.get(timeout=30)
-    variants = (("sync grpc.server router", _run_sync_router), ("grpc.aio forwarder", _run_aio_router))
+    variants = (
+        ("router (grpc.aio)", _run_router),
+        ("sync grpc.server forwarder", _run_sync_forwarder),
+    )
     results: dict[str, list[tuple[float, int]]] = {"direct to echo (baseline)": []}
     results.update({name: [] for name, _ in variants})
     with tempfile.TemporaryDirectory() as tmp:
@@ -215,6 +252,8 @@ def main(argv: list[str]) -> int:
             f"  {name:28s} median {statistics.median(figures):7.0f} rps  "
             f"(runs: {', '.join(f'{r:.0f}' for r in figures)})  errors={errors}"
         )
+    aio, sync = (statistics.median(rps for rps, _ in results[name]) for name, _ in variants)
+    print(f"  router (grpc.aio) / sync forwarder: {aio / sync:.2f}x")
     return 0
 
 

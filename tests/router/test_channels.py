@@ -1,9 +1,14 @@
-"""Unit tests of the channel pool: one channel per shard address, retired when the address leaves."""
+"""Unit tests of the channel pool: one channel per shard address, retired when the address leaves.
+
+The pool holds `grpc.aio` channels and belongs to an event loop, so each test runs on one.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
+import grpc.aio
 import pytest
 
 from router.channels import ChannelPool
@@ -12,25 +17,28 @@ SERVICE = "/shardrouter.v1.TransferService/"
 
 
 def test_channel_pool_reuses_channels_and_retires_removed_addresses() -> None:
-    pool = ChannelPool(retire_after_s=0.05)
-    try:
-        a = pool.get("127.0.0.1:1")
-        assert pool.get("127.0.0.1:1") is a
-        b = pool.get("127.0.0.1:2")
-        assert b is not a
-        assert pool.unary_bytes("127.0.0.1:2", SERVICE + "GetBalance") is pool.unary_bytes(
-            "127.0.0.1:2", SERVICE + "GetBalance"
-        )
-        pool.retain(["127.0.0.1:2"])
-        assert pool.addresses() == frozenset({"127.0.0.1:2"})
-        assert pool.get("127.0.0.1:1") is not a  # a new channel if the address comes back
-        time.sleep(0.3)  # the retired channel has been closed: using it fails
-        with pytest.raises(ValueError, match="closed"):
-            a.unary_unary("/x/y", request_serializer=None, response_deserializer=None)(b"", timeout=0.5)
-    finally:
-        pool.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        pool.get("127.0.0.1:3")
+    async def scenario() -> None:
+        pool = ChannelPool(retire_after_s=0.05)
+        try:
+            a = pool.get("127.0.0.1:1")
+            assert pool.get("127.0.0.1:1") is a
+            b = pool.get("127.0.0.1:2")
+            assert b is not a
+            assert pool.unary_bytes("127.0.0.1:2", SERVICE + "GetBalance") is pool.unary_bytes(
+                "127.0.0.1:2", SERVICE + "GetBalance"
+            )
+            pool.retain(["127.0.0.1:2"])
+            assert pool.addresses() == frozenset({"127.0.0.1:2"})
+            assert pool.get("127.0.0.1:1") is not a  # a new channel if the address comes back
+            await asyncio.sleep(0.3)  # the retired channel has been closed: using it fails
+            with pytest.raises(grpc.aio.UsageError, match="closed"):
+                await a.unary_unary("/x/y", None, None)(b"", timeout=0.5)
+        finally:
+            await pool.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            pool.get("127.0.0.1:3")
+
+    asyncio.run(scenario())
 
 
 def test_a_call_in_flight_on_a_retired_channel_finishes() -> None:
@@ -43,15 +51,21 @@ def test_a_call_in_flight_on_a_retired_channel_finishes() -> None:
         return call.request
 
     fake.reset(slow)  # type: ignore[arg-type]
-    pool = ChannelPool(retire_after_s=3)
+
+    async def scenario() -> None:
+        pool = ChannelPool(retire_after_s=3)
+        try:
+            call = pool.unary_bytes(fake.address, SERVICE + "GetBalance")(b"\x0a\x01a", timeout=5)
+            deadline = time.monotonic() + 5
+            while not fake.calls and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            pool.retain([])  # the address left the map while the call runs
+            assert pool.addresses() == frozenset()
+            assert await asyncio.wait_for(call, timeout=5) == b"\x0a\x01a"
+        finally:
+            await pool.close()
+
     try:
-        future = pool.unary_bytes(fake.address, SERVICE + "GetBalance").future(b"\x0a\x01a", timeout=5)
-        deadline = time.monotonic() + 5
-        while not fake.calls and time.monotonic() < deadline:
-            time.sleep(0.01)
-        pool.retain([])  # the address left the map while the call runs
-        assert pool.addresses() == frozenset()
-        assert future.result(timeout=5) == b"\x0a\x01a"
+        asyncio.run(scenario())
     finally:
-        pool.close()
         fake.stop()

@@ -18,7 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.server import start_router
+from router.server import start_router_thread
 from router.settings import RouterSettings
 from shardrouter.errors import Reason
 from shardrouter.v1 import transfer_pb2
@@ -144,7 +144,9 @@ def test_without_verified_callers_outside_dev_mode_every_call_is_refused(tmp_pat
     fake = start_fake_shard()
     map_path = tmp_path / "map.json"
     map_path.write_text(json.dumps(single_shard_map(fake.address)))
-    router = start_router(RouterSettings(listen="127.0.0.1:0", shard_map=str(map_path), metrics_port=0))
+    router = start_router_thread(
+        RouterSettings(listen="127.0.0.1:0", shard_map=str(map_path), metrics_port=0)
+    )
     try:
         with grpc.insecure_channel(f"127.0.0.1:{router.port}") as channel:
             call = channel.unary_unary(GET_BALANCE, request_serializer=None, response_deserializer=None)
