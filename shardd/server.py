@@ -10,8 +10,10 @@ from datetime import UTC, datetime, timedelta
 import grpc
 import psycopg
 from grpc_health.v1 import health
+from opentelemetry import trace
 
 from shardd import migrations, partitions
+from shardd.admission import AdmissionInterceptor, AdmissionLimits
 from shardd.db import Database
 from shardd.idempotency import IdempotencyConfig, IdempotencyInterceptor, MutatingMethod
 from shardd.idempotency.interceptor import OutcomeListener
@@ -23,8 +25,9 @@ from shardd.ledger.service import (
     validate_credit,
     validate_transfer_id_only,
 )
+from shardd.observability import ShardMetrics, ShardStateCollector
 from shardd.settings import ShardSettings
-from shardrouter import grpcserver
+from shardrouter import grpcserver, telemetry
 from shardrouter.error_interceptor import DomainErrorInterceptor
 from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
 from shardrouter.shardmap import ShardMap, load_shard_map
@@ -87,6 +90,9 @@ class ShardDaemon:
     health: health.HealthServicer
     shard_map: ShardMap | None
     background: list[object] = field(default_factory=list)
+    #: The daemon's metrics (None when metrics_port is 0) and the port /metrics is served on.
+    metrics: ShardMetrics | None = None
+    metrics_port: int = 0
 
     def stop(self, grace_s: float | None = None) -> None:
         """Graceful stop: health NOT_SERVING, drain calls, stop the relay, close the pool."""
@@ -98,12 +104,25 @@ class ShardDaemon:
         self.database.close()
 
 
-def start_shard(settings: ShardSettings, *, listeners: Sequence[OutcomeListener] = ()) -> ShardDaemon:
-    """Migrate, then serve; health turns SERVING only when the schema is ready."""
+def start_shard(
+    settings: ShardSettings,
+    *,
+    listeners: Sequence[OutcomeListener] = (),
+    tracer_provider: trace.TracerProvider | None = None,
+    metrics_host: str | None = None,
+) -> ShardDaemon:
+    """Migrate, then serve; health turns SERVING only when the schema is ready.
+
+    Tracing: spans go to `tracer_provider` when given (tests), else to the global provider that
+    `telemetry.configure_tracing` installed; with neither, the tracing interceptor is left out.
+    Metrics: with `settings.metrics_port > 0`, /metrics is served on `metrics_host` (default: the
+    host of `settings.listen`, so a loopback daemon exposes its metrics on loopback only).
+    """
     shard_map = load_shard_map(settings.shard_map) if settings.shard_map else None
     if shard_map is not None and shard_map.shard_by_id(settings.shard_id) is None:
         raise SystemExit(f"shard map {settings.shard_map} has no shard {settings.shard_id!r}")
     locator = ShardLocator(settings.shard_id, (lambda a: shard_map.shard_for(a).id) if shard_map else None)
+    metrics = ShardMetrics() if settings.metrics_port > 0 else None
     database = Database(
         settings.dsn,
         min_size=settings.pool_min,
@@ -117,11 +136,24 @@ def start_shard(settings: ShardSettings, *, listeners: Sequence[OutcomeListener]
         identity=IdentityPolicy(
             dev_mode=settings.dev_mode, trusted_proxies=frozenset(settings.trusted_proxies)
         ),
-        listeners=listeners,
+        listeners=[*listeners, *([metrics.observe] if metrics else [])],
+        tracer=telemetry.get_tracer(tracer_provider) if telemetry.tracing_active(tracer_provider) else None,
+        shard_id=settings.shard_id,
     )
+    interceptors: list[grpcserver.ServerInterceptorBase] = []
+    if telemetry.tracing_active(tracer_provider):
+        interceptors.append(telemetry.server_interceptor(tracer_provider))  # first: the SERVER span
+    # Admission before anything touches the database: a shed call costs no connection.
+    admission = AdmissionLimits(
+        max_in_flight=settings.max_in_flight,
+        max_per_caller=settings.max_in_flight_per_caller,
+        retry_after_ms=settings.in_flight_retry_ms,
+    )
+    interceptors.append(AdmissionInterceptor(admission, frozenset(settings.trusted_proxies)))
+    interceptors += [DomainErrorInterceptor(skip={m.full_name for m in mutating_methods()}), interceptor]
     server = grpcserver.new_server(
         workers=settings.workers,
-        interceptors=[DomainErrorInterceptor(skip={m.full_name for m in mutating_methods()}), interceptor],
+        interceptors=interceptors,
         options=grpcserver.server_options(
             max_message_bytes=settings.max_message_bytes,
             max_metadata_bytes=settings.max_metadata_bytes,
@@ -140,7 +172,15 @@ def start_shard(settings: ShardSettings, *, listeners: Sequence[OutcomeListener]
     server.start()  # health answers NOT_SERVING while the schema is prepared
     prepare_database(settings.dsn, settings.retention)
     database.open()
-    daemon = ShardDaemon(settings, server, port, database, health_servicer, shard_map)
+    daemon = ShardDaemon(settings, server, port, database, health_servicer, shard_map, metrics=metrics)
+    if metrics is not None:
+        collector = ShardStateCollector(database, retention=settings.retention, metrics=metrics)
+        collector.start()
+        daemon.background.append(collector)
+        host = metrics_host if metrics_host is not None else _listen_host(settings.listen)
+        metrics_server = telemetry.start_metrics_server(settings.metrics_port, metrics.registry, host=host)
+        daemon.background.append(metrics_server)
+        daemon.metrics_port = metrics_server.port
     if shard_map is not None and settings.relay_workers > 0:
         from shardd.relay import OutboxRelay
 
@@ -152,3 +192,9 @@ def start_shard(settings: ShardSettings, *, listeners: Sequence[OutcomeListener]
         log.warning("no TLS and not in dev mode: every call will be refused as unauthenticated")
     log.info("shard %s serving on port %d", settings.shard_id, port)
     return daemon
+
+
+def _listen_host(listen: str) -> str:
+    """The host part of a gRPC listen address ("[::]:50061" -> "::", "0.0.0.0:50061" -> "0.0.0.0")."""
+    host = listen.rsplit(":", 1)[0] if ":" in listen else listen
+    return host.strip("[]") or "0.0.0.0"  # noqa: S104 - an empty host means every interface

@@ -28,8 +28,9 @@ class ShardSettings:
     metrics_port: int = 9465
     #: Shard map file; needed to route credits to other shards. Empty: a single-shard system.
     shard_map: str = ""
-    #: gRPC worker threads (concurrent calls being served).
-    workers: int = 16
+    #: gRPC worker threads. Keep more than `max_in_flight`: the spare threads answer shed calls at once
+    #: instead of letting them queue behind busy ones.
+    workers: int = 32
     #: Database pool bounds and how long a call may wait for a connection.
     pool_min: int = 2
     pool_max: int = 16
@@ -51,8 +52,8 @@ class ShardSettings:
     #: Dead letters may be replayed by hand for this long; retention must outlast it.
     dead_letter_replay_days: int = 7
     #: Admission: calls in flight in total and per caller before new ones are shed at once.
-    max_in_flight: int = 64
-    max_in_flight_per_caller: int = 32
+    max_in_flight: int = 16
+    max_in_flight_per_caller: int = 8
     #: Largest request accepted (bytes).
     max_message_bytes: int = 64 * 1024
     #: Largest request metadata accepted (bytes).

@@ -72,6 +72,8 @@ def make_settings(dsn: str, **overrides: object) -> ShardSettings:
         "dev_mode": True,
         "workers": 16,
         "pool_max": 16,
+        # Concurrency tests run many calls of one caller at once; shedding is tested on its own.
+        "max_in_flight_per_caller": 16,
         "shutdown_grace_s": 1.0,
         "relay_workers": 0,
     }
