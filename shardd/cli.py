@@ -13,7 +13,7 @@ import psycopg
 from shardd import retention as retention_job
 from shardd.server import MONTHS_AHEAD, prepare_database, start_shard
 from shardd.settings import ShardSettings, parse_settings
-from shardrouter import grpcserver
+from shardrouter import grpcserver, telemetry
 from shardrouter.keys import key_time
 from shardrouter.logs import configure_logging
 
@@ -82,9 +82,13 @@ def _positional(args: list[str]) -> list[str]:
 
 
 def _serve(settings: ShardSettings) -> int:
+    # Off unless the OTEL_* environment asks for it (docs/tracing.md); before the server is built,
+    # so the daemon sees the provider and adds its tracing interceptor.
+    telemetry.configure_tracing(f"shardd/{settings.shard_id}")
     daemon = start_shard(settings)
     grpcserver.wait_for_termination_signal()
     daemon.stop()
+    telemetry.shutdown_tracing()  # flush the spans still queued
     log.info("stopped")
     return 0
 

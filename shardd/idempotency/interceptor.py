@@ -5,20 +5,29 @@ response bytes exactly. Per call: read and check the key -> decode and validate 
 are answered before any claim and never stored) -> open one transaction -> claim the key -> run the
 real handler in that transaction (published through `shardd.db.bind_transaction`) -> store the full
 outcome -> commit -> answer. Transient failures roll everything back and leave the key free.
+
+Tracing: each guarded call gets an `idempotency` span (a child of the gRPC SERVER span) carrying the
+key, scope, outcome and method, with an event on replays, conflicts and key reuse; the database
+transaction gets a `db.transaction` child span. A replay or a conflict is not an error: only
+transient and internal failures set the span's status to ERROR. With tracing off no span is made.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from shardd.db import Database, bind_transaction, mapped_database_errors
 from shardd.idempotency import store
@@ -37,6 +46,7 @@ from shardrouter.errors import (
 )
 from shardrouter.grpcserver import MethodHandler, ServerInterceptorBase
 from shardrouter.keys import KEY_FORMAT_HINT, KEY_METADATA, key_time, parse_key
+from shardrouter.telemetry import SERVER_ERROR_CODES, get_tracer, tracing_active
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +81,10 @@ class CallOutcome:
     method: str
     scope: str
     key: str
-    outcome: str  # new | replay | in_progress_conflict | key_reused | expired | invalid | transient
+    outcome: str  # new | replay | in_progress_conflict | key_reused | expired | invalid | error
     code: grpc.StatusCode
+    #: Seconds from the call reaching the interceptor to its outcome being known.
+    duration_s: float = 0.0
 
 
 class IdempotencyInterceptor(ServerInterceptorBase):
@@ -87,6 +99,9 @@ class IdempotencyInterceptor(ServerInterceptorBase):
         identity: IdentityPolicy,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         listeners: Sequence[OutcomeListener] = (),
+        #: Spans go here; default: the global tracer while tracing is on, none otherwise.
+        tracer: trace.Tracer | None = None,
+        shard_id: str = "",
     ) -> None:
         self._db = database
         self._methods: Mapping[str, MutatingMethod] = {m.full_name: m for m in methods}
@@ -94,6 +109,9 @@ class IdempotencyInterceptor(ServerInterceptorBase):
         self._identity = identity
         self._clock = clock
         self._listeners = tuple(listeners)
+        # No tracer while tracing is off: the calls then skip even the no-op spans.
+        self._tracer = tracer if tracer is not None else (get_tracer() if tracing_active() else None)
+        self._shard_id = shard_id
 
     def intercept_service(
         self,
@@ -126,13 +144,33 @@ class _GuardedCall:
         self._handler = handler
 
     def __call__(self, raw: bytes, context: grpc.ServicerContext) -> bytes | None:
+        owner = self._owner
+        if owner._tracer is None:
+            return self._guarded(raw, context, trace.INVALID_SPAN)
+        attributes = {"rpc.method": self._method.full_name}
+        if owner._shard_id:
+            attributes["shard.id"] = owner._shard_id
+        # The abort that answers a refused call raises through this block: the status is set in
+        # `_trace_outcome`, never from the exception.
+        with owner._tracer.start_as_current_span(
+            "idempotency",
+            kind=SpanKind.INTERNAL,
+            attributes=attributes,
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            return self._guarded(raw, context, span)
+
+    def _guarded(self, raw: bytes, context: grpc.ServicerContext, span: trace.Span) -> bytes | None:
         owner, method = self._owner, self._method.full_name
+        started = time.perf_counter()
         scope, key_text = "", ""
         expiry_trailer: Trailer | None = None
         try:
             metadata = tuple(context.invocation_metadata())
             key = _key_from(metadata)
             key_text = str(key)
+            span.set_attribute("idempotency.key", key_text)
             moment = key_time(key)
             expires_at = moment + owner._config.retention
             expiry_trailer = (EXPIRES_AT_TRAILER, expires_at.isoformat(timespec="milliseconds"))
@@ -140,11 +178,12 @@ class _GuardedCall:
             request = self._decode(raw)
             self._method.validate(request)
             scope = f"{self._method.scope_prefix}|{owner._identity.caller_of(context, metadata)}"
+            span.set_attribute("idempotency.scope", scope)
             request_hash = hashlib.sha256(
                 method.encode() + b"\x00" + request.SerializeToString(deterministic=True)
             ).digest()
             try:
-                outcome, kind = self._execute(context, scope, key, moment, request, request_hash)
+                outcome, kind = self._execute(context, scope, key, moment, request, request_hash, span)
             except ShardRouterError:
                 raise
             except Exception as exc:
@@ -155,13 +194,19 @@ class _GuardedCall:
                 ) from exc
         except ShardRouterError as error:
             kind = _kind_of(error)
-            owner._notify(CallOutcome(method, scope, key_text, kind, error.code))
+            _trace_outcome(span, kind, error.code, error.message)
+            owner._notify(
+                CallOutcome(method, scope, key_text, kind, error.code, time.perf_counter() - started)
+            )
             trailers: list[Trailer] = [(OUTCOME_TRAILER, kind)]
             if expiry_trailer is not None:
                 trailers.append(expiry_trailer)
             context.abort_with_status(to_grpc_status(error, trailers))
             raise AssertionError("abort_with_status returned") from None  # pragma: no cover
-        owner._notify(CallOutcome(method, scope, key_text, kind, _code(outcome.code)))
+        _trace_outcome(span, kind, _code(outcome.code), outcome.message)
+        owner._notify(
+            CallOutcome(method, scope, key_text, kind, _code(outcome.code), time.perf_counter() - started)
+        )
         assert expiry_trailer is not None
         extra: list[Trailer] = [expiry_trailer]
         if kind == "replay":
@@ -208,10 +253,15 @@ class _GuardedCall:
         moment: datetime,
         request: Message,
         request_hash: bytes,
+        span: trace.Span,
     ) -> tuple[StoredOutcome, str]:
         config = self._owner._config
         db = self._owner._db
-        with mapped_database_errors(db.transient_retry_ms), db.connection() as conn:
+        with (
+            _db_span(self._owner._tracer),
+            mapped_database_errors(db.transient_retry_ms),
+            db.connection() as conn,
+        ):
             with conn.transaction():
                 _bound_statement_time(conn, context)
                 claim = store.claim_key(
@@ -225,6 +275,9 @@ class _GuardedCall:
                     handler_lock_timeout_ms=config.handler_lock_timeout_ms,
                 )
                 if claim.status is ClaimStatus.IN_FLIGHT:
+                    span.add_event(
+                        "idempotency.conflict", {"idempotency.retry_after_ms": config.in_flight_retry_ms}
+                    )
                     raise Aborted(
                         "an earlier attempt with this idempotency key is still in progress; "
                         f"retry the same request with the same key in {config.in_flight_retry_ms} ms",
@@ -235,12 +288,26 @@ class _GuardedCall:
                     record = claim.existing
                     assert record is not None and record.outcome is not None
                     if record.request_hash != request_hash:
+                        span.add_event(
+                            "idempotency.key_reused",
+                            {
+                                "idempotency.first_method": record.method,
+                                "idempotency.first_used_at": record.created_at.isoformat(),
+                            },
+                        )
                         raise FailedPrecondition(
                             "this idempotency key was already used for a different request "
                             f"to {record.method}; use a new key for a new operation",
                             reason=Reason.IDEMPOTENCY_KEY_REUSED,
                             metadata={"first_used_at": record.created_at.isoformat()},
                         )
+                    span.add_event(
+                        "idempotency.replay",
+                        {
+                            "idempotency.first_used_at": record.created_at.isoformat(),
+                            "idempotency.stored_status_code": record.outcome.code,
+                        },
+                    )
                     return record.outcome, "replay"
                 outcome = self._run_handler(conn, key, context, request)
                 store.complete_key(conn, scope=scope, key=key, key_time=moment, outcome=outcome)
@@ -336,6 +403,44 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 def _code(value: int) -> grpc.StatusCode:
     return _CODES[value]
+
+
+def _trace_outcome(span: trace.Span, kind: str, code: grpc.StatusCode, message: str) -> None:
+    """The outcome on the idempotency span; ERROR only for real (transient or internal) failures."""
+    span.set_attribute("idempotency.outcome", kind)
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if kind == "error" and code in SERVER_ERROR_CODES:
+        span.set_status(Status(StatusCode.ERROR, message or code.name))
+
+
+@contextmanager
+def _db_span(tracer: trace.Tracer | None) -> Iterator[None]:
+    """`db.transaction`: connection checkout, key claim, handler statements, stored outcome, commit.
+
+    Refusals raised inside (conflict, key reuse) are answers, not database failures; only the mapped
+    transient failures and unexpected exceptions make the span an error.
+    """
+    if tracer is None:
+        yield
+        return
+    with tracer.start_as_current_span(
+        "db.transaction",
+        kind=SpanKind.CLIENT,
+        attributes={"db.system": "postgresql", "db.system.name": "postgresql"},
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            yield
+        except ShardRouterError as error:
+            if error.code in SERVER_ERROR_CODES:
+                span.record_exception(error)
+                span.set_status(Status(StatusCode.ERROR, error.message))
+            raise
+        except Exception as exc:
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            raise
 
 
 def _kind_of(error: ShardRouterError) -> str:

@@ -1,0 +1,225 @@
+"""The shard's /metrics endpoint (real HTTP on loopback) and the database gauges behind it."""
+
+from __future__ import annotations
+
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import grpc
+import psycopg
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from shardd import partitions, retention
+from shardd.observability import ShardState, ShardStateCollector, retention_lag_s
+from shardd.server import MONTHS_AHEAD, ShardDaemon, _listen_host, start_shard
+from shardrouter.devcluster.postgres import free_port
+from shardrouter.shardmap import even_shard_map, shard_map_document
+from shardrouter.telemetry import RouterMetrics, start_metrics_server
+from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
+from tests.conftest import deposit, key_metadata, make_settings, money
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(port: int) -> Samples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        assert reply.status == 200
+        text = reply.read().decode()
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+def collector_of(daemon: ShardDaemon) -> ShardStateCollector:
+    (collector,) = [t for t in daemon.background if isinstance(t, ShardStateCollector)]
+    return collector
+
+
+@pytest.fixture
+def metered(database: str) -> Iterator[ShardDaemon]:
+    daemon = start_shard(make_settings(database, metrics_port=free_port()), metrics_host="127.0.0.1")
+    yield daemon
+    daemon.stop(0.5)
+
+
+def test_requests_total_moves_on_replay(metered: ShardDaemon) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{metered.port}") as channel:
+        stub = transfer_pb2_grpc.TransferServiceStub(channel)
+        md = key_metadata()
+        request = transfer_pb2.DepositRequest(account_id="alice", amount=money(5))
+        stub.Deposit(request, metadata=md)
+        before = scrape(metered.metrics_port)
+        assert value(before, "shardd_requests_total", method="Deposit", outcome="new") == 1
+        assert value(before, "shardd_requests_total", method="Deposit", outcome="replay") is None
+        stub.Deposit(request, metadata=md)
+        stub.Deposit(request, metadata=md)
+        after = scrape(metered.metrics_port)
+        assert value(after, "shardd_requests_total", method="Deposit", outcome="replay") == 2
+        assert value(after, "shardd_requests_total", method="Deposit", outcome="new") == 1
+        assert value(after, "shardd_handler_duration_seconds_count", method="Deposit", outcome="replay") == 2
+        assert value(after, "shardd_key_reuse_total") == 0
+        with pytest.raises(grpc.RpcError):
+            stub.Deposit(transfer_pb2.DepositRequest(account_id="alice", amount=money(6)), metadata=md)
+        with pytest.raises(grpc.RpcError):
+            stub.Deposit(request, metadata=[])  # no key
+        last = scrape(metered.metrics_port)
+    assert value(last, "shardd_key_reuse_total") == 1
+    assert value(last, "shardd_requests_total", method="Deposit", outcome="key_reused") == 1
+    assert value(last, "shardd_requests_total", method="Deposit", outcome="invalid") == 1
+
+
+def test_database_gauges(
+    metered: ShardDaemon, db: psycopg.Connection[tuple[object, ...]], database: str
+) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{metered.port}") as channel:
+        deposit(transfer_pb2_grpc.TransferServiceStub(channel), "alice", 10)
+    current = partitions.Month.of(datetime.now(UTC)).table
+    db.execute(f"ANALYZE {current}")
+    assert collector_of(metered).refresh()
+    samples = scrape(metered.metrics_port)
+    assert value(samples, "shardd_idempotency_records", partition=current) == 1
+    size = value(samples, "shardd_idempotency_partition_bytes", partition=current)
+    assert size is not None and size > 8192
+    age = value(samples, "shardd_idempotency_oldest_partition_age_seconds")
+    assert age is not None and age > 30 * 86400, "the oldest kept partition starts a retention window ago"
+    assert value(samples, "shardd_retention_lag_seconds") == 0
+    assert value(samples, "shardd_retention_last_success_timestamp_seconds") is None  # never ran
+    assert value(samples, "shardd_outbox_backlog") == 0
+    assert value(samples, "shardd_outbox_oldest_age_seconds") == 0
+
+    # A forgotten partition from 2020: retention is years behind; a run drops it and records itself.
+    with psycopg.connect(database, autocommit=True) as conn:
+        partitions.create_partition(conn, partitions.Month(2020, 1))
+    assert collector_of(metered).refresh()
+    behind = scrape(metered.metrics_port)
+    assert (
+        value(behind, "shardd_idempotency_partition_bytes", partition="idempotency_record_2020_01")
+        is not None
+    )
+    lag = value(behind, "shardd_retention_lag_seconds")
+    assert lag is not None and lag > 365 * 86400
+    retention.run_retention(database, retention=metered.settings.retention, months_ahead=MONTHS_AHEAD)
+    assert collector_of(metered).refresh()
+    caught_up = scrape(metered.metrics_port)
+    assert value(caught_up, "shardd_retention_lag_seconds") == 0
+    assert (
+        value(caught_up, "shardd_idempotency_partition_bytes", partition="idempotency_record_2020_01") is None
+    )
+    finished = value(caught_up, "shardd_retention_last_success_timestamp_seconds")
+    assert finished is not None and abs(finished - datetime.now(UTC).timestamp()) < 60
+
+
+def test_outbox_backlog_gauge(database: str, tmp_path: Path) -> None:
+    """A cross-shard transfer with no relay running leaves one credit in the outbox."""
+    shard_map = even_shard_map({"shard-0": f"127.0.0.1:{free_port()}", "shard-1": "127.0.0.1:9"})
+    path = tmp_path / "map.yaml"
+    path.write_text(yaml.safe_dump(shard_map_document(shard_map)))
+    address = shard_map.shard_by_id("shard-0").address  # type: ignore[union-attr]
+    daemon = start_shard(
+        make_settings(
+            database, shard_id="shard-0", listen=address, shard_map=str(path), metrics_port=free_port()
+        ),
+        metrics_host="127.0.0.1",
+    )
+    try:
+        local = next(f"a{i}" for i in range(1000) if shard_map.shard_for(f"a{i}").id == "shard-0")
+        remote = next(f"a{i}" for i in range(1000) if shard_map.shard_for(f"a{i}").id == "shard-1")
+        with grpc.insecure_channel(address) as channel:
+            stub = transfer_pb2_grpc.TransferServiceStub(channel)
+            deposit(stub, local, 100)
+            stub.Transfer(
+                transfer_pb2.TransferRequest(
+                    source_account_id=local, destination_account_id=remote, amount=money(10)
+                ),
+                metadata=key_metadata(),
+            )
+        assert collector_of(daemon).refresh()
+        samples = scrape(daemon.metrics_port)
+    finally:
+        daemon.stop(0.5)
+    assert value(samples, "shardd_outbox_backlog") == 1
+    oldest = value(samples, "shardd_outbox_oldest_age_seconds")
+    assert oldest is not None and 0 <= oldest < 60
+    assert value(samples, "shardd_requests_total", method="Transfer", outcome="new") == 1
+
+
+def test_collector_keeps_last_values_when_the_database_fails(metered: ShardDaemon) -> None:
+    collector = collector_of(metered)
+    assert collector.refresh()
+    kept = collector.state
+    metered.database.close()
+    assert not collector.refresh()
+    assert collector.state is kept
+    samples = scrape(metered.metrics_port)
+    assert value(samples, "shardd_metrics_collector_errors_total") == 1
+    assert value(samples, "shardd_outbox_backlog") == 0
+
+
+def test_retention_lag_is_zero_until_the_oldest_month_is_wholly_expired() -> None:
+    month = partitions.Month(2026, 1)
+    info = partitions.PartitionInfo(month, 0, 0)
+    window = timedelta(days=30)
+
+    def state(at: datetime) -> ShardState:
+        return ShardState(at, (info,), None, 0, 0.0)
+
+    droppable = month.end() + window
+    assert retention_lag_s(state(droppable - timedelta(seconds=1)), window) == 0
+    assert retention_lag_s(state(droppable + timedelta(hours=2)), window) == 7200
+    assert retention_lag_s(ShardState(droppable, (), None, 0, 0.0), window) == 0
+
+
+def test_metrics_off_when_port_is_zero(shard: ShardDaemon) -> None:
+    assert shard.metrics is None
+    assert shard.metrics_port == 0
+
+
+def test_metrics_host_follows_the_listen_address() -> None:
+    assert _listen_host("127.0.0.1:50061") == "127.0.0.1"
+    assert _listen_host("0.0.0.0:50061") == "0.0.0.0"
+    assert _listen_host("[::]:50061") == "::"
+    assert _listen_host(":50061") == "0.0.0.0"
+
+
+def test_router_metrics_endpoint() -> None:
+    metrics = RouterMetrics()
+    server = start_metrics_server(0, metrics.registry, host="127.0.0.1")
+    try:
+        metrics.observe("/shardrouter.v1.TransferService/Transfer", grpc.StatusCode.OK, 0.01)
+        metrics.observe("/shardrouter.v1.TransferService/Transfer", grpc.StatusCode.UNAVAILABLE, 0.5)
+        metrics.observe("/shardrouter.v1.TransferService/Transfer", grpc.StatusCode.OK)
+        with metrics.timed("/shardrouter.v1.TransferService/Deposit") as done:
+            done(grpc.StatusCode.ABORTED)
+        samples = scrape(server.port)
+    finally:
+        server.stop()
+    assert value(samples, "router_requests_total", method="Transfer", code="OK") == 2
+    assert value(samples, "router_requests_total", method="Transfer", code="UNAVAILABLE") == 1
+    assert value(samples, "router_requests_total", method="Deposit", code="ABORTED") == 1
+    assert value(samples, "router_request_duration_seconds_count", method="Transfer", code="OK") == 1
+
+
+def test_two_shards_in_one_process_have_separate_registries(database: str, postgres) -> None:  # type: ignore[no-untyped-def]
+    name = f"m{uuid.uuid4().hex[:10]}"
+    postgres.create_database(name)
+    a = start_shard(make_settings(database, metrics_port=free_port()), metrics_host="127.0.0.1")
+    b = start_shard(make_settings(postgres.dsn_for(name), metrics_port=free_port()), metrics_host="127.0.0.1")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{a.port}") as channel:
+            deposit(transfer_pb2_grpc.TransferServiceStub(channel), "alice", 1)
+        assert value(scrape(a.metrics_port), "shardd_requests_total", method="Deposit", outcome="new") == 1
+        assert value(scrape(b.metrics_port), "shardd_requests_total", method="Deposit", outcome="new") is None
+    finally:
+        a.stop(0.5)
+        b.stop(0.5)

@@ -1,0 +1,386 @@
+"""Spans of the idempotency interceptor and trace propagation, against a real shard and PostgreSQL.
+
+Each outcome (new, replay, in-flight conflict, key reuse, transient failure) must give the
+`idempotency` span its attributes, events and status; caller, router and shard spans must share
+one trace.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+import grpc
+import psycopg
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import SpanKind, StatusCode
+
+from shardrouter import telemetry
+from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
+from tests.conftest import deposit, key_metadata, money
+from tests.observability.conftest import SERVICE, Traced
+
+DEPOSIT = "/shardrouter.v1.TransferService/Deposit"
+
+
+def _deposit(amount: int = 5, account: str = "alice") -> transfer_pb2.DepositRequest:
+    return transfer_pb2.DepositRequest(account_id=account, amount=money(amount))
+
+
+def _idem(traced: Traced, key: str, count: int = 1) -> list[ReadableSpan]:
+    spans = traced.wait_for(lambda: traced.spans("idempotency", {"idempotency.key": key}), count)
+    assert len(spans) == count, [dict(s.attributes or {}) for s in traced.spans("idempotency")]
+    return sorted(spans, key=lambda s: s.start_time or 0)
+
+
+def _events(span: ReadableSpan) -> list[str]:
+    return [e.name for e in span.events]
+
+
+def _parent_of(traced: Traced, span: ReadableSpan) -> ReadableSpan:
+    assert span.parent is not None, f"{span.name} has no parent"
+    by_id = {s.context.span_id: s for s in traced.exporter.get_finished_spans()}
+    return by_id[span.parent.span_id]
+
+
+def test_first_call_then_replay(traced: Traced) -> None:
+    md = key_metadata()
+    key = md[0][1]
+    traced.stub.Deposit(_deposit(), metadata=md)
+    traced.stub.Deposit(_deposit(), metadata=md)
+    first, replay = _idem(traced, key, 2)
+
+    for span in (first, replay):
+        attrs = dict(span.attributes or {})
+        assert attrs["idempotency.scope"] == f"{DEPOSIT}|anonymous"
+        assert attrs["rpc.method"] == DEPOSIT
+        assert attrs["shard.id"] == "shard-obs"
+        assert attrs["service.name"] == SERVICE
+        assert attrs["rpc.grpc.status_code"] == 0
+    assert first.attributes["idempotency.outcome"] == "new"  # type: ignore[index]
+    assert replay.attributes["idempotency.outcome"] == "replay"  # type: ignore[index]
+    assert _events(first) == []
+    assert _events(replay) == ["idempotency.replay"]
+    event = replay.events[0]
+    assert event.attributes is not None and event.attributes["idempotency.stored_status_code"] == 0
+    # A replay is not an error.
+    assert first.status.status_code is StatusCode.UNSET
+    assert replay.status.status_code is StatusCode.UNSET
+
+    # The idempotency span is the child of the gRPC SERVER span; the database span its child.
+    for span in (first, replay):
+        server = _parent_of(traced, span)
+        assert server.kind is SpanKind.SERVER
+        assert server.name == DEPOSIT.lstrip("/")
+        assert server.attributes is not None and server.attributes["idempotency.key"] == key
+        assert server.context.trace_id == span.context.trace_id
+    db_spans = [
+        s for s in traced.spans("db.transaction") if s.parent and s.parent.span_id == first.context.span_id
+    ]
+    assert len(db_spans) == 1
+    assert db_spans[0].attributes is not None and db_spans[0].attributes["db.system"] == "postgresql"
+    assert db_spans[0].status.status_code is StatusCode.UNSET
+
+
+def test_in_flight_duplicate_is_a_conflict_not_an_error(traced: Traced, database: str) -> None:
+    deposit(traced.stub, "alice", 100)
+    md = key_metadata()
+    key = uuid.UUID(md[0][1])
+    scope = f"{DEPOSIT}|anonymous"
+    # Hold the key as an in-flight first attempt would (as in test_interceptor_outcomes).
+    holder = psycopg.connect(database)
+    try:
+        holder.execute(
+            "INSERT INTO idempotency_record (scope, key, key_time, method, request_hash, state)"
+            " VALUES (%s, %s, %s, 'x', '\\x00', 'in_progress')",
+            (scope, key, datetime.fromtimestamp((key.int >> 80) / 1000, UTC)),
+        )
+        holder.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"{scope} {key}",))
+        with pytest.raises(grpc.RpcError) as info:
+            traced.stub.Deposit(_deposit(), metadata=md)
+        assert info.value.code() is grpc.StatusCode.ABORTED
+    finally:
+        holder.rollback()
+        holder.close()
+
+    (span,) = _idem(traced, str(key))
+    assert span.attributes is not None
+    assert span.attributes["idempotency.outcome"] == "in_progress_conflict"
+    assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.ABORTED.value[0]
+    assert _events(span) == ["idempotency.conflict"]
+    assert span.events[0].attributes is not None
+    assert span.events[0].attributes["idempotency.retry_after_ms"] == 100
+    assert span.status.status_code is StatusCode.UNSET
+    server = _parent_of(traced, span)
+    assert server.attributes is not None and server.attributes["rpc.grpc.status_code"] == 10
+    assert server.status.status_code is StatusCode.UNSET  # ABORTED is the caller's to retry
+
+
+def test_key_reused_for_a_different_request(traced: Traced) -> None:
+    md = key_metadata()
+    traced.stub.Deposit(_deposit(5), metadata=md)
+    with pytest.raises(grpc.RpcError) as info:
+        traced.stub.Deposit(_deposit(6), metadata=md)
+    assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    first, reused = _idem(traced, md[0][1], 2)
+    assert first.attributes is not None and first.attributes["idempotency.outcome"] == "new"
+    assert reused.attributes is not None and reused.attributes["idempotency.outcome"] == "key_reused"
+    assert _events(reused) == ["idempotency.key_reused"]
+    assert reused.events[0].attributes is not None
+    assert reused.events[0].attributes["idempotency.first_method"] == DEPOSIT
+    assert reused.status.status_code is StatusCode.UNSET
+
+
+def test_transient_failure_is_an_error(database: str) -> None:
+    """A handler that cannot get a row lock in time: UNAVAILABLE, and the spans say ERROR."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from shardd.server import start_shard
+    from tests.conftest import make_settings
+
+    exporter = InMemorySpanExporter()
+    provider = telemetry.new_tracer_provider(SERVICE, [exporter], batch=False)
+    daemon = start_shard(make_settings(database, handler_lock_timeout_ms=100), tracer_provider=provider)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{daemon.port}") as channel:
+            stub = transfer_pb2_grpc.TransferServiceStub(channel)
+            deposit(stub, "alice", 100)
+            md = key_metadata()
+            with psycopg.connect(database) as holder:
+                holder.execute("SELECT 1 FROM accounts WHERE id = 'alice' FOR UPDATE")
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Deposit(_deposit(), metadata=md)
+                holder.rollback()
+            assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        daemon.stop(0.5)
+    provider.force_flush()
+    spans = exporter.get_finished_spans()
+    (idem,) = [
+        s
+        for s in spans
+        if s.name == "idempotency" and (s.attributes or {}).get("idempotency.key") == md[0][1]
+    ]
+    assert idem.attributes is not None and idem.attributes["idempotency.outcome"] == "error"
+    assert idem.status.status_code is StatusCode.ERROR
+    (db_span,) = [
+        s
+        for s in spans
+        if s.name == "db.transaction" and s.parent and s.parent.span_id == idem.context.span_id
+    ]
+    assert db_span.status.status_code is StatusCode.ERROR
+    assert any(e.name == "exception" for e in db_span.events)
+    (server,) = [s for s in spans if idem.parent and s.context.span_id == idem.parent.span_id]
+    assert server.status.status_code is StatusCode.ERROR  # UNAVAILABLE is a server failure
+    provider.shutdown()
+
+
+def test_caller_span_and_shard_spans_share_one_trace(traced: Traced) -> None:
+    tracer = traced.provider.get_tracer("test-caller")
+    md = key_metadata()
+    with tracer.start_as_current_span("caller.transfer", kind=SpanKind.CLIENT) as caller:
+        sent = telemetry.inject_trace_context(md)
+        traced.stub.Deposit(_deposit(), metadata=sent)
+    assert [k for k, _ in sent].count("traceparent") == 1
+    assert sent[0] == md[0], "the other entries keep their place"
+    (idem,) = _idem(traced, md[0][1])
+    trace_id = caller.get_span_context().trace_id
+    server = _parent_of(traced, idem)
+    assert server.context.trace_id == trace_id
+    assert idem.context.trace_id == trace_id
+    assert server.parent is not None and server.parent.span_id == caller.get_span_context().span_id
+    assert server.parent.is_remote
+    db_spans = [s for s in traced.spans("db.transaction") if s.context.trace_id == trace_id]
+    assert db_spans, "the database span is in the caller's trace too"
+
+
+def test_client_interceptor_makes_the_parent_span(traced: Traced) -> None:
+    channel = grpc.intercept_channel(traced.channel, telemetry.client_interceptor(traced.provider))
+    stub = transfer_pb2_grpc.TransferServiceStub(channel)
+    md = key_metadata()
+    stub.Deposit(_deposit(), metadata=md)
+    with pytest.raises(grpc.RpcError):
+        stub.Deposit(_deposit(7), metadata=md)  # key reused
+    clients = traced.wait_for(
+        lambda: [s for s in traced.spans(DEPOSIT.lstrip("/")) if s.kind is SpanKind.CLIENT], 2
+    )
+    assert len(clients) == 2
+    first_client, failed_client = sorted(clients, key=lambda s: s.start_time or 0)
+    first, _ = _idem(traced, md[0][1], 2)
+    server = _parent_of(traced, first)
+    assert server.parent is not None and server.parent.span_id == first_client.context.span_id
+    assert first_client.status.status_code is StatusCode.UNSET
+    # On the client side any non-OK answer is an error (gRPC semantic conventions).
+    assert failed_client.status.status_code is StatusCode.ERROR
+    assert failed_client.attributes is not None
+    assert failed_client.attributes["rpc.grpc.status_code"] == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+
+
+def test_router_span_sits_between_caller_and_shard(traced: Traced) -> None:
+    tracer = traced.provider.get_tracer("test-caller")
+    md = key_metadata()
+    with tracer.start_as_current_span("caller") as caller:
+        incoming = telemetry.inject_trace_context(md)
+    # The router gets the caller's metadata on another thread, with no current span of its own.
+    assert not trace.get_current_span().get_span_context().is_valid
+    with telemetry.router_span(
+        DEPOSIT, incoming, tracer_provider=traced.provider, shard_id="shard-obs"
+    ) as out:
+        traced.stub.Deposit(_deposit(), metadata=out)
+        telemetry.record_forwarded_status(grpc.StatusCode.OK)
+    (router,) = traced.spans(DEPOSIT.lstrip("/"), {"shard.id": "shard-obs"})
+    assert router.kind is SpanKind.CLIENT
+    assert router.parent is not None and router.parent.span_id == caller.get_span_context().span_id
+    (idem,) = _idem(traced, md[0][1])
+    server = _parent_of(traced, idem)
+    assert server.parent is not None and server.parent.span_id == router.context.span_id
+    assert {router.context.trace_id, server.context.trace_id, idem.context.trace_id} == {
+        caller.get_span_context().trace_id
+    }
+
+
+def test_inject_keeps_duplicates_and_replaces_old_trace_headers() -> None:
+    provider = telemetry.new_tracer_provider("t", [], batch=False)
+    md = [
+        ("idempotency-key", "a"),
+        ("idempotency-key", "b"),
+        ("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01"),
+    ]
+    with provider.get_tracer("t").start_as_current_span("s") as span:
+        out = telemetry.inject_trace_context(md)
+    assert out[:2] == md[:2]
+    parents = [v for k, v in out if k == "traceparent"]
+    assert len(parents) == 1
+    context = span.get_span_context()
+    assert parents[0].startswith(f"00-{context.trace_id:032x}-{context.span_id:016x}-")
+    # Without an active span the metadata is left as it is.
+    assert telemetry.inject_trace_context(md) == md
+
+
+def test_exporters_from_env() -> None:
+    assert telemetry.exporters_from_env({}) == []
+    assert telemetry.exporters_from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}) == ["otlp"]
+    assert telemetry.exporters_from_env({"OTEL_TRACES_EXPORTER": "console,otlp"}) == ["console", "otlp"]
+    assert (
+        telemetry.exporters_from_env({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "x"})
+        == []
+    )
+    disabled = {"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "otlp"}
+    assert telemetry.exporters_from_env(disabled) == []
+    with pytest.raises(ValueError, match="zipkin"):
+        telemetry.exporters_from_env({"OTEL_TRACES_EXPORTER": "zipkin"})
+
+
+def test_tracing_off_installs_nothing_and_the_shard_serves_without_the_interceptor(stub, shard) -> None:
+    assert telemetry.configure_tracing("shardd/test", env={}) is None
+    assert not telemetry.tracing_active()
+    interceptors = shard.server._state.interceptor_pipeline.interceptors  # type: ignore[attr-defined]
+    assert not any(isinstance(i, telemetry.TracingServerInterceptor) for i in interceptors)
+    md = key_metadata()
+    reply = stub.Deposit(_deposit(9), metadata=md)
+    assert reply.balance.amount_minor == 9
+
+
+def test_aio_router_spans_caller_router_and_shard_in_one_trace(traced: Traced) -> None:
+    """A grpc.aio forwarder like the router's: SERVER span (aio interceptor), CLIENT span per
+    forwarding attempt (router_span), then the shard's spans, all children in one trace."""
+    import asyncio
+
+    shard_address = f"127.0.0.1:{traced.daemon.port}"
+    provider = traced.provider
+
+    async def forward(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        incoming = tuple(context.invocation_metadata() or ())
+        outgoing = [(k, v) for k, v in incoming if k in ("idempotency-key", "traceparent", "tracestate")]
+        async with grpc.aio.insecure_channel(shard_address) as channel:
+            call = channel.unary_unary(DEPOSIT)
+            with telemetry.router_span(
+                DEPOSIT, outgoing, tracer_provider=provider, shard_id="shard-obs"
+            ) as md:
+                try:
+                    reply: bytes = await call(raw, metadata=tuple(md))
+                except grpc.aio.AioRpcError as error:
+                    telemetry.record_forwarded_status(error.code())
+                    await context.abort(error.code(), error.details() or "")
+                telemetry.record_forwarded_status(grpc.StatusCode.OK)
+        return reply
+
+    async def refuse(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "shard unreachable")
+        raise AssertionError("unreachable")
+
+    handlers = {
+        "Deposit": grpc.unary_unary_rpc_method_handler(forward),
+        "Refuse": grpc.unary_unary_rpc_method_handler(refuse),
+    }
+    caller_tracer = provider.get_tracer("test-caller")
+    md = key_metadata()
+
+    async def scenario() -> trace.Span:
+        server = grpc.aio.server(interceptors=[telemetry.aio_server_interceptor(provider)])
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("shardrouter.v1.TransferService", handlers),)
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                body = _deposit().SerializeToString()
+                with caller_tracer.start_as_current_span("caller", kind=SpanKind.CLIENT) as caller:
+                    await channel.unary_unary(DEPOSIT)(
+                        body, metadata=tuple(telemetry.inject_trace_context(md))
+                    )
+                    await channel.unary_unary(DEPOSIT)(
+                        body, metadata=tuple(telemetry.inject_trace_context(md))
+                    )
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await channel.unary_unary("/shardrouter.v1.TransferService/Refuse")(body)
+                assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+        finally:
+            await server.stop(0)
+        return caller
+
+    caller = asyncio.run(scenario())
+    trace_id = caller.get_span_context().trace_id
+    first, replay = _idem(traced, md[0][1], 2)
+    assert replay.attributes is not None and replay.attributes["idempotency.outcome"] == "replay"
+    for idem in (first, replay):
+        shard_server = _parent_of(traced, idem)
+        router_client = _parent_of(traced, shard_server)
+        router_server = _parent_of(traced, router_client)
+        assert (shard_server.kind, router_client.kind, router_server.kind) == (
+            SpanKind.SERVER,
+            SpanKind.CLIENT,
+            SpanKind.SERVER,
+        )
+        assert router_client.attributes is not None and router_client.attributes["shard.id"] == "shard-obs"
+        assert router_server.parent is not None
+        assert router_server.parent.span_id == caller.get_span_context().span_id
+        assert {idem.context.trace_id, shard_server.context.trace_id, router_server.context.trace_id} == {
+            trace_id
+        }
+        assert router_server.status.status_code is StatusCode.UNSET
+    (refused,) = traced.spans("shardrouter.v1.TransferService/Refuse")
+    assert refused.kind is SpanKind.SERVER
+    assert refused.attributes is not None and refused.attributes["rpc.grpc.status_code"] == 14
+    assert refused.status.status_code is StatusCode.ERROR
+
+
+def test_expired_and_invalid_keys_are_refusals_not_errors(traced: Traced) -> None:
+    from shardrouter.keys import new_key
+
+    old = new_key(int((datetime.now(UTC).timestamp() - 60 * 86400) * 1000))
+    with pytest.raises(grpc.RpcError) as info:
+        traced.stub.Deposit(_deposit(), metadata=[("idempotency-key", str(old))])
+    assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    (expired,) = _idem(traced, str(old))
+    assert expired.attributes is not None and expired.attributes["idempotency.outcome"] == "expired"
+    assert expired.status.status_code is StatusCode.UNSET
+    with pytest.raises(grpc.RpcError):
+        traced.stub.Deposit(_deposit(), metadata=[("idempotency-key", "not-a-key")])
+    invalid = traced.wait_for(lambda: traced.spans("idempotency", {"idempotency.outcome": "invalid"}))
+    assert len(invalid) == 1
+    assert "idempotency.key" not in (invalid[0].attributes or {})
+    assert invalid[0].status.status_code is StatusCode.UNSET
