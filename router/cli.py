@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from router.server import ListenError, start_router
 from router.settings import RouterSettings, parse_settings
+from shardrouter import telemetry
 from shardrouter.logs import configure_logging
 from shardrouter.shardmap import ShardMapError
 
@@ -43,7 +44,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"router: {exc}", file=sys.stderr)
         return 2
     configure_logging("router", level=settings.log_level, fmt=settings.log_format)
-    return asyncio.run(serve(settings))
+    # Off unless the OTEL_* environment asks for it (docs/tracing.md).
+    telemetry.configure_tracing("router")
+    try:
+        return asyncio.run(serve(settings))
+    finally:
+        telemetry.shutdown_tracing()  # flush the spans still queued
 
 
 async def serve(settings: RouterSettings) -> int:

@@ -30,10 +30,12 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
+from opentelemetry import trace
 
 from router.channels import ChannelPool
 from router.metadata import CallerPolicy, MetadataEntry, forwardable
 from router.routing import METHODS_BY_PATH, RoutedMethod, ShardMapHolder, routing_account
+from shardrouter import telemetry
 from shardrouter.errors import ERROR_DOMAIN, Internal, Reason, ShardRouterError, Unavailable, to_grpc_status
 from shardrouter.keys import KEY_METADATA
 from shardrouter.shardmap import Shard
@@ -76,8 +78,13 @@ class Forwarder(_GenericHandler):
         callers: CallerPolicy,
         forward_retries: int,
         max_deadline_s: float,
+        tracer_provider: trace.TracerProvider | None = None,
+        traced: bool = False,
     ) -> None:
         self._maps = shard_maps
+        # With tracing on, each forwarding attempt is a CLIENT span whose traceparent the shard sees.
+        self._traced = traced
+        self._tracer_provider = tracer_provider
         self._pool = pool
         self._callers = callers
         self._retries = forward_retries
@@ -140,6 +147,26 @@ class Forwarder(_GenericHandler):
             attempt += 1
 
     async def _attempt(
+        self,
+        shard: Shard,
+        method: RoutedMethod,
+        raw: bytes,
+        metadata: tuple[MetadataEntry, ...],
+        context: ServicerContext,
+    ) -> Outcome:
+        if not self._traced:
+            return await self._send(shard, method, raw, metadata, context)
+        with telemetry.router_span(
+            method.full_name, metadata, tracer_provider=self._tracer_provider, shard_id=shard.id
+        ) as traced_metadata:
+            outcome = await self._send(shard, method, raw, tuple(traced_metadata), context)
+            span = trace.get_current_span()
+            if unreached(outcome.code, outcome.trailing_metadata):
+                span.set_attribute("router.shard_unreached", True)
+            telemetry.record_forwarded_status(outcome.code, outcome.details)
+            return outcome
+
+    async def _send(
         self,
         shard: Shard,
         method: RoutedMethod,

@@ -27,13 +27,14 @@ import grpc.aio
 from grpc_health.v1 import _async as health_aio  # = grpc_health.v1.health.aio; not in the type stubs
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
 
 from router.channels import ChannelPool
 from router.forwarding import Forwarder
 from router.metadata import CallerPolicy
 from router.routing import SERVICE, ShardMapHolder
 from router.settings import RouterSettings
-from shardrouter import grpcserver
+from shardrouter import grpcserver, telemetry
 from shardrouter.shardmap import ShardMap
 
 log = logging.getLogger(__name__)
@@ -67,12 +68,18 @@ class Router:
         await self.pool.close()
 
 
-async def start_router(settings: RouterSettings) -> Router:
+async def start_router(
+    settings: RouterSettings, *, tracer_provider: trace.TracerProvider | None = None
+) -> Router:
     """Load the shard map (ShardMapError if it is unusable), then serve on the running event loop.
+
+    Tracing: spans go to `tracer_provider` when given (tests), else to the global provider that
+    `telemetry.configure_tracing` installed; with neither, no tracing interceptor or span is made.
 
     Raises ListenError if the listen address cannot be bound, OSError if a TLS file cannot be read.
     """
     loop = asyncio.get_running_loop()
+    traced = telemetry.tracing_active(tracer_provider)
     pool = ChannelPool(
         credentials=(
             grpcserver.channel_credentials(
@@ -100,8 +107,11 @@ async def start_router(settings: RouterSettings) -> Router:
         callers=CallerPolicy(verifies_callers=settings.verifies_callers, dev_mode=settings.dev_mode),
         forward_retries=settings.forward_retries,
         max_deadline_s=settings.max_deadline_s,
+        tracer_provider=tracer_provider,
+        traced=traced,
     )
     server = grpc.aio.server(
+        interceptors=[telemetry.aio_server_interceptor(tracer_provider)] if traced else [],
         options=grpcserver.server_options(
             max_message_bytes=settings.max_message_bytes,
             max_metadata_bytes=settings.max_metadata_bytes,
@@ -169,14 +179,20 @@ async def mark_serving(servicer: Any, service_names: Sequence[str]) -> None:
 class RouterThread:
     """A router serving on an event loop of its own, in a daemon thread, for synchronous callers."""
 
-    def __init__(self, settings: RouterSettings, *, start_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        *,
+        start_timeout_s: float = 30.0,
+        tracer_provider: trace.TracerProvider | None = None,
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="router-loop", daemon=True)
         self._thread.start()
         try:
-            self.router = asyncio.run_coroutine_threadsafe(start_router(settings), self._loop).result(
-                start_timeout_s
-            )
+            self.router = asyncio.run_coroutine_threadsafe(
+                start_router(settings, tracer_provider=tracer_provider), self._loop
+            ).result(start_timeout_s)
         except BaseException:
             self._close_loop()
             raise
@@ -201,6 +217,8 @@ class RouterThread:
             self._loop.close()
 
 
-def start_router_thread(settings: RouterSettings) -> RouterThread:
+def start_router_thread(
+    settings: RouterSettings, *, tracer_provider: trace.TracerProvider | None = None
+) -> RouterThread:
     """Serve `settings` on a background event loop; `.port` and `.stop()` work from any thread."""
-    return RouterThread(settings)
+    return RouterThread(settings, tracer_provider=tracer_provider)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import grpc
+from opentelemetry import trace
 
 from shardclient.operation import Attempt, Operation, OperationState, Outcome, utc_now
 from shardclient.retry import RetryPolicy, Verdict, backoff_s, classify, server_delay_s
@@ -31,6 +32,7 @@ from shardclient.status import (
     was_replayed,
 )
 from shardclient.store import OperationStore, UnknownOperation
+from shardclient.tracing import AttemptSpans, OperationTracer, record_attempt, record_operation
 from shardclient.wire import (
     MutatingResponse,
     build_request,
@@ -96,8 +98,12 @@ class TransferClient:
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        tracer_provider: trace.TracerProvider | None = None,
     ) -> None:
         """Connect to `target` (router or shard), or use `channel` as given.
+
+        Tracing (see `shardclient.tracing`): spans go to `tracer_provider`, else to the global
+        provider if the application installed one; with neither, no span is made.
 
         `store` may be None for a read-only client. `metadata` is sent on every call (e.g. a token);
         it must not contain `idempotency-key` or `x-caller-id`, which this client manages. The channel
@@ -132,6 +138,7 @@ class TransferClient:
         self._sleep = sleep
         self._clock = clock
         self._rng = rng or random.Random()  # jitter, not secrets
+        self._tracing = OperationTracer(tracer_provider)
 
     def close(self) -> None:
         """Close the channel if this client created it."""
@@ -205,6 +212,13 @@ class TransferClient:
             raise UnknownOperation(
                 f"operation {operation.id} is not in the store; create it there before sending"
             )
+        with self._tracing.operation(op, _METHODS[op.kind]) as spans:
+            result = self._send(op, policy, spans)
+            record_operation(result.state.value, result.attempts)
+        return result
+
+    def _send(self, op: Operation, policy: RetryPolicy, spans: AttemptSpans) -> SendResult:
+        store = self._require_store()
         request = build_request(op.kind, op.arguments)
         call = self._raw[op.kind]
         metadata = self._mutating_metadata(op)
@@ -214,17 +228,19 @@ class TransferClient:
             timeout = min(policy.attempt_timeout_s, policy.budget_s - (self._clock() - start))
             started_at, t0 = utc_now(), self._clock()
             raw: bytes | None = None
-            try:
-                raw, rpc = call.with_call(request, timeout=timeout, metadata=metadata)
-                code, message, trailers = grpc.StatusCode.OK, "", tuple(rpc.trailing_metadata() or ())
-            except grpc.RpcError as error:
-                code, message = error.code(), error.details() or ""
-                trailers = _trailers_of(error)
+            with spans.attempt(metadata) as (sent, span):
+                try:
+                    raw, rpc = call.with_call(request, timeout=timeout, metadata=sent)
+                    code, message, trailers = grpc.StatusCode.OK, "", tuple(rpc.trailing_metadata() or ())
+                except grpc.RpcError as error:
+                    code, message = error.code(), error.details() or ""
+                    trailers = _trailers_of(error)
+                replayed = was_replayed(trailers)
+                record_attempt(span, code, message, replayed=replayed)
             attempts += 1
             details = ErrorDetails() if raw is not None else error_details(trailers)
             delay_hint = server_delay_s(details, pushback_s(trailers))
             verdict = classify(code, details, delay_hint)
-            replayed = was_replayed(trailers)
             attempt = Attempt(
                 started_at=started_at,
                 code=code.name,

@@ -384,3 +384,100 @@ def test_expired_and_invalid_keys_are_refusals_not_errors(traced: Traced) -> Non
     assert len(invalid) == 1
     assert "idempotency.key" not in (invalid[0].attributes or {})
     assert invalid[0].status.status_code is StatusCode.UNSET
+
+
+def _router_for(traced: Traced, tmp_path):
+    """The real router (grpc.aio, in a thread) in front of the traced shard, tracing to the same provider."""
+    import yaml
+
+    from router.server import start_router_thread
+    from router.settings import RouterSettings
+    from shardrouter.shardmap import even_shard_map, shard_map_document
+
+    path = tmp_path / "shard-map.yaml"
+    path.write_text(
+        yaml.safe_dump(shard_map_document(even_shard_map({"shard-obs": f"127.0.0.1:{traced.daemon.port}"})))
+    )
+    settings = RouterSettings(listen="127.0.0.1:0", shard_map=str(path), dev_mode=True, metrics_port=0)
+    return start_router_thread(settings, tracer_provider=traced.provider)
+
+
+def _chain(traced: Traced, span: ReadableSpan) -> list[ReadableSpan]:
+    """`span` and its ancestors, innermost first."""
+    by_id = {s.context.span_id: s for s in traced.exporter.get_finished_spans()}
+    chain = [span]
+    while chain[-1].parent is not None and chain[-1].parent.span_id in by_id:
+        chain.append(by_id[chain[-1].parent.span_id])
+    return chain
+
+
+def test_caller_library_router_and_shard_in_one_trace_with_linked_retries(
+    traced: Traced, database: str, tmp_path
+) -> None:
+    """Real caller library -> real router -> shard: a conflict, its retry, then a replay.
+
+    The first attempt meets an in-flight holder of the key (ABORTED), the library retries after the
+    RetryInfo delay and the key is new by then; a second send replays. Every attempt's chain is
+    caller operation -> caller attempt -> router SERVER -> router CLIENT -> shard SERVER ->
+    idempotency, in one trace; the retry links to the first attempt.
+    """
+    import threading
+
+    from shardclient import SqliteOperationStore, TransferClient
+
+    router = _router_for(traced, tmp_path)
+    store = SqliteOperationStore(str(tmp_path / "ops.db"))
+    client = TransferClient(
+        f"127.0.0.1:{router.port}", store=store, caller_id="billing", tracer_provider=traced.provider
+    )
+    holder = psycopg.connect(database)
+    try:
+        op = client.create_deposit("alice", 500, "EUR")
+        key = uuid.UUID(op.idempotency_key)
+        scope = f"{DEPOSIT}|billing"
+        holder.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"{scope} {key}",))
+        released = threading.Timer(0.3, holder.rollback)
+        released.start()
+        first = client.send_with_retries(op, attempt_timeout_s=2.0, budget_s=10.0)
+        released.join()
+        assert first.ok and not first.replayed and first.attempts >= 2
+        again = client.send_with_retries(op)
+        assert again.ok and again.replayed
+    finally:
+        holder.close()
+        client.close()
+        router.stop(0.5)
+
+    idem = _idem(traced, str(key), first.attempts + 1)
+    outcomes = [s.attributes["idempotency.outcome"] for s in idem]  # type: ignore[index]
+    assert outcomes == ["in_progress_conflict"] * (first.attempts - 1) + ["new", "replay"]
+    chains = [_chain(traced, s) for s in idem]
+    for chain in chains:
+        names = [(s.name, s.kind) for s in chain]
+        assert names == [
+            ("idempotency", SpanKind.INTERNAL),
+            ("shardrouter.v1.TransferService/Deposit", SpanKind.SERVER),  # shard
+            ("shardrouter.v1.TransferService/Deposit", SpanKind.CLIENT),  # router -> shard
+            ("shardrouter.v1.TransferService/Deposit", SpanKind.SERVER),  # router
+            ("shardrouter.v1.TransferService/Deposit", SpanKind.CLIENT),  # caller attempt
+            ("shardclient.operation", SpanKind.INTERNAL),
+        ], names
+        assert len({s.context.trace_id for s in chain}) == 1
+        assert chain[2].attributes is not None and chain[2].attributes["shard.id"] == "shard-obs"
+        for span in chain[1:]:
+            assert span.attributes is not None and span.attributes.get("idempotency.key", str(key)) == str(key)
+    # One trace per send: the conflict and its retry share the first operation span.
+    first_send = {c[-1].context.span_id for c in chains[:-1]}
+    assert len(first_send) == 1
+    assert chains[-1][-1].context.span_id not in first_send
+    attempts = [c[4] for c in chains[:-1]]
+    assert attempts[0].links == ()
+    for retry in attempts[1:]:
+        assert [link.context.span_id for link in retry.links] == [attempts[0].context.span_id]
+    # The caller's side: the conflict is an error there (to retry), the replay is tagged.
+    assert attempts[0].status.status_code is StatusCode.ERROR
+    replay_attempt = chains[-1][4]
+    assert replay_attempt.attributes is not None and replay_attempt.attributes["idempotency.replayed"] is True
+    assert [e.name for e in replay_attempt.events] == ["idempotency.replay"]
+    operation = chains[-1][-1]
+    assert operation.attributes is not None and operation.attributes["operation.state"] == "succeeded"
