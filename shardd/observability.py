@@ -1,7 +1,8 @@
-"""The shard daemon's Prometheus metrics: call outcomes from the idempotency interceptor, and the
-state of the key table, the retention job and the outbox read from the database.
+"""The shard daemon's metrics, as OpenTelemetry instruments: call outcomes from the idempotency
+interceptor, and the state of the key table, the retention job and the outbox read from the database.
 
-Metric names (deploy manifests and alerts use them; docs/tracing.md has the PromQL):
+Each daemon has its own `MeterProvider` and Prometheus registry (`shardrouter.metrics`), served at
+/metrics. Exposed names (deploy manifests and alerts use them; docs/tracing.md has the PromQL):
 
 - `shardd_requests_total{method,outcome}` and `shardd_handler_duration_seconds{method,outcome}`:
   every guarded call; `outcome` is new | replay | in_progress_conflict | key_reused | expired |
@@ -15,27 +16,30 @@ Metric names (deploy manifests and alerts use them; docs/tracing.md has the Prom
 - `shardd_retention_last_success_timestamp_seconds`: end of the last recorded retention run
   (absent until the first run).
 - `shardd_outbox_backlog`, `shardd_outbox_oldest_age_seconds`: undelivered cross-shard credits.
+- `shardd_metrics_collector_errors_total`: failed refreshes of the database gauges.
 
-The database gauges come from a snapshot a background thread refreshes (every 15 s by default)
-with short read-only queries on the daemon's own pool; a scrape never touches the database.
+The database gauges are observable gauges whose callbacks read the snapshot a background thread
+refreshes (every 15 s by default) with short read-only queries on the daemon's own pool; a scrape
+never touches the database.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+from opentelemetry.sdk.metrics.export import MetricReader
+from prometheus_client import CollectorRegistry
 
 from shardd import partitions
 from shardd.db import Database
 from shardd.idempotency.interceptor import CallOutcome
 from shardd.ledger import store as ledger_store
+from shardrouter.metrics import new_metrics_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -47,43 +51,53 @@ QUERY_TIMEOUT_MS = 2000
 
 
 class ShardMetrics:
-    """The daemon's metric registry; `observe` is the idempotency interceptor's outcome listener."""
+    """The daemon's instruments and registry; `observe` is the idempotency interceptor's outcome listener."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        self.requests = Counter(
+    def __init__(
+        self, registry: CollectorRegistry | None = None, *, readers: Sequence[MetricReader] = ()
+    ) -> None:
+        self.pipeline = new_metrics_pipeline(registry, readers=readers)
+        self.registry = self.pipeline.registry
+        self.meter: Meter = self.pipeline.meter(__name__)
+        self.requests = self.meter.create_counter(
             "shardd_requests",
-            "Guarded (mutating) calls by method and idempotency outcome.",
-            ["method", "outcome"],
-            registry=self.registry,
+            unit="{call}",
+            description="Guarded (mutating) calls by method and idempotency outcome.",
         )
-        self.duration = Histogram(
+        self.duration = self.meter.create_histogram(
             "shardd_handler_duration_seconds",
-            "Time to answer a guarded call (claim, handler, stored outcome, commit).",
-            ["method", "outcome"],
-            buckets=DURATION_BUCKETS,
-            registry=self.registry,
+            unit="s",
+            description="Time to answer a guarded call (claim, handler, stored outcome, commit).",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
         )
-        self.key_reuse = Counter(
+        self.key_reuse = self.meter.create_counter(
             "shardd_key_reuse",
-            "Calls that reused an idempotency key for a different request.",
-            registry=self.registry,
+            unit="{call}",
+            description="Calls that reused an idempotency key for a different request.",
         )
-        self.collector_errors = Counter(
+        self.collector_errors = self.meter.create_counter(
             "shardd_metrics_collector_errors",
-            "Failed refreshes of the database gauges (the gauges keep their last values).",
-            registry=self.registry,
+            unit="{refresh}",
+            description="Failed refreshes of the database gauges (the gauges keep their last values).",
         )
+        # An OpenTelemetry counter has no series until its first add; these unlabelled ones are
+        # alerted on with increase(), which needs the 0 sample from the start.
+        self.key_reuse.add(0)
+        self.collector_errors.add(0)
 
     def observe(self, outcome: CallOutcome) -> None:
         """Count one guarded call (an `OutcomeListener` for `start_shard(listeners=...)`)."""
-        method = outcome.method.rsplit("/", 1)[-1]
-        self.requests.labels(method, outcome.outcome).inc()
-        self.duration.labels(method, outcome.outcome).observe(outcome.duration_s)
+        labels = {"method": outcome.method.rsplit("/", 1)[-1], "outcome": outcome.outcome}
+        self.requests.add(1, labels)
+        self.duration.record(outcome.duration_s, labels)
         if outcome.outcome == "key_reused":
-            self.key_reuse.inc()
+            self.key_reuse.add(1)
 
     __call__ = observe
+
+    def shutdown(self) -> None:
+        """Stop the provider; the registry stops exposing the instruments (idempotent)."""
+        self.pipeline.shutdown()
 
 
 @dataclass(frozen=True)
@@ -123,8 +137,43 @@ def retention_lag_s(state: ShardState, retention: timedelta) -> float:
     return max(0.0, (state.taken_at - droppable_since).total_seconds())
 
 
-class ShardStateCollector(Collector):
-    """Keeps the latest `ShardState` and exposes it as gauges; `start()` refreshes it periodically."""
+#: Reads the gauge values out of a snapshot.
+StateReader = Callable[[ShardState], Iterable[Observation]]
+
+
+def _partition_rows(state: ShardState) -> Iterable[Observation]:
+    return [Observation(p.rows, {"partition": p.month.table}) for p in state.partitions]
+
+
+def _partition_bytes(state: ShardState) -> Iterable[Observation]:
+    return [Observation(p.bytes, {"partition": p.month.table}) for p in state.partitions]
+
+
+def _oldest_partition_age(state: ShardState) -> Iterable[Observation]:
+    if not state.partitions:
+        return []
+    return [Observation((state.taken_at - state.partitions[0].month.start()).total_seconds())]
+
+
+def _last_retention(state: ShardState) -> Iterable[Observation]:
+    # Absent (not 0) before the first run: `time() - metric` would otherwise page at once.
+    return [] if state.last_retention is None else [Observation(state.last_retention.timestamp())]
+
+
+def _outbox_backlog(state: ShardState) -> Iterable[Observation]:
+    return [Observation(state.outbox_backlog)]
+
+
+def _outbox_oldest_age(state: ShardState) -> Iterable[Observation]:
+    return [Observation(state.outbox_oldest_age_s)]
+
+
+class ShardStateCollector:
+    """Keeps the latest `ShardState` and exposes it as gauges; `start()` refreshes it periodically.
+
+    With `metrics`, the gauges are observable gauges on its meter, and `stop()` also shuts the
+    metrics down: the daemon stops its collector when it stops, and nothing reads its metrics after.
+    """
 
     def __init__(
         self,
@@ -144,7 +193,7 @@ class ShardStateCollector(Collector):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if metrics is not None:
-            metrics.registry.register(self)
+            self._register_gauges(metrics.meter)
 
     @property
     def state(self) -> ShardState | None:
@@ -158,7 +207,7 @@ class ShardStateCollector(Collector):
         except Exception as exc:
             log.warning("metrics: reading the shard's state failed: %s", exc)
             if self._metrics is not None:
-                self._metrics.collector_errors.inc()
+                self._metrics.collector_errors.add(1)
             return False
         return True
 
@@ -169,65 +218,73 @@ class ShardStateCollector(Collector):
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the refresh thread."""
+        """Stop the refresh thread, then the metrics (their registry stops exposing them)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._metrics is not None:
+            self._metrics.shutdown()
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
             self.refresh()
 
-    def describe(self) -> Iterable[GaugeMetricFamily]:
-        """No fixed description (the series depend on the partitions); avoids a collect at register."""
-        return ()
+    def _retention_lag(self, state: ShardState) -> Iterable[Observation]:
+        return [Observation(retention_lag_s(state, self._retention))]
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        """The gauges of the latest snapshot."""
-        state = self._state
-        if state is None:
-            return
-        records = GaugeMetricFamily(
-            "shardd_idempotency_records",
-            "Estimated rows (planner statistics) of each idempotency_record partition.",
-            labels=["partition"],
-        )
-        size = GaugeMetricFamily(
-            "shardd_idempotency_partition_bytes",
-            "On-disk size of each idempotency_record partition, indexes and TOAST included.",
-            labels=["partition"],
-        )
-        for part in state.partitions:
-            records.add_metric([part.month.table], part.rows)
-            size.add_metric([part.month.table], part.bytes)
-        yield records
-        yield size
-        if state.partitions:
-            age = (state.taken_at - state.partitions[0].month.start()).total_seconds()
-            yield GaugeMetricFamily(
+    def _observer(self, read: StateReader) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        """A gauge callback: `read` applied to the latest snapshot, nothing before the first one."""
+
+        def callback(_options: CallbackOptions) -> Iterable[Observation]:
+            state = self._state  # one read: the refresh thread may swap it meanwhile
+            return () if state is None else read(state)
+
+        return callback
+
+    def _register_gauges(self, meter: Meter) -> None:
+        gauges: list[tuple[str, str, str, StateReader]] = [
+            (
+                "shardd_idempotency_records",
+                "{row}",
+                "Estimated rows (planner statistics) of each idempotency_record partition.",
+                _partition_rows,
+            ),
+            (
+                "shardd_idempotency_partition_bytes",
+                "By",
+                "On-disk size of each idempotency_record partition, indexes and TOAST included.",
+                _partition_bytes,
+            ),
+            (
                 "shardd_idempotency_oldest_partition_age_seconds",
+                "s",
                 "Age of the start of the oldest idempotency_record partition.",
-                value=age,
-            )
-        yield GaugeMetricFamily(
-            "shardd_retention_lag_seconds",
-            "How long the oldest partition has been wholly past retention without being dropped (0: on time).",
-            value=retention_lag_s(state, self._retention),
-        )
-        if state.last_retention is not None:
-            yield GaugeMetricFamily(
+                _oldest_partition_age,
+            ),
+            (
+                "shardd_retention_lag_seconds",
+                "s",
+                "How long the oldest partition has been wholly past retention without being dropped (0: on time).",
+                self._retention_lag,
+            ),
+            (
                 "shardd_retention_last_success_timestamp_seconds",
+                "s",
                 "Unix time the last retention run finished.",
-                value=state.last_retention.timestamp(),
+                _last_retention,
+            ),
+            ("shardd_outbox_backlog", "{credit}", "Cross-shard credits not yet delivered.", _outbox_backlog),
+            (
+                "shardd_outbox_oldest_age_seconds",
+                "s",
+                "Age of the oldest undelivered cross-shard credit (0: none).",
+                _outbox_oldest_age,
+            ),
+        ]
+        for name, unit, description, read in gauges:
+            meter.create_observable_gauge(
+                name, callbacks=[self._observer(read)], unit=unit, description=description
             )
-        yield GaugeMetricFamily(
-            "shardd_outbox_backlog", "Cross-shard credits not yet delivered.", value=state.outbox_backlog
-        )
-        yield GaugeMetricFamily(
-            "shardd_outbox_oldest_age_seconds",
-            "Age of the oldest undelivered cross-shard credit (0: none).",
-            value=state.outbox_oldest_age_s,
-        )
 
 
 __all__ = ["ShardMetrics", "ShardState", "ShardStateCollector", "read_state", "retention_lag_s"]

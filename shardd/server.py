@@ -30,6 +30,7 @@ from shardd.settings import ShardSettings
 from shardrouter import grpcserver, telemetry
 from shardrouter.error_interceptor import DomainErrorInterceptor
 from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
+from shardrouter.metrics import start_metrics_server
 from shardrouter.shardmap import ShardMap, load_shard_map
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from shardrouter.validation import validate_deposit, validate_transfer
@@ -177,8 +178,8 @@ def start_shard(
         collector = ShardStateCollector(database, retention=settings.retention, metrics=metrics)
         collector.start()
         daemon.background.append(collector)
-        host = metrics_host if metrics_host is not None else _listen_host(settings.listen)
-        metrics_server = telemetry.start_metrics_server(settings.metrics_port, metrics.registry, host=host)
+        host = metrics_host if metrics_host is not None else grpcserver.listen_host(settings.listen)
+        metrics_server = start_metrics_server(settings.metrics_port, metrics.registry, host=host)
         daemon.background.append(metrics_server)
         daemon.metrics_port = metrics_server.port
     if shard_map is not None and settings.relay_workers > 0:
@@ -192,9 +193,3 @@ def start_shard(
         log.warning("no TLS and not in dev mode: every call will be refused as unauthenticated")
     log.info("shard %s serving on port %d", settings.shard_id, port)
     return daemon
-
-
-def _listen_host(listen: str) -> str:
-    """The host part of a gRPC listen address ("[::]:50061" -> "::", "0.0.0.0:50061" -> "0.0.0.0")."""
-    host = listen.rsplit(":", 1)[0] if ":" in listen else listen
-    return host.strip("[]") or "0.0.0.0"  # noqa: S104 - an empty host means every interface

@@ -132,3 +132,12 @@ def graceful_stop(server: grpc.Server, servicer: health.HealthServicer, grace_s:
     """Stop accepting calls (health NOT_SERVING first), let in-flight calls finish within `grace_s`."""
     servicer.enter_graceful_shutdown()
     server.stop(grace_s).wait(grace_s + 1)
+
+
+def listen_host(listen: str) -> str:
+    """The host part of a gRPC listen address ("[::]:50061" -> "::", "0.0.0.0:50061" -> "0.0.0.0").
+
+    Side endpoints (/metrics) bind the same host, so a loopback daemon exposes them on loopback only.
+    """
+    host = listen.rsplit(":", 1)[0] if ":" in listen else listen
+    return host.strip("[]") or "0.0.0.0"  # noqa: S104 - an empty host means every interface

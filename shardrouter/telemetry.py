@@ -20,8 +20,7 @@ Propagation is W3C trace context (`traceparent`, `tracestate`) in gRPC metadata:
 `server_interceptor()` extracts it and opens the SERVER span of each call; `client_interceptor()`,
 `inject_trace_context()` and `router_span()` put it on outgoing calls.
 
-Metrics use plain `prometheus-client` (exact metric names, no exporter renaming), each process with
-its own `CollectorRegistry`, served by `start_metrics_server()`.
+Metrics are in `shardrouter.metrics` (OpenTelemetry instruments read by the Prometheus reader).
 """
 
 from __future__ import annotations
@@ -29,11 +28,8 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from threading import Thread
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
@@ -48,12 +44,10 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
 )
 from opentelemetry.trace import SpanKind, Status, StatusCode
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
 from shardrouter.grpcserver import MethodHandler, ServerInterceptorBase
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
 
     ClientInterceptorBase = grpc.UnaryUnaryClientInterceptor[Any, Any]
     AioServerInterceptorBase = grpc.aio.ServerInterceptor[Any, Any]
@@ -179,6 +173,13 @@ def shutdown_tracing() -> None:
     provider = trace.get_tracer_provider()
     if isinstance(provider, TracerProvider):
         provider.shutdown()
+
+
+def force_flush(timeout_ms: int = 5000) -> None:
+    """Export the spans still queued in the global provider, if one is installed."""
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):
+        provider.force_flush(timeout_ms)
 
 
 def tracing_active(tracer_provider: trace.TracerProvider | None = None) -> bool:
@@ -499,85 +500,10 @@ def record_forwarded_status(code: grpc.StatusCode, message: str = "") -> None:
     set_rpc_status(trace.get_current_span(), code, server=False, message=message)
 
 
-# --- metrics ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class MetricsServer:
-    """A running Prometheus /metrics HTTP endpoint."""
-
-    host: str
-    port: int
-    _server: WSGIServer
-    _thread: Thread
-
-    def stop(self) -> None:
-        """Stop serving and release the port."""
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
-
-
-def start_metrics_server(port: int, registry: CollectorRegistry, *, host: str = "0.0.0.0") -> MetricsServer:  # noqa: S104
-    """Serve `registry` at http://host:port/metrics in a daemon thread (port 0: pick a free one).
-
-    The default host is every interface (a Prometheus in the cluster scrapes the pod); local runs
-    and tests pass 127.0.0.1.
-    """
-    server, thread = start_http_server(port, addr=host, registry=registry)
-    bound = int(server.server_port)
-    log.info("metrics on http://%s:%d/metrics", host, bound)
-    return MetricsServer(host, bound, server, thread)
-
-
-class RouterMetrics:
-    """The router's request counter and latency: `router_requests_total{method,code}`.
-
-    `method` is the short method name ("Transfer"), `code` the gRPC status name the router
-    answered ("OK", "ABORTED", "UNAVAILABLE", ...).
-    """
-
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        self.requests = Counter(
-            "router_requests",
-            "Calls the router answered, by method and gRPC status code.",
-            ["method", "code"],
-            registry=self.registry,
-        )
-        self.duration = Histogram(
-            "router_request_duration_seconds",
-            "Time the router took to answer a call, forwarding included.",
-            ["method", "code"],
-            registry=self.registry,
-        )
-
-    def observe(self, method: str, code: grpc.StatusCode, seconds: float | None = None) -> None:
-        """Count one answered call."""
-        short = method.rsplit("/", 1)[-1]
-        self.requests.labels(short, code.name).inc()
-        if seconds is not None:
-            self.duration.labels(short, code.name).observe(seconds)
-
-    @contextmanager
-    def timed(self, method: str) -> Iterator[Callable[[grpc.StatusCode], None]]:
-        """Time a call; call the yielded function with the final code (UNKNOWN if never called)."""
-        started = time.perf_counter()
-        final: list[grpc.StatusCode] = []
-        try:
-            yield final.append
-        finally:
-            self.observe(
-                method, final[-1] if final else grpc.StatusCode.UNKNOWN, time.perf_counter() - started
-            )
-
-
 __all__ = [
     "SERVER_ERROR_CODES",
     "TRACE_PROJECT",
     "AioTracingServerInterceptor",
-    "MetricsServer",
-    "RouterMetrics",
     "ServiceNameSpanProcessor",
     "TracingClientInterceptor",
     "TracingServerInterceptor",
@@ -586,6 +512,7 @@ __all__ = [
     "configure_tracing",
     "exporters_from_env",
     "extract_trace_context",
+    "force_flush",
     "get_tracer",
     "inject_trace_context",
     "new_tracer_provider",
@@ -594,6 +521,5 @@ __all__ = [
     "server_interceptor",
     "set_rpc_status",
     "shutdown_tracing",
-    "start_metrics_server",
     "tracing_active",
 ]

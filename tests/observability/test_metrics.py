@@ -12,14 +12,26 @@ import grpc
 import psycopg
 import pytest
 import yaml
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader, NumberDataPoint
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shardd import partitions, retention
-from shardd.observability import ShardState, ShardStateCollector, retention_lag_s
-from shardd.server import MONTHS_AHEAD, ShardDaemon, _listen_host, start_shard
+from shardd.idempotency.interceptor import CallOutcome
+from shardd.observability import (
+    DURATION_BUCKETS,
+    ShardMetrics,
+    ShardState,
+    ShardStateCollector,
+    retention_lag_s,
+)
+from shardd.server import MONTHS_AHEAD, ShardDaemon, start_shard
 from shardrouter.devcluster.postgres import free_port
+from shardrouter.grpcserver import listen_host
+from shardrouter.metrics import RouterMetrics, start_metrics_server
 from shardrouter.shardmap import even_shard_map, shard_map_document
-from shardrouter.telemetry import RouterMetrics, start_metrics_server
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import deposit, key_metadata, make_settings, money
 
@@ -186,10 +198,10 @@ def test_metrics_off_when_port_is_zero(shard: ShardDaemon) -> None:
 
 
 def test_metrics_host_follows_the_listen_address() -> None:
-    assert _listen_host("127.0.0.1:50061") == "127.0.0.1"
-    assert _listen_host("0.0.0.0:50061") == "0.0.0.0"
-    assert _listen_host("[::]:50061") == "::"
-    assert _listen_host(":50061") == "0.0.0.0"
+    assert listen_host("127.0.0.1:50061") == "127.0.0.1"
+    assert listen_host("0.0.0.0:50061") == "0.0.0.0"
+    assert listen_host("[::]:50061") == "::"
+    assert listen_host(":50061") == "0.0.0.0"
 
 
 def test_router_metrics_endpoint() -> None:
@@ -220,6 +232,54 @@ def test_two_shards_in_one_process_have_separate_registries(database: str, postg
             deposit(transfer_pb2_grpc.TransferServiceStub(channel), "alice", 1)
         assert value(scrape(a.metrics_port), "shardd_requests_total", method="Deposit", outcome="new") == 1
         assert value(scrape(b.metrics_port), "shardd_requests_total", method="Deposit", outcome="new") is None
+        assert a.metrics is not None and b.metrics is not None
+        assert a.metrics.pipeline.provider is not b.metrics.pipeline.provider
     finally:
         a.stop(0.5)
         b.stop(0.5)
+    # Stopping a daemon shuts its provider down: the reader has left the registry.
+    assert a.metrics is not None
+    assert list(a.metrics.registry.collect()) == []
+
+
+def test_shard_metrics_are_opentelemetry_instruments() -> None:
+    """The counters go through an OpenTelemetry MeterProvider read by the Prometheus reader."""
+    in_memory = InMemoryMetricReader()
+    metrics = ShardMetrics(readers=[in_memory])
+    try:
+        assert isinstance(metrics.pipeline.provider, MeterProvider)
+        assert isinstance(metrics.pipeline.reader, PrometheusMetricReader)
+        for outcome in ("new", "replay", "replay"):
+            metrics.observe(
+                CallOutcome(
+                    "/shardrouter.v1.TransferService/Deposit", "s", "k", outcome, grpc.StatusCode.OK, 0.003
+                )
+            )
+        data = in_memory.get_metrics_data()
+        assert data is not None
+        otel = {m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+        replays = [
+            p.value
+            for p in otel["shardd_requests"].data.data_points
+            if isinstance(p, NumberDataPoint) and p.attributes == {"method": "Deposit", "outcome": "replay"}
+        ]
+        assert replays == [2]
+        (bounds,) = [
+            tuple(p.explicit_bounds)
+            for p in otel["shardd_handler_duration_seconds"].data.data_points
+            if isinstance(p, HistogramDataPoint) and dict(p.attributes or {}).get("outcome") == "new"
+        ]
+        assert bounds == DURATION_BUCKETS
+        assert otel["shardd_handler_duration_seconds"].unit == "s"
+        # The same instruments, as Prometheus sees them: exact names, no target_info, no scope labels.
+        text = generate_latest(metrics.registry).decode()
+        assert 'shardd_requests_total{method="Deposit",outcome="replay"} 2.0' in text
+        assert (
+            'shardd_handler_duration_seconds_bucket{le="0.0025",method="Deposit",outcome="new"} 0.0' in text
+        )
+        assert 'shardd_handler_duration_seconds_bucket{le="0.005",method="Deposit",outcome="new"} 1.0' in text
+        assert "target_info" not in text and "otel_scope" not in text
+    finally:
+        metrics.shutdown()
+        metrics.shutdown()  # idempotent: the daemon may reach it twice
+    assert list(metrics.registry.collect()) == []

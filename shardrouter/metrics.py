@@ -1,0 +1,168 @@
+"""Metrics shared by every process: OpenTelemetry instruments, exposed for Prometheus scraping.
+
+Each process (each shard daemon, even two in one test process) owns a `MetricsPipeline`: an SDK
+`MeterProvider` whose only built-in reader is a `PrometheusMetricReader` writing into the
+pipeline's own `prometheus_client.CollectorRegistry`; `start_metrics_server()` serves that registry
+at /metrics. Nothing here touches the global meter provider, so pipelines never mix their series.
+
+The reader runs with target_info and the instrument-scope labels off, so what Prometheus scrapes is
+exactly the instruments: a counter named `router_requests` is `router_requests_total`, a histogram
+`router_request_duration_seconds` keeps its name (its unit "s" maps to the suffix it already has).
+
+`RouterMetrics` holds the router's instruments: `router_requests_total{method,code}` and
+`router_request_duration_seconds{method,code}`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from threading import Thread
+from typing import TYPE_CHECKING
+
+import grpc
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.metrics import Meter
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader
+from prometheus_client import CollectorRegistry, start_http_server
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+log = logging.getLogger(__name__)
+
+#: The router's latency buckets (seconds): prometheus_client's defaults, which the router's
+#: histogram had before it became an OpenTelemetry instrument (the SDK's own defaults are for ms).
+ROUTER_DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+
+
+@dataclass(eq=False)
+class MetricsPipeline:
+    """A `MeterProvider` read by Prometheus into `registry`; build one with `new_metrics_pipeline()`."""
+
+    provider: MeterProvider
+    reader: MetricReader
+    registry: CollectorRegistry
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _shut_down: bool = field(default=False, repr=False)
+
+    def meter(self, name: str) -> Meter:
+        """The meter instruments of the component `name` are created from."""
+        return self.provider.get_meter(name)
+
+    def shutdown(self) -> None:
+        """Shut the provider down; its reader leaves `registry` (idempotent)."""
+        with self._lock:
+            # The SDK logs a warning on a second shutdown; a daemon may reach this from two paths.
+            if self._shut_down:
+                return
+            self._shut_down = True
+        self.provider.shutdown()
+
+
+def new_metrics_pipeline(
+    registry: CollectorRegistry | None = None, *, readers: Sequence[MetricReader] = ()
+) -> MetricsPipeline:
+    """A fresh provider exposing its instruments in `registry` (default: a new, private one).
+
+    `readers` see the same instruments too (an OTLP `PeriodicExportingMetricReader`, or an
+    `InMemoryMetricReader` in tests).
+    """
+    registry = registry if registry is not None else CollectorRegistry()
+    # No target_info and no otel_scope_* labels: the series keep the exact names and label sets
+    # the alert rules use; Prometheus's own job/pod labels already say which target it is.
+    reader = PrometheusMetricReader(disable_target_info=True, scope_info_enabled=False, registry=registry)
+    # A pull reader has nothing to flush at exit, and an atexit hook would keep every provider
+    # (one per test daemon) alive until the interpreter ends.
+    provider = MeterProvider(metric_readers=[reader, *readers], shutdown_on_exit=False)
+    return MetricsPipeline(provider, reader, registry)
+
+
+@dataclass
+class MetricsServer:
+    """A running Prometheus /metrics HTTP endpoint."""
+
+    host: str
+    port: int
+    _server: WSGIServer
+    _thread: Thread
+
+    def stop(self) -> None:
+        """Stop serving and release the port."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def start_metrics_server(port: int, registry: CollectorRegistry, *, host: str = "0.0.0.0") -> MetricsServer:  # noqa: S104
+    """Serve `registry` at http://host:port/metrics in a daemon thread (port 0: pick a free one).
+
+    The default host is every interface (a Prometheus in the cluster scrapes the pod); local runs
+    and tests pass 127.0.0.1.
+    """
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    bound = int(server.server_port)
+    log.info("metrics on http://%s:%d/metrics", host, bound)
+    return MetricsServer(host, bound, server, thread)
+
+
+class RouterMetrics:
+    """The router's request counter and latency: `router_requests_total{method,code}`.
+
+    `method` is the short method name ("Transfer"), `code` the gRPC status name the router
+    answered ("OK", "ABORTED", "UNAVAILABLE", ...).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.pipeline = new_metrics_pipeline(registry)
+        self.registry = self.pipeline.registry
+        meter = self.pipeline.meter(__name__)
+        self.requests = meter.create_counter(
+            "router_requests",
+            unit="{call}",
+            description="Calls the router answered, by method and gRPC status code.",
+        )
+        self.duration = meter.create_histogram(
+            "router_request_duration_seconds",
+            unit="s",
+            description="Time the router took to answer a call, forwarding included.",
+            explicit_bucket_boundaries_advisory=ROUTER_DURATION_BUCKETS,
+        )
+
+    def observe(self, method: str, code: grpc.StatusCode, seconds: float | None = None) -> None:
+        """Count one answered call."""
+        labels = {"method": method.rsplit("/", 1)[-1], "code": code.name}
+        self.requests.add(1, labels)
+        if seconds is not None:
+            self.duration.record(seconds, labels)
+
+    @contextmanager
+    def timed(self, method: str) -> Iterator[Callable[[grpc.StatusCode], None]]:
+        """Time a call; call the yielded function with the final code (UNKNOWN if never called)."""
+        started = time.perf_counter()
+        final: list[grpc.StatusCode] = []
+        try:
+            yield final.append
+        finally:
+            self.observe(
+                method, final[-1] if final else grpc.StatusCode.UNKNOWN, time.perf_counter() - started
+            )
+
+    def shutdown(self) -> None:
+        """Stop the instruments' provider and leave the registry (idempotent)."""
+        self.pipeline.shutdown()
+
+
+__all__ = [
+    "ROUTER_DURATION_BUCKETS",
+    "MetricsPipeline",
+    "MetricsServer",
+    "RouterMetrics",
+    "new_metrics_pipeline",
+    "start_metrics_server",
+]
