@@ -10,6 +10,11 @@ Both operations avoid long locks on the parent table while traffic flows:
   lets PostgreSQL skip the validation scan);
 - an expired month is `DETACH PARTITION ... CONCURRENTLY`ed, then dropped.
 Each DDL statement runs with a short lock_timeout, so it never queues in front of the traffic.
+
+Creators run concurrently (every replica at start-up, each daemon's partition keeper, the retention
+job), and the catalog is not safe for that: two `CREATE TABLE IF NOT EXISTS` of one name can fail on
+pg_type's unique index, and the second ATTACH fails with "already a partition". So creating a month
+holds a session advisory lock, and re-checks the catalog once it has it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
@@ -32,6 +39,8 @@ PARENT = "idempotency_record"
 _NAME = re.compile(rf"{PARENT}_(\d{{4}})_(\d{{2}})")
 DDL_LOCK_TIMEOUT_MS = 1000
 DDL_ATTEMPTS = 20
+# Serializes partition creators within one database (each shard has its own); "PARTIT".
+_CREATE_LOCK = 0x5041_5254_4954
 
 
 @dataclass(frozen=True, order=True)
@@ -131,8 +140,17 @@ def create_partition(conn: Connection, month: Month) -> bool:
 
     `conn` must be in autocommit mode: each step is its own short transaction.
     """
-    if month in existing_partitions(conn):
-        return False
+    with _creation_lock(conn):
+        # Checked under the lock: another creator may have attached it while we waited.
+        if month in existing_partitions(conn):
+            return False
+        _create_and_attach(conn, month)
+    log.info("created partition %s", month.table)
+    return True
+
+
+def _create_and_attach(conn: Connection, month: Month) -> None:
+    """The DDL of `create_partition`; each step tolerates a half-done earlier attempt."""
     table = sql.Identifier(month.table)
     start, end = sql.Literal(month.start()), sql.Literal(month.end())
     _ddl(
@@ -157,8 +175,20 @@ def create_partition(conn: Connection, month: Month) -> bool:
     )
     # The bounds CHECK only served to skip the attach scan; the partition constraint replaces it.
     _ddl(conn, sql.SQL("ALTER TABLE {t} DROP CONSTRAINT IF EXISTS {c}").format(t=table, c=bounds))
-    log.info("created partition %s", month.table)
-    return True
+
+
+@contextmanager
+def _creation_lock(conn: Connection) -> Iterator[None]:
+    """Hold the partition-creation advisory lock (session level: `conn` is autocommit).
+
+    If the connection dies while holding it, the server releases it with the session.
+    """
+    conn.execute("SELECT pg_advisory_lock(%s)", (_CREATE_LOCK,))
+    try:
+        yield
+    finally:
+        if not conn.broken:  # a dead session has released it; unlocking would hide the real error
+            conn.execute("SELECT pg_advisory_unlock(%s)", (_CREATE_LOCK,))
 
 
 def drop_partition(conn: Connection, month: Month) -> None:

@@ -26,6 +26,7 @@ from shardd.ledger.service import (
     validate_transfer_id_only,
 )
 from shardd.observability import ShardMetrics, ShardStateCollector
+from shardd.partition_keeper import PartitionKeeper
 from shardd.settings import ShardSettings
 from shardrouter import grpcserver, telemetry
 from shardrouter.error_interceptor import DomainErrorInterceptor
@@ -174,6 +175,10 @@ def start_shard(
     prepare_database(settings.dsn, settings.retention)
     database.open()
     daemon = ShardDaemon(settings, server, port, database, health_servicer, shard_map, metrics=metrics)
+    # Keeps months ahead partitioned while the daemon runs, whether or not the retention CronJob does.
+    keeper = PartitionKeeper(settings.dsn, retention=settings.retention, months_ahead=MONTHS_AHEAD)
+    keeper.start()
+    daemon.background.append(keeper)
     if metrics is not None:
         collector = ShardStateCollector(database, retention=settings.retention, metrics=metrics)
         collector.start()
