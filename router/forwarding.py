@@ -38,6 +38,7 @@ from router.routing import METHODS_BY_PATH, RoutedMethod, ShardMapHolder, routin
 from shardrouter import telemetry
 from shardrouter.errors import ERROR_DOMAIN, Internal, Reason, ShardRouterError, Unavailable, to_grpc_status
 from shardrouter.keys import KEY_METADATA
+from shardrouter.metrics import RouterMetrics
 from shardrouter.shardmap import Shard
 
 if TYPE_CHECKING:  # grpc's classes are generic only in the type stubs
@@ -80,8 +81,10 @@ class Forwarder(_GenericHandler):
         max_deadline_s: float,
         tracer_provider: trace.TracerProvider | None = None,
         traced: bool = False,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self._maps = shard_maps
+        self._metrics = metrics
         # With tracing on, each forwarding attempt is a CLIENT span whose traceparent the shard sees.
         self._traced = traced
         self._tracer_provider = tracer_provider
@@ -109,6 +112,20 @@ class Forwarder(_GenericHandler):
         return serve
 
     async def _serve(self, method: RoutedMethod, raw: bytes, context: ServicerContext) -> bytes:
+        if self._metrics is None:
+            return await self._answer(method, raw, context)
+        with self._metrics.timed(method.full_name) as record:
+            try:
+                response = await self._answer(method, raw, context)
+            except BaseException:
+                # An abort (the shard's answer or the router's own error) has set the call's code.
+                code = context.code()
+                record(code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.CANCELLED)
+                raise
+            record(grpc.StatusCode.OK)
+            return response
+
+    async def _answer(self, method: RoutedMethod, raw: bytes, context: ServicerContext) -> bytes:
         # abort raises; it is kept outside every try block so nothing can swallow it.
         try:
             outcome = await self._forward(method, raw, context)

@@ -35,6 +35,7 @@ from router.metadata import CallerPolicy
 from router.routing import SERVICE, ShardMapHolder
 from router.settings import RouterSettings
 from shardrouter import grpcserver, telemetry
+from shardrouter.metrics import MetricsServer, RouterMetrics, start_metrics_server
 from shardrouter.shardmap import ShardMap
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,14 @@ class Router:
     health: Any  # grpc_health.v1.health.aio.HealthServicer
     shard_maps: ShardMapHolder
     pool: ChannelPool
+    #: The router's metrics and their /metrics endpoint (None when metrics_port is 0).
+    metrics: RouterMetrics | None = None
+    metrics_server: MetricsServer | None = None
+
+    @property
+    def metrics_port(self) -> int:
+        """The bound /metrics port (0 when metrics are off)."""
+        return self.metrics_server.port if self.metrics_server is not None else 0
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Graceful stop: health NOT_SERVING, drain in-flight calls, then close the shard channels."""
@@ -66,6 +75,10 @@ class Router:
         await self.server.stop(grace)
         await asyncio.to_thread(self.shard_maps.stop)
         await self.pool.close()
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.stop)
+        if self.metrics is not None:
+            self.metrics.shutdown()
 
 
 async def start_router(
@@ -80,6 +93,7 @@ async def start_router(
     """
     loop = asyncio.get_running_loop()
     traced = telemetry.tracing_active(tracer_provider)
+    metrics = RouterMetrics() if settings.metrics_port > 0 else None
     pool = ChannelPool(
         credentials=(
             grpcserver.channel_credentials(
@@ -109,6 +123,7 @@ async def start_router(
         max_deadline_s=settings.max_deadline_s,
         tracer_provider=tracer_provider,
         traced=traced,
+        metrics=metrics,
     )
     server = grpc.aio.server(
         interceptors=[telemetry.aio_server_interceptor(tracer_provider)] if traced else [],
@@ -140,7 +155,14 @@ async def start_router(
         len(shard_maps.current.shards),
         extra={"shard_map": str(shard_maps.path)},
     )
-    return Router(settings, server, port, health_servicer, shard_maps, pool)
+    metrics_server = (
+        start_metrics_server(
+            settings.metrics_port, metrics.registry, host=grpcserver.listen_host(settings.listen)
+        )
+        if metrics is not None
+        else None
+    )
+    return Router(settings, server, port, health_servicer, shard_maps, pool, metrics, metrics_server)
 
 
 def bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import tempfile
 import uuid
@@ -16,11 +17,20 @@ import pytest
 from shardd.server import ShardDaemon, start_shard
 from shardd.settings import ShardSettings
 from shardrouter.devcluster.postgres import LocalPostgres
+from shardrouter.devcluster.tracing_ui import phoenix_installed
 from shardrouter.keys import new_key
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.processes import ServiceProcess, shardd_process
 
 _counter = itertools.count()
+
+
+#: Tests against the real tracing UI need the `tracing-ui` extra; CI sets SHARD_ROUTER_REQUIRE_TRACING_UI
+#: so that a missing extra fails there instead of skipping.
+requires_tracing_ui = pytest.mark.skipif(
+    not phoenix_installed() and not os.environ.get("SHARD_ROUTER_REQUIRE_TRACING_UI"),
+    reason="needs the tracing-ui extra (pip install -e '.[dev,tracing-ui]')",
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from shardrouter import telemetry
+from shardrouter.devcluster import tracing_ui
 from shardrouter.devcluster.cluster import LocalCluster, default_data_dir
 from shardrouter.shardmap import load_shard_map
 
@@ -26,14 +30,63 @@ def main(argv: Sequence[str]) -> int:
     up.add_argument("--wipe", action="store_true", help="delete the data directory first")
     up.add_argument("--no-demo", action="store_true", help="do not run the demo after start")
     up.add_argument("--exit-after-demo", action="store_true", help="stop the cluster once the demo ran")
+    traces = up.add_mutually_exclusive_group()
+    traces.add_argument(
+        "--tracing-ui",
+        action="store_true",
+        help="start a local tracing UI (Arize Phoenix, the tracing-ui extra) and send every span to it",
+    )
+    traces.add_argument(
+        "--otlp-endpoint",
+        default="",
+        metavar="URL",
+        help="send every span over OTLP/gRPC to this collector (e.g. http://127.0.0.1:4317)",
+    )
+    up.add_argument("--no-metrics", action="store_true", help="do not serve /metrics from the processes")
     args = parser.parse_args(list(argv))
     if args.shards < 1 or args.shards > 16:
         parser.error("--shards must be between 1 and 16")
+    if args.tracing_ui and not tracing_ui.phoenix_installed():
+        print(
+            "shard-router dev up: --tracing-ui needs Arize Phoenix; install the extra first:\n"
+            "  .venv/bin/pip install -e '.[dev,tracing-ui]'",
+            file=sys.stderr,
+        )
+        return 2
     cluster = LocalCluster(
-        data_dir=args.data_dir or default_data_dir(), shards=args.shards, router_port=args.port
+        data_dir=args.data_dir or default_data_dir(),
+        shards=args.shards,
+        router_port=args.port,
+        metrics=not args.no_metrics,
+        otlp_endpoint=args.otlp_endpoint,
     )
     if args.wipe:
         cluster.wipe()
+    phoenix: tracing_ui.PhoenixProcess | None = None
+    if args.tracing_ui:
+        print("Starting the tracing UI (Arize Phoenix) ...", flush=True)
+        try:
+            phoenix = tracing_ui.launch_phoenix(cluster.data_dir / "phoenix")
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            print(f"shard-router dev up: could not start the tracing UI: {exc}", file=sys.stderr)
+            return 1
+        cluster.otlp_endpoint = phoenix.otlp_endpoint
+    if cluster.otlp_endpoint:
+        # The demo's own calls start the traces: trace this process too.
+        # The exporter and batch processor read the process environment itself.
+        os.environ.update(
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": cluster.otlp_endpoint, "OTEL_BSP_SCHEDULE_DELAY": "500"}
+        )
+        telemetry.configure_tracing("shard-router-demo")
+    try:
+        return _run(args, cluster, phoenix)
+    finally:
+        telemetry.shutdown_tracing()
+        if phoenix is not None:
+            phoenix.stop()
+
+
+def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.PhoenixProcess | None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -50,11 +103,22 @@ def main(argv: Sequence[str]) -> int:
         )
         for daemon, db in zip(cluster.shard_daemons, cluster.databases, strict=True):
             print(f"  {daemon.name}: {daemon.address}  database {db.dsn_for('shardd')}")
+        for name, url in cluster.metrics_urls.items():
+            print(f"  metrics of {name}: {url}")
+        if phoenix is not None:
+            print(f"  tracing UI: {phoenix.ui_url} (project {telemetry.TRACE_PROJECT})")
+            print(f"  your own callers can trace there too: OTEL_EXPORTER_OTLP_ENDPOINT={phoenix.otlp_endpoint}")
+        elif cluster.otlp_endpoint:
+            print(f"  spans go to {cluster.otlp_endpoint}")
         if not args.no_demo:
             print()
             from shardrouter.devcluster.demo import run_demo
 
-            run_demo(target, load_shard_map(cluster.shard_map_path), lambda line: print(line, flush=True))
+            demo = run_demo(
+                target, load_shard_map(cluster.shard_map_path), lambda line: print(line, flush=True)
+            )
+            if phoenix is not None and demo.replay_key:
+                _show_replay_span(phoenix, demo.replay_key)
         print(f"\nTry: shard-router --target {target} balance alice")
         print(
             f"     shard-router --target {target} transfer --from alice --to bob --amount 1.50 --currency EUR"
@@ -68,3 +132,22 @@ def main(argv: Sequence[str]) -> int:
         print("Stopping the cluster ...", flush=True)
         cluster.stop()
         print("Stopped.", flush=True)
+
+
+def _show_replay_span(phoenix: tracing_ui.PhoenixProcess, key: str, timeout_s: float = 20.0) -> None:
+    """Print a link to the demo's replay span once Phoenix has it (the exporters batch for 0.5 s)."""
+    telemetry.force_flush()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        spans = tracing_ui.phoenix_spans(
+            phoenix.ui_url,
+            telemetry.TRACE_PROJECT,
+            attributes={"idempotency.key": key, "idempotency.outcome": "replay"},
+        )
+        if spans:
+            span_id = spans[0]["context"]["span_id"]
+            print(f"\nThe replay of step 2 in the tracing UI: {tracing_ui.span_url(phoenix.ui_url, span_id)}")
+            print(f"  (spans of every attempt: search the attribute idempotency.key = {key})", flush=True)
+            return
+        time.sleep(0.5)
+    print(f"\nThe replay span has not reached the tracing UI yet; search idempotency.key = {key}")

@@ -86,6 +86,12 @@ class LocalCluster:
     shards: int = 2
     router_port: int = 50051
     extra_env: dict[str, str] = field(default_factory=dict)
+    #: Serve /metrics of every process on a free loopback port (see `metrics_urls`).
+    metrics: bool = False
+    #: OTLP/gRPC endpoint every process sends its spans to ("" = tracing off).
+    otlp_endpoint: str = ""
+    #: Process name -> its /metrics port, filled by `start` when `metrics` is on.
+    metrics_ports: dict[str, int] = field(default_factory=dict)
     databases: list[LocalPostgres] = field(default_factory=list)
     shard_daemons: list[Daemon] = field(default_factory=list)
     router: Daemon | None = None
@@ -104,6 +110,8 @@ class LocalCluster:
         try:
             self._start_databases()
             ports = {f"shard-{i}": free_port() for i in range(self.shards)}
+            if self.metrics:
+                self.metrics_ports = {name: free_port() for name in [*ports, "router"]}
             shard_map = even_shard_map({sid: f"127.0.0.1:{port}" for sid, port in ports.items()})
             self.shard_map_path.write_text(yaml.safe_dump(shard_map_document(shard_map), sort_keys=False))
             for i, (shard_id, port) in enumerate(ports.items()):
@@ -136,6 +144,21 @@ class LocalCluster:
             db.create_database("shardd")
             self.databases.append(db)
 
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Process name -> its Prometheus endpoint (empty unless `metrics` is on)."""
+        return {name: f"http://127.0.0.1:{port}/metrics" for name, port in self.metrics_ports.items()}
+
+    def _telemetry_env(self, service: str) -> dict[str, str]:
+        env = {"OTEL_SERVICE_NAME": service}
+        if self.otlp_endpoint:
+            # Export quickly: a developer looks for the spans right after the call.
+            env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": self.otlp_endpoint, "OTEL_BSP_SCHEDULE_DELAY": "500"}
+        return env
+
+    def _metrics_port(self, name: str, legacy_key: str) -> str:
+        return str(self.metrics_ports.get(name) or self.extra_env.get(legacy_key, "0"))
+
     def _env(self) -> dict[str, str]:
         root = str(Path(__file__).resolve().parents[2])
         path = os.environ.get("PYTHONPATH", "")
@@ -149,8 +172,8 @@ class LocalCluster:
             "SHARDD_LISTEN": f"127.0.0.1:{port}",
             "SHARDD_SHARD_MAP": str(self.shard_map_path),
             "SHARDD_DEV_MODE": "true",
-            "SHARDD_METRICS_PORT": self.extra_env.get(f"SHARDD_METRICS_PORT_{shard_id}", "0"),
-            "OTEL_SERVICE_NAME": f"shardd-{shard_id}",
+            "SHARDD_METRICS_PORT": self._metrics_port(shard_id, f"SHARDD_METRICS_PORT_{shard_id}"),
+            **self._telemetry_env(f"shardd-{shard_id}"),
         }
         return Daemon(
             shard_id,
@@ -166,8 +189,8 @@ class LocalCluster:
             "ROUTER_LISTEN": f"127.0.0.1:{self.router_port}",
             "ROUTER_SHARD_MAP": str(self.shard_map_path),
             "ROUTER_DEV_MODE": "true",
-            "ROUTER_METRICS_PORT": self.extra_env.get("ROUTER_METRICS_PORT", "0"),
-            "OTEL_SERVICE_NAME": "router",
+            "ROUTER_METRICS_PORT": self._metrics_port("router", "ROUTER_METRICS_PORT"),
+            **self._telemetry_env("router"),
         }
         return Daemon(
             "router",

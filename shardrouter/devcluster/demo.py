@@ -1,14 +1,17 @@
 """The demo that `shard-router dev up` runs: transfers, a replay, an in-flight conflict, a cross-shard
-transfer. It uses bare generated stubs with the key in metadata, as any gRPC client could.
+transfer. It uses bare generated stubs with the key in metadata, as any gRPC client could; with
+tracing on, its channel carries the tracing client interceptor, so its calls start the traces.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
 
+from shardrouter import telemetry
 from shardrouter.keys import new_key
 from shardrouter.shardmap import ShardMap
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
@@ -35,10 +38,24 @@ def seed_accounts(stub: transfer_pb2_grpc.TransferServiceStub, say: Callable[[st
         say(f"  deposit 100.00 EUR -> {account}: balance {_eur(reply.balance.amount_minor)}")
 
 
-def run_demo(target: str, shard_map: ShardMap, say: Callable[[str], None] = print) -> dict[str, int]:
-    """Run the demo against a router; returns counts for tests."""
-    counts = {"replays": 0, "conflicts": 0, "applied": 0}
-    with grpc.insecure_channel(target) as channel:
+@dataclass
+class DemoResult:
+    """What the demo did: counts by outcome, and the key it replayed (to find its spans)."""
+
+    counts: dict[str, int] = field(default_factory=lambda: {"replays": 0, "conflicts": 0, "applied": 0})
+    replay_key: str = ""
+
+
+def run_demo(target: str, shard_map: ShardMap, say: Callable[[str], None] = print) -> DemoResult:
+    """Run the demo against a router."""
+    result = DemoResult()
+    counts = result.counts
+    with grpc.insecure_channel(target) as plain:
+        channel = (
+            grpc.intercept_channel(plain, telemetry.client_interceptor())
+            if telemetry.tracing_active()
+            else plain
+        )
         stub = transfer_pb2_grpc.TransferServiceStub(channel)
         say("Seeding demo accounts:")
         seed_accounts(stub, say)
@@ -62,6 +79,7 @@ def run_demo(target: str, shard_map: ShardMap, say: Callable[[str], None] = prin
 
         say("\n2. The caller retries with the same key (say its first answer was lost):")
         again, call = stub.Transfer.with_call(request, metadata=(("idempotency-key", key),), timeout=10)
+        result.replay_key = key
         trailers = dict(call.trailing_metadata())
         if trailers.get("idempotency-replayed") == "true":
             counts["replays"] += 1
@@ -131,7 +149,7 @@ def run_demo(target: str, shard_map: ShardMap, say: Callable[[str], None] = prin
         for account in DEMO_ACCOUNTS:
             b = stub.GetBalance(transfer_pb2.GetBalanceRequest(account_id=account), timeout=5)
             say(f"  {account:<6} {_eur(b.balance.amount_minor):>12}  ({shard_map.shard_for(account).id})")
-    return counts
+    return result
 
 
 def _pair(shard_map: ShardMap, *, same_shard: bool) -> tuple[str, str] | None:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from shardrouter.devcluster.postgres import free_port
+from tests.conftest import requires_tracing_ui
 from tests.processes import ROOT
 
 
@@ -119,3 +120,106 @@ def test_dev_up_stops_everything_on_sigterm_and_keeps_data(tmp_path):
     assert "Stopped." in rest
     assert _wait_no_leftovers(data_dir) == []
     assert (data_dir / "pg-shard-0" / "PG_VERSION").exists(), "data must stay unless --wipe"
+
+
+def _until_running(proc: subprocess.Popen[str], timeout_s: float = 180) -> list[str]:
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if "Cluster running" in line or not line:
+            break
+    assert any("Cluster running" in line for line in lines), "".join(lines)
+    return lines
+
+
+def _printed(lines: list[str], prefix: str) -> str:
+    return next(line.split(prefix, 1)[1].split()[0] for line in lines if prefix in line)
+
+
+@requires_tracing_ui
+def test_dev_up_with_tracing_ui_shows_the_replay_span_and_its_metrics(tmp_path):
+    """A new user's path: `dev up --tracing-ui`, a retried deposit, the replay span in Phoenix."""
+    import urllib.request
+
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    from shardclient import SqliteOperationStore, TransferClient
+    from shardrouter import telemetry
+    from shardrouter.devcluster import tracing_ui
+
+    data_dir = tmp_path / "cluster"
+    port = free_port()
+    proc = _dev_up(data_dir, port, "--no-demo", "--tracing-ui")
+    try:
+        lines = _until_running(proc)
+        ui = _printed(lines, "tracing UI: ")
+        shard_metrics = {
+            name: _printed(lines, f"metrics of {name}: ") for name in ("shard-0", "shard-1", "router")
+        }
+        # The caller traces too, to the same Phoenix (OTLP/gRPC on the endpoint the cluster uses).
+        endpoint = next(
+            line.split("OTEL_EXPORTER_OTLP_ENDPOINT=", 1)[1].split()[0]
+            for line in lines
+            if "OTEL_EXPORTER_OTLP_ENDPOINT=" in line
+        )
+        provider = telemetry.new_tracer_provider(
+            "e2e-caller", [OTLPSpanExporter(endpoint=endpoint, insecure=True)], batch=False
+        )
+        with TransferClient(
+            f"127.0.0.1:{port}",
+            store=SqliteOperationStore(str(tmp_path / "ops.db")),
+            caller_id="e2e",
+            tracer_provider=provider,
+        ) as client:
+            op = client.create_deposit("zoe", 300, "EUR")
+            assert client.send_with_retries(op).ok
+            replayed = client.send_with_retries(op)  # the retry a lost answer would cause
+            assert replayed.ok and replayed.replayed
+        provider.shutdown()
+
+        spans: list[dict] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not spans:
+            spans = tracing_ui.phoenix_spans(
+                ui,
+                telemetry.TRACE_PROJECT,
+                attributes={"idempotency.key": op.idempotency_key, "idempotency.outcome": "replay"},
+            )
+            time.sleep(0.5)
+        assert len(spans) == 1, spans
+        replay = spans[0]
+        attrs = replay["attributes"]
+        assert attrs["idempotency.scope"] == "/shardrouter.v1.TransferService/Deposit|e2e"
+        owner = attrs["shard.id"]
+        assert owner in ("shard-0", "shard-1")
+        assert attrs["service.name"] == f"shardd-{owner}"
+        assert [e["name"] for e in replay["events"]] == ["idempotency.replay"]
+        assert replay["status_code"] == "UNSET"
+        # The whole trace of the replayed attempt: caller, router and shard, all in Phoenix.
+        trace_id = replay["context"]["trace_id"]
+        deadline = time.monotonic() + 30
+        services: set[str] = set()
+        while time.monotonic() < deadline and len(services) < 3:
+            everything = tracing_ui.phoenix_spans(ui, telemetry.TRACE_PROJECT, limit=1000)
+            services = {
+                s["attributes"].get("service.name", "")
+                for s in everything
+                if s["context"]["trace_id"] == trace_id
+            }
+            time.sleep(0.5)
+        assert services == {"e2e-caller", "router", f"shardd-{owner}"}, services
+        # The owning shard's metrics count the replay.
+        with urllib.request.urlopen(shard_metrics[owner], timeout=5) as reply:
+            text = reply.read().decode()
+        assert 'shardd_requests_total{method="Deposit",outcome="replay"} 1.0' in text, text
+        with urllib.request.urlopen(shard_metrics["router"], timeout=5) as reply:
+            router_text = reply.read().decode()
+        assert 'router_requests_total{code="OK",method="Deposit"}' in router_text, router_text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, rest
+    assert _wait_no_leftovers(data_dir) == []

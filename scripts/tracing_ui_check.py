@@ -1,0 +1,211 @@
+"""Browser check of the local tracing UI: a replayed call must show as a tagged span in Arize Phoenix.
+
+    python scripts/tracing_ui_check.py                 # start `shard-router dev up --tracing-ui`, check, stop
+    python scripts/tracing_ui_check.py --url http://127.0.0.1:6006 --key <idempotency key>
+
+The first form is the whole path of a new user: it starts the local cluster with its tracing UI (the
+project's own `shard-router dev up --tracing-ui`, everything on 127.0.0.1), sends a deposit and its
+retry through the caller library (traced to the same Phoenix), finds the replay span through
+Phoenix's REST API, then opens Phoenix's deep link to that span in headless Chromium (Debian's
+`chromium` + `chromium-driver`, driven by Selenium) and checks that the rendered page shows the
+span with `idempotency.outcome` = `replay` and the key. It saves the page as docs/tracing-ui.png.
+Exit status 0 when the browser showed the replay span, 1 otherwise.
+
+Needs: pip install -e '.[dev,tracing-ui,browser-check]'; apt-get install -y chromium chromium-driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from shardrouter import telemetry  # noqa: E402
+from shardrouter.devcluster import tracing_ui  # noqa: E402
+from shardrouter.devcluster.postgres import free_port  # noqa: E402
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+DEFAULT_SCREENSHOT = ROOT / "docs" / "tracing-ui.png"
+
+
+def replay_span(ui_url: str, key: str, timeout_s: float = 30.0) -> dict[str, Any] | None:
+    """The replay span of `key` from Phoenix's REST API, waiting up to `timeout_s` for it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        spans = tracing_ui.phoenix_spans(
+            ui_url,
+            telemetry.TRACE_PROJECT,
+            attributes={"idempotency.key": key, "idempotency.outcome": "replay"},
+        )
+        if spans or time.monotonic() >= deadline:
+            return spans[0] if spans else None
+        time.sleep(0.5)
+
+
+def browser_check(page_url: str, key: str, shot: Path | None, timeout_s: float = 60.0) -> bool:
+    """Open `page_url` in headless Chromium; True once the page shows the replay span of `key`."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    # No outside traffic: this machine's network is closed, and the check needs none.
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--hide-scrollbars",
+        "--window-size=1400,900",
+    ):
+        options.add_argument(flag)
+    with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
+        options.add_argument(f"--user-data-dir={profile}")
+        driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
+        try:
+            driver.get(page_url)
+            deadline = time.monotonic() + timeout_s
+            wanted = ("idempotency.outcome", "replay", key, "idempotency")
+            text = ""
+            while time.monotonic() < deadline:
+                text = driver.find_element("tag name", "body").text
+                if all(w in text for w in wanted):
+                    break
+                time.sleep(0.5)
+            shown = all(w in text for w in wanted)
+            if shot is not None:
+                shot.parent.mkdir(parents=True, exist_ok=True)
+                driver.save_screenshot(str(shot))
+                print(f"screenshot of {driver.current_url} saved to {shot}")
+            if not shown:
+                missing = [w for w in wanted if w not in text]
+                print(f"the page never showed {missing}; it showed:\n{text[:2000]}", file=sys.stderr)
+            return shown
+        finally:
+            driver.quit()
+
+
+def check(ui_url: str, key: str, shot: Path | None) -> int:
+    """Find the replay span of `key` through the API, then see it in the browser."""
+    span = replay_span(ui_url, key)
+    if span is None:
+        print(f"Phoenix at {ui_url} has no replay span for idempotency.key={key}", file=sys.stderr)
+        return 1
+    attrs = span["attributes"]
+    print(
+        f"API: span {span['context']['span_id']} of trace {span['context']['trace_id']}: "
+        f"outcome={attrs['idempotency.outcome']} key={attrs['idempotency.key']} shard={attrs.get('shard.id')} "
+        f"events={[e['name'] for e in span['events']]}"
+    )
+    page = tracing_ui.span_url(ui_url, span["context"]["span_id"])
+    if not browser_check(page, key, shot):
+        return 1
+    print(f"browser: {page} shows the replay span of {key}")
+    return 0
+
+
+def _cluster(data_dir: Path, port: int) -> tuple[subprocess.Popen[str], str, str]:
+    """`shard-router dev up --tracing-ui --no-demo`; returns (process, ui url, otlp endpoint)."""
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "shardrouter.cli", "dev", "up", "--shards", "2"),
+            *("--no-demo", "--tracing-ui", "--data-dir", str(data_dir), "--port", str(port)),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line)
+        print("  | " + line, end="")
+        if "Cluster running" in line:
+            break
+    else:
+        raise RuntimeError("the cluster did not start:\n" + "".join(lines))
+    ui = next(line.split("tracing UI: ", 1)[1].split()[0] for line in lines if "tracing UI: " in line)
+    otlp = next(
+        line.split("OTEL_EXPORTER_OTLP_ENDPOINT=", 1)[1].split()[0]
+        for line in lines
+        if "OTEL_EXPORTER_OTLP_ENDPOINT=" in line
+    )
+    return proc, ui, otlp
+
+
+def _deposit_and_replay(port: int, otlp: str, store: Path) -> str:
+    """A deposit and its retry through the traced caller library; the operation's key."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    from shardclient import SqliteOperationStore, TransferClient
+
+    provider = telemetry.new_tracer_provider(
+        "browser-check-caller", [OTLPSpanExporter(endpoint=otlp, insecure=True)], batch=False
+    )
+    try:
+        with TransferClient(
+            f"127.0.0.1:{port}",
+            store=SqliteOperationStore(str(store)),
+            caller_id="browser-check",
+            tracer_provider=provider,
+        ) as client:
+            op = client.create_deposit("alice", 500, "EUR", reference="browser check")
+            first = client.send_with_retries(op)
+            again = client.send_with_retries(op)
+            print(f"deposit {op.idempotency_key}: first {first.state}, retry replayed={again.replayed}")
+            if not (first.ok and again.replayed):
+                raise RuntimeError("the retry was not a replay")
+    finally:
+        provider.shutdown()
+    return op.idempotency_key
+
+
+def run_all(shot: Path | None) -> int:
+    """Start the local cluster with its tracing UI, make a replay, check it in the browser, stop."""
+    with tempfile.TemporaryDirectory(prefix="tracing-ui-check-") as work:
+        port = free_port()
+        proc, ui, otlp = _cluster(Path(work) / "cluster", port)
+        try:
+            key = _deposit_and_replay(port, otlp, Path(work) / "ops.db")
+            return check(ui, key, shot)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=60)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--url", help="a running Phoenix (e.g. from `shard-router dev up --tracing-ui`)")
+    parser.add_argument("--key", help="with --url: the idempotency key whose replay to look for")
+    parser.add_argument("--screenshot", type=Path, default=DEFAULT_SCREENSHOT, help="PNG to write")
+    parser.add_argument("--no-screenshot", action="store_true")
+    args = parser.parse_args(argv)
+    shot = None if args.no_screenshot else args.screenshot
+    if args.url:
+        if not args.key:
+            parser.error("--url needs --key")
+        return check(args.url.rstrip("/"), args.key, shot)
+    return run_all(shot)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
