@@ -11,7 +11,7 @@ Phoenix's REST API, then opens Phoenix's deep link to that span in headless Chro
 span with `idempotency.outcome` = `replay` and the key. It saves the page as docs/tracing-ui.png.
 Exit status 0 when the browser showed the replay span, 1 otherwise.
 
-Needs: pip install -e '.[dev,tracing-ui,browser-check]'; apt-get install -y chromium chromium-driver.
+Needs: pip install -e '.[dev,tracing-ui]'; apt-get install -y chromium chromium-driver.
 """
 
 from __future__ import annotations

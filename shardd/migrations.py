@@ -142,6 +142,15 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
         );
         """,
     ),
+    (
+        5,
+        "trace context of the attempt that claimed a key",
+        """
+        -- W3C traceparent of the claiming attempt's idempotency span (NULL with tracing off), so
+        -- a replay's span can link to the first attempt's trace. Partitions inherit the column.
+        ALTER TABLE idempotency_record ADD COLUMN first_traceparent text;
+        """,
+    ),
 )
 
 

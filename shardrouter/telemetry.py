@@ -44,11 +44,11 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
 )
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from shardrouter.grpcserver import MethodHandler, ServerInterceptorBase
 
 if TYPE_CHECKING:
-
     ClientInterceptorBase = grpc.UnaryUnaryClientInterceptor[Any, Any]
     AioServerInterceptorBase = grpc.aio.ServerInterceptor[Any, Any]
 else:
@@ -224,6 +224,7 @@ class _TextGetter:
 
 
 _GETTER = _TextGetter()
+_W3C = TraceContextTextMapPropagator()
 
 
 def extract_trace_context(metadata: Iterable[MetadataEntry]) -> Context:
@@ -246,6 +247,45 @@ def inject_trace_context(
         return entries
     kept = [(k, v) for k, v in entries if k not in TRACE_HEADERS]
     return kept + [(k.lower(), v) for k, v in carrier.items()]
+
+
+def traceparent_of(span: trace.Span) -> str | None:
+    """The W3C traceparent naming `span` (None for a span that is not recording)."""
+    context = span.get_span_context()
+    if not span.is_recording() or not context.is_valid:
+        return None
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+
+
+def span_context_of_traceparent(value: str | None) -> trace.SpanContext | None:
+    """The span a W3C traceparent names (None if absent or malformed)."""
+    if not value:
+        return None
+    extracted = _W3C.extract({"traceparent": value})
+    context = trace.get_current_span(extracted).get_span_context()
+    return context if context.is_valid else None
+
+
+@contextmanager
+def _server_span(
+    tracer: trace.Tracer, name: str, attributes: Mapping[str, str], metadata: Sequence[MetadataEntry]
+) -> Iterator[trace.Span]:
+    """The SERVER span of one call: a child of the caller's traceparent, tagged with its key.
+
+    Its status is set by the caller of this (from the call's final code), never from an exception.
+    """
+    with tracer.start_as_current_span(
+        name,
+        context=extract_trace_context(metadata),
+        kind=SpanKind.SERVER,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        key = next((v for k, v in metadata if k == "idempotency-key" and isinstance(v, str)), None)
+        if key is not None:
+            span.set_attribute("idempotency.key", key)
+        yield span
 
 
 class TracingServerInterceptor(ServerInterceptorBase):
@@ -282,19 +322,7 @@ class TracingServerInterceptor(ServerInterceptorBase):
         attributes = _rpc_attributes(full_method)
 
         def traced(request: Any, context: grpc.ServicerContext) -> Any:
-            metadata = tuple(context.invocation_metadata())
-            parent = extract_trace_context(metadata)
-            with tracer.start_as_current_span(
-                name,
-                context=parent,
-                kind=SpanKind.SERVER,
-                attributes=attributes,
-                record_exception=False,
-                set_status_on_exception=False,
-            ) as span:
-                key = next((v for k, v in metadata if k == "idempotency-key" and isinstance(v, str)), None)
-                if key is not None:
-                    span.set_attribute("idempotency.key", key)
+            with _server_span(tracer, name, attributes, tuple(context.invocation_metadata())) as span:
                 try:
                     response = behaviour(request, context)
                 except Exception as exc:
@@ -361,18 +389,7 @@ class AioTracingServerInterceptor(AioServerInterceptorBase):
         attributes = _rpc_attributes(full_method)
 
         async def traced(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            metadata = tuple(context.invocation_metadata() or ())
-            with tracer.start_as_current_span(
-                name,
-                context=extract_trace_context(metadata),
-                kind=SpanKind.SERVER,
-                attributes=attributes,
-                record_exception=False,
-                set_status_on_exception=False,
-            ) as span:
-                key = next((v for k, v in metadata if k == "idempotency-key" and isinstance(v, str)), None)
-                if key is not None:
-                    span.set_attribute("idempotency.key", key)
+            with _server_span(tracer, name, attributes, tuple(context.invocation_metadata() or ())) as span:
                 try:
                     response = behaviour(request, context)  # type: ignore[arg-type]
                     if inspect.isawaitable(response):
@@ -521,5 +538,7 @@ __all__ = [
     "server_interceptor",
     "set_rpc_status",
     "shutdown_tracing",
+    "span_context_of_traceparent",
+    "traceparent_of",
     "tracing_active",
 ]

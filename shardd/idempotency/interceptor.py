@@ -46,7 +46,13 @@ from shardrouter.errors import (
 )
 from shardrouter.grpcserver import MethodHandler, ServerInterceptorBase
 from shardrouter.keys import KEY_FORMAT_HINT, KEY_METADATA, key_time, parse_key
-from shardrouter.telemetry import SERVER_ERROR_CODES, get_tracer, tracing_active
+from shardrouter.telemetry import (
+    SERVER_ERROR_CODES,
+    get_tracer,
+    span_context_of_traceparent,
+    traceparent_of,
+    tracing_active,
+)
 
 log = logging.getLogger(__name__)
 
@@ -273,6 +279,7 @@ class _GuardedCall:
                     request_hash=request_hash,
                     claim_lock_timeout_ms=config.claim_lock_timeout_ms,
                     handler_lock_timeout_ms=config.handler_lock_timeout_ms,
+                    traceparent=traceparent_of(span),
                 )
                 if claim.status is ClaimStatus.IN_FLIGHT:
                     span.add_event(
@@ -287,6 +294,7 @@ class _GuardedCall:
                 if claim.status is ClaimStatus.EXISTING:
                     record = claim.existing
                     assert record is not None and record.outcome is not None
+                    _link_first_attempt(span, record.first_traceparent)
                     if record.request_hash != request_hash:
                         span.add_event(
                             "idempotency.key_reused",
@@ -411,6 +419,15 @@ def _trace_outcome(span: trace.Span, kind: str, code: grpc.StatusCode, message: 
     span.set_attribute("rpc.grpc.status_code", code.value[0])
     if kind == "error" and code in SERVER_ERROR_CODES:
         span.set_status(Status(StatusCode.ERROR, message or code.name))
+
+
+def _link_first_attempt(span: trace.Span, first_traceparent: str | None) -> None:
+    """Link a replay's (or a key reuse's) span to the span of the attempt that claimed the key."""
+    first = span_context_of_traceparent(first_traceparent)
+    if first is None or not span.is_recording():
+        return
+    span.add_link(first, {"idempotency.link": "first_attempt"})
+    span.set_attribute("idempotency.first_trace_id", format(first.trace_id, "032x"))
 
 
 @contextmanager

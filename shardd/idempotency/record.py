@@ -61,6 +61,8 @@ class IdempotencyRecord:
     outcome: StoredOutcome | None
     created_at: datetime
     completed_at: datetime | None
+    #: W3C traceparent of the attempt that claimed the key (None when it was not traced).
+    first_traceparent: str | None = None
 
 
 class ClaimStatus(enum.Enum):

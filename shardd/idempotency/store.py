@@ -34,7 +34,7 @@ from shardd.idempotency.record import (
 
 _COLUMNS = (
     "scope, key, key_time, method, request_hash, state, status_code, status_message,"
-    " status_details, response, trailers, created_at, completed_at"
+    " status_details, response, trailers, created_at, completed_at, first_traceparent"
 )
 
 
@@ -48,6 +48,7 @@ def claim_key(
     request_hash: bytes,
     claim_lock_timeout_ms: int,
     handler_lock_timeout_ms: int,
+    traceparent: str | None = None,
 ) -> Claim:
     """Try to claim a key in the caller's open transaction. Never SELECT-then-INSERT."""
     # One round trip: the claim's bounded lock wait, then the advisory lock. Round trips are most of
@@ -60,10 +61,11 @@ def claim_key(
         return Claim(ClaimStatus.IN_FLIGHT)
     try:
         inserted = conn.execute(
-            "INSERT INTO idempotency_record (scope, key, key_time, method, request_hash, state)"
-            " VALUES (%s, %s, %s, %s, %s, 'in_progress')"
+            "INSERT INTO idempotency_record"
+            " (scope, key, key_time, method, request_hash, state, first_traceparent)"
+            " VALUES (%s, %s, %s, %s, %s, 'in_progress', %s)"
             " ON CONFLICT (scope, key, key_time) DO NOTHING RETURNING key",
-            (scope, key, key_time, method, request_hash),
+            (scope, key, key_time, method, request_hash, traceparent),
         ).fetchone()
     except errors.LockNotAvailable:
         # The transaction is now aborted; the caller answers "in flight" and rolls it back.
@@ -159,6 +161,7 @@ def _record(row: dict[str, Any]) -> IdempotencyRecord:
         outcome=outcome,
         created_at=row["created_at"],
         completed_at=row["completed_at"],
+        first_traceparent=row["first_traceparent"],
     )
 
 

@@ -90,23 +90,6 @@ def phoenix_installed() -> bool:
     return True
 
 
-def start_phoenix(
-    data_dir: Path | str,
-    host: str = "127.0.0.1",
-    *,
-    port: int | None = None,
-    grpc_port: int | None = None,
-    timeout_s: float = 120.0,
-) -> tuple[subprocess.Popen[bytes], str, str]:
-    """Start Phoenix and wait until it answers; returns (process, otlp_endpoint, ui_url).
-
-    `otlp_endpoint` is for `OTEL_EXPORTER_OTLP_ENDPOINT` (OTLP over gRPC, plaintext). Stop the
-    process with `terminate()`; its log is `data_dir/phoenix.log`.
-    """
-    started = launch_phoenix(data_dir, host, port=port, grpc_port=grpc_port, timeout_s=timeout_s)
-    return started.process, started.otlp_endpoint, started.ui_url
-
-
 def launch_phoenix(
     data_dir: Path | str,
     host: str = "127.0.0.1",
@@ -115,7 +98,11 @@ def launch_phoenix(
     grpc_port: int | None = None,
     timeout_s: float = 120.0,
 ) -> PhoenixProcess:
-    """Like `start_phoenix`, returning a `PhoenixProcess` with `stop()`."""
+    """Start Phoenix and wait until it answers (UI, REST API and OTLP/gRPC receiver).
+
+    `otlp_endpoint` of the result is for `OTEL_EXPORTER_OTLP_ENDPOINT` (OTLP over gRPC, plaintext);
+    its log is `data_dir/phoenix.log`.
+    """
     if not phoenix_installed():
         raise RuntimeError(
             "Arize Phoenix is not installed; install the tracing-ui extra: pip install -e '.[tracing-ui]'"
@@ -232,6 +219,5 @@ __all__ = [
     "phoenix_project_id",
     "phoenix_spans",
     "span_url",
-    "start_phoenix",
     "trace_ui_url",
 ]

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from shardrouter.devcluster.postgres import free_port
 from tests.conftest import requires_tracing_ui
 from tests.processes import ROOT
@@ -80,15 +82,7 @@ def test_dev_up_stops_everything_on_sigterm_and_keeps_data(tmp_path):
     data_dir = tmp_path / "cluster"
     port = free_port()
     proc = _dev_up(data_dir, port, "--no-demo")
-    assert proc.stdout is not None
-    lines = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        lines.append(line)
-        if "Cluster running" in line or not line:
-            break
-    assert any("Cluster running" in line for line in lines), "".join(lines)
+    _until_running(proc, timeout_s=120)
     balance = subprocess.run(
         [
             sys.executable,
@@ -223,3 +217,30 @@ def test_dev_up_with_tracing_ui_shows_the_replay_span_and_its_metrics(tmp_path):
         rest, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, rest
     assert _wait_no_leftovers(data_dir) == []
+
+
+_BROWSER = Path("/usr/bin/chromium").exists() and Path("/usr/bin/chromedriver").exists()
+
+
+@requires_tracing_ui
+@pytest.mark.skipif(
+    not _BROWSER and not os.environ.get("SHARD_ROUTER_REQUIRE_BROWSER"),
+    reason="needs Debian's chromium and chromium-driver (apt-get install -y chromium chromium-driver)",
+)
+def test_browser_check_shows_the_replay_span(tmp_path):
+    """The committed browser check, as a user runs it: cluster, replay, API, then headless Chromium."""
+    shot = tmp_path / "tracing-ui.png"
+    result = subprocess.run(
+        [sys.executable, "scripts/tracing_ui_check.py", "--screenshot", str(shot)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "outcome=replay" in out and "events=['idempotency.replay']" in out, out
+    assert "shows the replay span of" in out, out
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -45,7 +45,7 @@ def _parent_of(traced: Traced, span: ReadableSpan) -> ReadableSpan:
     return by_id[span.parent.span_id]
 
 
-def test_first_call_then_replay(traced: Traced) -> None:
+def test_first_call_then_replay(traced: Traced, db) -> None:
     md = key_metadata()
     key = md[0][1]
     traced.stub.Deposit(_deposit(), metadata=md)
@@ -63,6 +63,16 @@ def test_first_call_then_replay(traced: Traced) -> None:
     assert replay.attributes["idempotency.outcome"] == "replay"  # type: ignore[index]
     assert _events(first) == []
     assert _events(replay) == ["idempotency.replay"]
+    # The replay links to the span of the attempt that claimed the key (its traceparent is stored).
+    assert first.links == ()
+    assert [(link.context.trace_id, link.context.span_id) for link in replay.links] == [
+        (first.context.trace_id, first.context.span_id)
+    ]
+    assert replay.attributes is not None
+    assert replay.attributes["idempotency.first_trace_id"] == format(first.context.trace_id, "032x")
+    (stored,) = db.execute("SELECT first_traceparent FROM idempotency_record WHERE key = %s", (key,)).fetchone()
+    flags = int(first.context.trace_flags)
+    assert stored == f"00-{first.context.trace_id:032x}-{first.context.span_id:016x}-{flags:02x}"
     event = replay.events[0]
     assert event.attributes is not None and event.attributes["idempotency.stored_status_code"] == 0
     # A replay is not an error.
@@ -273,7 +283,7 @@ def test_exporters_from_env() -> None:
         telemetry.exporters_from_env({"OTEL_TRACES_EXPORTER": "zipkin"})
 
 
-def test_tracing_off_installs_nothing_and_the_shard_serves_without_the_interceptor(stub, shard) -> None:
+def test_tracing_off_installs_nothing_and_the_shard_serves_without_the_interceptor(stub, shard, db) -> None:
     assert telemetry.configure_tracing("shardd/test", env={}) is None
     assert not telemetry.tracing_active()
     interceptors = shard.server._state.interceptor_pipeline.interceptors  # type: ignore[attr-defined]
@@ -281,6 +291,10 @@ def test_tracing_off_installs_nothing_and_the_shard_serves_without_the_intercept
     md = key_metadata()
     reply = stub.Deposit(_deposit(9), metadata=md)
     assert reply.balance.amount_minor == 9
+    (stored,) = db.execute(
+        "SELECT first_traceparent FROM idempotency_record WHERE key = %s", (md[0][1],)
+    ).fetchone()
+    assert stored is None
 
 
 def test_aio_router_spans_caller_router_and_shard_in_one_trace(traced: Traced) -> None:
