@@ -55,6 +55,8 @@ from shardrouter.telemetry import (
 )
 
 log = logging.getLogger(__name__)
+#: The per-call log (one line per guarded call); its own name so it can be silenced or routed apart.
+_calls_log = logging.getLogger("shardd.calls")
 
 REPLAYED_TRAILER = ("idempotency-replayed", "true")
 EXPIRES_AT_TRAILER = "idempotency-expires-at"
@@ -134,6 +136,22 @@ class IdempotencyInterceptor(ServerInterceptorBase):
         return grpc.unary_unary_rpc_method_handler(guarded)
 
     def _notify(self, outcome: CallOutcome) -> None:
+        # One line per guarded call, inside its span (so with its trace and span ids): the key and
+        # the outcome, never the request or the stored response.
+        _calls_log.log(
+            logging.WARNING if outcome.outcome == "error" else logging.INFO,
+            "%s %s: %s",
+            outcome.method.rsplit("/", 1)[-1],
+            outcome.outcome,
+            outcome.code.name,
+            extra={
+                "key": outcome.key,
+                "scope": outcome.scope,
+                "outcome": outcome.outcome,
+                "code": outcome.code.name,
+                "duration_ms": round(outcome.duration_s * 1000, 3),
+            },
+        )
         for listener in self._listeners:
             try:
                 listener(outcome)
