@@ -16,6 +16,7 @@ from router.server import ListenError, start_router
 from router.settings import RouterSettings, parse_settings
 from shardrouter import telemetry
 from shardrouter.logs import configure_logging
+from shardrouter.settings_source import command_words
 from shardrouter.shardmap import ShardMapError
 
 log = logging.getLogger("router")
@@ -35,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if args else 2
-    if _positional(args) != ["serve"]:
+    if command_words(args) != ["serve"]:
         print(USAGE, file=sys.stderr)
         return 2
     try:
@@ -86,19 +87,6 @@ def _termination_signal() -> asyncio.Event:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     return received
-
-
-def _positional(args: list[str]) -> list[str]:
-    """The command words: every argument that is neither a `--flag` nor a flag's value."""
-    words, skip = [], False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg.startswith("--"):
-            skip = "=" not in arg
-        else:
-            words.append(arg)
-    return words
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from shardd.settings import ShardSettings, parse_settings
 from shardrouter import grpcserver, telemetry
 from shardrouter.keys import key_time
 from shardrouter.logs import configure_logging
+from shardrouter.settings_source import command_words
 
 log = logging.getLogger("shardd")
 
@@ -40,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if args else 2
-    words = _positional(args)
+    words = command_words(args)
     try:
         settings = parse_settings(args)
     except ValueError as exc:
@@ -66,19 +67,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _lookup_key(settings, words[2])
     print(USAGE, file=sys.stderr)
     return 2
-
-
-def _positional(args: list[str]) -> list[str]:
-    """The command words: every argument that is neither a `--flag` nor a flag's value."""
-    words, skip = [], False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg.startswith("--"):
-            skip = "=" not in arg
-        else:
-            words.append(arg)
-    return words
 
 
 def _serve(settings: ShardSettings) -> int:

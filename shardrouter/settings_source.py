@@ -32,6 +32,19 @@ def settings_values(
     return values
 
 
+def command_words(args: Sequence[str]) -> list[str]:
+    """The command words: every argument that is neither a `--flag` nor a flag's value."""
+    words, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg.startswith("--"):
+            skip = "=" not in arg
+        else:
+            words.append(arg)
+    return words
+
+
 def env_names(cls: type[Any], prefix: str) -> tuple[str, ...]:
     """Every environment variable name the settings class reads."""
     return tuple(prefix + f.name.upper() for f in fields(cls))
