@@ -7,7 +7,9 @@ writes and the stored outcome commit together. Read-only handlers open their own
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import functools
 import logging
 import uuid
 from collections.abc import Iterator
@@ -17,6 +19,8 @@ from typing import Any
 
 import psycopg
 import psycopg_pool
+from opentelemetry.instrumentation.psycopg import PsycopgInstrumentor
+from opentelemetry.trace import TracerProvider
 from psycopg import errors
 
 from shardrouter.errors import DeadlineExceeded, Internal, Reason, Unavailable
@@ -49,7 +53,12 @@ class Database:
         acquire_timeout_s: float = 2.0,
         transient_retry_ms: int = 250,
         check_connections: bool = True,
+        tracer_provider: TracerProvider | None = None,
+        traced: bool = False,
     ) -> None:
+        """`traced`: every pooled connection's statements become spans (OpenTelemetry's psycopg
+        instrumentation, to `tracer_provider` or the global provider); the SQL text is recorded,
+        never the parameters."""
         if min_size < 1 or max_size < min_size:
             raise ValueError("pool sizes must satisfy 1 <= min_size <= max_size")
         if acquire_timeout_s <= 0:
@@ -63,9 +72,10 @@ class Database:
             open=False,
             name="shardd",
             # A checkout after a database restart gets a fresh connection instead of a dead one.
-            check=psycopg_pool.ConnectionPool.check_connection if check_connections else None,
+            check=_check_connection if check_connections else None,
             kwargs={"autocommit": False, "application_name": "shardd"},
             reconnect_timeout=3600,
+            configure=functools.partial(_trace_statements, tracer_provider=tracer_provider) if traced else None,
         )
 
     def open(self, wait_s: float = 30.0) -> None:
@@ -97,6 +107,24 @@ class Database:
             with conn.transaction():
                 conn.execute("SET TRANSACTION READ ONLY")
                 yield conn
+
+
+def _check_connection(conn: Connection) -> None:
+    """psycopg_pool's `check_connection`, through a plain cursor: a liveness probe at every checkout
+    is not a statement worth a span (a traced connection's own cursors would make one)."""
+    was_autocommit = conn.autocommit
+    conn.autocommit = True
+    try:
+        with psycopg.Cursor(conn) as probe:
+            probe.execute("")
+    finally:
+        with contextlib.suppress(Exception):  # a closed connection must not hide the first error
+            conn.autocommit = was_autocommit
+
+
+def _trace_statements(conn: Connection, *, tracer_provider: TracerProvider | None) -> None:
+    # Swaps the connection's cursor factory for a traced one; it sends nothing to the server.
+    PsycopgInstrumentor.instrument_connection(conn, tracer_provider=tracer_provider)
 
 
 @contextmanager

@@ -130,6 +130,8 @@ def start_shard(
         min_size=settings.pool_min,
         max_size=settings.pool_max,
         acquire_timeout_s=settings.pool_timeout_s,
+        tracer_provider=tracer_provider,
+        traced=telemetry.tracing_active(tracer_provider),
     )
     interceptor = IdempotencyInterceptor(
         database=database,

@@ -92,6 +92,25 @@ def test_first_call_then_replay(traced: Traced, db) -> None:
     assert len(db_spans) == 1
     assert db_spans[0].attributes is not None and db_spans[0].attributes["db.system"] == "postgresql"
     assert db_spans[0].status.status_code is StatusCode.UNSET
+    # Statement spans from OpenTelemetry's psycopg instrumentation, under the transaction span: the SQL
+    # text with its placeholders, never the values.
+    def statements(transaction: ReadableSpan) -> list[str]:
+        return [
+            str((s.attributes or {}).get("db.statement", ""))
+            for s in sorted(traced.exporter.get_finished_spans(), key=lambda s: s.start_time or 0)
+            if s.parent is not None and s.parent.span_id == transaction.context.span_id
+        ]
+
+    first_sql = statements(db_spans[0])
+    assert any(q.startswith("INSERT INTO idempotency_record") for q in first_sql), first_sql
+    assert any(q.startswith("INSERT INTO ledger_entries") for q in first_sql), first_sql
+    assert any(q.startswith("UPDATE idempotency_record SET state = 'completed'") for q in first_sql), first_sql
+    assert all(q and key not in q for q in first_sql), first_sql
+    (replay_db,) = [
+        s for s in traced.spans("db.transaction") if s.parent and s.parent.span_id == replay.context.span_id
+    ]
+    replay_sql = statements(replay_db)
+    assert not any(q.startswith(("UPDATE", "INSERT INTO ledger")) for q in replay_sql), "a replay writes nothing"
 
 
 def test_in_flight_duplicate_is_a_conflict_not_an_error(traced: Traced, database: str) -> None:
