@@ -131,7 +131,7 @@ def start_shard(
         max_size=settings.pool_max,
         acquire_timeout_s=settings.pool_timeout_s,
         tracer_provider=tracer_provider,
-        traced=telemetry.tracing_active(tracer_provider),
+        traced=settings.trace_statements and telemetry.tracing_active(tracer_provider),
     )
     interceptor = IdempotencyInterceptor(
         database=database,

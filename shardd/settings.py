@@ -68,6 +68,9 @@ class ShardSettings:
     dev_mode: bool = False
     #: Seconds to finish in-flight calls on SIGTERM.
     shutdown_grace_s: float = 10.0
+    #: With tracing on, also a span per SQL statement (psycopg instrumentation); the transaction span
+    #: is always there. Off saves most of tracing's cost on a busy shard (scripts/bench_tracing_overhead.py).
+    trace_statements: bool = True
     #: Log format: "json" or "text".
     log_format: str = "json"
     log_level: str = "INFO"

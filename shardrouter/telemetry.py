@@ -43,6 +43,7 @@ from opentelemetry.sdk.trace.export import (
     SimpleSpanProcessor,
     SpanExporter,
 )
+from opentelemetry.sdk.trace.sampling import Sampler
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -123,7 +124,11 @@ def exporters_from_env(env: Mapping[str, str] | None = None) -> list[str]:
 
 
 def new_tracer_provider(
-    service_name: str, exporters: Sequence[SpanExporter], *, batch: bool = True
+    service_name: str,
+    exporters: Sequence[SpanExporter],
+    *,
+    batch: bool = True,
+    sampler: Sampler | None = None,
 ) -> TracerProvider:
     """A tracer provider for `service_name` sending to `exporters` (not installed globally).
 
@@ -131,7 +136,8 @@ def new_tracer_provider(
     under test explicitly (the global provider can be set only once per process).
     """
     resource = Resource.create({SERVICE_NAME: service_name, PROJECT_ATTRIBUTE: TRACE_PROJECT})
-    provider = TracerProvider(resource=resource)
+    # No sampler given: the SDK's default, which reads OTEL_TRACES_SAMPLER(_ARG).
+    provider = TracerProvider(resource=resource, sampler=sampler)
     provider.add_span_processor(ServiceNameSpanProcessor(service_name))
     for exporter in exporters:
         processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)

@@ -514,3 +514,23 @@ def test_caller_library_router_and_shard_in_one_trace_with_linked_retries(
     assert [e.name for e in replay_attempt.events] == ["idempotency.replay"]
     operation = chains[-1][-1]
     assert operation.attributes is not None and operation.attributes["operation.state"] == "succeeded"
+
+
+def test_statement_spans_can_be_switched_off(database: str) -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from shardd.server import start_shard
+    from tests.conftest import make_settings
+
+    exporter = InMemorySpanExporter()
+    provider = telemetry.new_tracer_provider("shardd/no-sql", [exporter], batch=False)
+    daemon = start_shard(make_settings(database, trace_statements=False), tracer_provider=provider)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{daemon.port}") as channel:
+            transfer_pb2_grpc.TransferServiceStub(channel).Deposit(_deposit(), metadata=key_metadata())
+    finally:
+        daemon.stop(0.5)
+        provider.shutdown()
+    names = [s.name for s in exporter.get_finished_spans()]
+    assert "idempotency" in names and "db.transaction" in names, names
+    assert not [s for s in exporter.get_finished_spans() if "db.statement" in (s.attributes or {})], names
