@@ -63,6 +63,7 @@ SHARDD_ENV = frozenset(
         "SHARDD_TLS_KEY",
         "SHARDD_TLS_CA",
         "SHARDD_DEV_MODE",
+        "SHARDD_TRACE_STATEMENTS",
     }
 )
 ROUTER_ENV = frozenset(
@@ -808,6 +809,9 @@ def test_environment_names_are_ones_the_code_reads(target: str) -> None:
                     "OTEL_TRACES_EXPORTER",
                     "OTEL_EXPORTER_OTLP_ENDPOINT",
                     "OTEL_RESOURCE_ATTRIBUTES",
+                    # Read by the OpenTelemetry SDK's TracerProvider (no sampler passed in).
+                    "OTEL_TRACES_SAMPLER",
+                    "OTEL_TRACES_SAMPLER_ARG",
                 )
 
 

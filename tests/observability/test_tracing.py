@@ -534,3 +534,13 @@ def test_statement_spans_can_be_switched_off(database: str) -> None:
     names = [s.name for s in exporter.get_finished_spans()]
     assert "idempotency" in names and "db.transaction" in names, names
     assert not [s for s in exporter.get_finished_spans() if "db.statement" in (s.attributes or {})], names
+
+
+def test_sampler_comes_from_the_standard_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opentelemetry.sdk.trace.sampling import ParentBased
+
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.25")
+    provider = telemetry.new_tracer_provider("t", [], batch=False)
+    assert isinstance(provider.sampler, ParentBased)
+    assert "0.25" in provider.sampler.get_description()
