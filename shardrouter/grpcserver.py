@@ -45,15 +45,60 @@ def server_options(
     ]
 
 
+class CertificateFiles:
+    """A server's certificate, key and client CA on disk, re-read when they change.
+
+    grpc asks `fetch` at every TLS handshake; it answers None (keep the current configuration) unless
+    a file's identity changed since the last load, so a rotation (cert-manager renewing a Secret,
+    which Kubernetes swaps in atomically) reaches new connections without a restart. A half-written
+    set that does not load is logged and skipped: the last good configuration stays until it loads.
+    """
+
+    def __init__(self, cert: str, key: str, ca: str) -> None:
+        self._paths = tuple(Path(p) for p in (cert, key, ca) if p)
+        self._cert, self._key, self._ca = Path(cert), Path(key), Path(ca) if ca else None
+        self._lock = threading.Lock()
+        self._stamp = self._current_stamp()
+        self.initial = self._configuration()  # start-up: an unreadable file is an error here
+        self.reloads = 0
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """The new configuration if the files changed, else None (grpc keeps the current one)."""
+        with self._lock:
+            try:
+                stamp = self._current_stamp()
+                if stamp == self._stamp:
+                    return None
+                configuration = self._configuration()
+            except (OSError, ValueError) as exc:
+                log.warning("TLS files changed but cannot be loaded yet (%s); keeping the current ones", exc)
+                return None
+            self._stamp = stamp
+            self.reloads += 1
+            log.info("TLS certificate files reloaded", extra={"cert": str(self._cert)})
+            return configuration
+
+    def _current_stamp(self) -> tuple[tuple[int, int, int], ...]:
+        # stat() follows the symlinks a Kubernetes Secret volume swaps on update.
+        return tuple((st.st_ino, st.st_size, st.st_mtime_ns) for st in (p.stat() for p in self._paths))
+
+    def _configuration(self) -> grpc.ServerCertificateConfiguration:
+        chain, private = self._cert.read_bytes(), self._key.read_bytes()
+        if b"CERTIFICATE" not in chain or b"PRIVATE KEY" not in private:
+            raise ValueError(f"{self._cert} or {self._key} is not a PEM certificate and key")
+        roots = self._ca.read_bytes() if self._ca else None
+        return grpc.ssl_server_certificate_configuration([(private, chain)], root_certificates=roots)
+
+
 def server_credentials(cert: str, key: str, ca: str) -> grpc.ServerCredentials:
-    """TLS server credentials; with a CA, client certificates are required (mTLS)."""
-    chain = Path(cert).read_bytes()
-    private = Path(key).read_bytes()
-    if ca:
-        return grpc.ssl_server_credentials(
-            [(private, chain)], root_certificates=Path(ca).read_bytes(), require_client_auth=True
-        )
-    return grpc.ssl_server_credentials([(private, chain)])
+    """TLS server credentials that follow certificate rotation; with a CA, client certificates are
+    required (mTLS)."""
+    files = CertificateFiles(cert, key, ca)
+    return grpc.dynamic_ssl_server_credentials(
+        files.initial,
+        files.fetch,  # type: ignore[arg-type]  # grpc documents None as "no change"; the stubs omit it
+        require_client_authentication=bool(ca),
+    )
 
 
 def channel_credentials(cert: str, key: str, ca: str) -> grpc.ChannelCredentials:

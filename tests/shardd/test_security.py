@@ -113,3 +113,67 @@ def test_without_tls_outside_dev_mode_every_call_is_unauthenticated(database):
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         daemon.stop(0.2)
+
+
+def _served_common_name(port: int, ca: TestCA, client) -> str:
+    """The common name of the certificate the shard presents to a new TLS connection."""
+    import socket
+    import ssl
+
+    context = ssl.create_default_context(cafile=str(ca.ca_path))
+    context.load_cert_chain(str(client.cert), str(client.key))
+    context.set_alpn_protocols(["h2"])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            subject = dict(pair[0] for pair in tls.getpeercert()["subject"])
+    return str(subject["commonName"])
+
+
+def _publish(folder: Path, version: str, cert: bytes, key: bytes) -> None:
+    """Swap in a new certificate the way a Kubernetes Secret volume does: one atomic symlink flip."""
+    import os
+
+    target = folder / version
+    target.mkdir()
+    (target / "tls.crt").write_bytes(cert)
+    (target / "tls.key").write_bytes(key)
+    (folder / "..data_tmp").symlink_to(version)
+    os.replace(folder / "..data_tmp", folder / "..data")
+
+
+def test_a_rotated_server_certificate_reaches_new_connections_without_a_restart(database, ca, tmp_path):
+    folder = tmp_path / "tls"
+    folder.mkdir()
+    first, renewed = ca.issue("shard-0", server=True), ca.issue("shard-0-renewed", server=True)
+    _publish(folder, "v1", first.cert.read_bytes(), first.key.read_bytes())
+    for name in ("tls.crt", "tls.key"):
+        (folder / name).symlink_to(Path("..data") / name)
+    daemon = start_shard(
+        make_settings(
+            database,
+            dev_mode=False,
+            tls_cert=str(folder / "tls.crt"),
+            tls_key=str(folder / "tls.key"),
+            tls_ca=str(ca.ca_path),
+        )
+    )
+    client = ca.issue("team-a")
+    try:
+        old_channel, old_stub = _stub(daemon.port, ca, "team-a")
+        _deposit(old_stub, new_key())
+        assert _served_common_name(daemon.port, ca, client) == "shard-0"
+
+        _publish(folder, "v2", renewed.cert.read_bytes(), renewed.key.read_bytes())
+        assert _served_common_name(daemon.port, ca, client) == "shard-0-renewed"
+        channel, stub = _stub(daemon.port, ca, "team-a")
+        _deposit(stub, new_key())  # a new connection works with the new certificate
+        _deposit(old_stub, new_key())  # and the connection made before the rotation still does
+
+        # A broken set (a half-finished rotation) is not loaded: the last good one stays.
+        _publish(folder, "v3", b"not a certificate", renewed.key.read_bytes())
+        assert _served_common_name(daemon.port, ca, client) == "shard-0-renewed"
+        _deposit(stub, new_key())
+        channel.close()
+        old_channel.close()
+    finally:
+        daemon.stop(0.2)
