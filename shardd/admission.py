@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import grpc
 
 from shardrouter.errors import Reason, ResourceExhausted, ShardRouterError, Unavailable, to_grpc_status
-from shardrouter.grpcserver import MethodHandler, ServerInterceptorBase
+from shardrouter.grpcserver import MethodHandler, UnaryInterceptor, with_behaviour
 
 _EXEMPT_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
 CALLER_METADATA = "x-caller-id"
@@ -76,7 +76,7 @@ class AdmissionLimits:
                 del self._per_caller[caller]
 
 
-class AdmissionInterceptor(ServerInterceptorBase):
+class AdmissionInterceptor(UnaryInterceptor):
     """Applies `AdmissionLimits` to every unary method but health and reflection.
 
     The caller key here is the claimed `x-caller-id` or the peer address: a cheap, pre-authentication
@@ -87,20 +87,14 @@ class AdmissionInterceptor(ServerInterceptorBase):
         self._limits = limits
         self._trusted = trusted_proxies
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], MethodHandler | None],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> MethodHandler | None:
-        """Wrap unary-unary handlers with an admission check."""
-        handler = continuation(handler_call_details)
-        if (
-            handler is None
-            or handler.unary_unary is None
-            or handler_call_details.method.startswith(_EXEMPT_PREFIXES)
-        ):
-            return handler
+    def applies_to(self, method: str) -> bool:
+        """Everything but health and reflection."""
+        return not method.startswith(_EXEMPT_PREFIXES)
+
+    def wrap(self, method: str, handler: MethodHandler) -> MethodHandler:
+        """The handler behind an admission check."""
         behaviour = handler.unary_unary
+        assert behaviour is not None
         limits, trusted = self._limits, self._trusted
 
         def admitted(request: Any, context: grpc.ServicerContext) -> Any:
@@ -115,11 +109,7 @@ class AdmissionInterceptor(ServerInterceptorBase):
             finally:
                 limits.release(caller)
 
-        return grpc.unary_unary_rpc_method_handler(
-            admitted,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        return with_behaviour(handler, admitted)
 
 
 def _bucket(context: grpc.ServicerContext, trusted: frozenset[str]) -> str:

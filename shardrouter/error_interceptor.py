@@ -15,28 +15,25 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from shardrouter.errors import Internal, InvalidArgument, Reason, ShardRouterError, to_grpc_status
-from shardrouter.grpcserver import MethodHandler, ServerInterceptorBase
+from shardrouter.grpcserver import MethodHandler, UnaryInterceptor
 
 log = logging.getLogger(__name__)
 
 
-class DomainErrorInterceptor(ServerInterceptorBase):
+class DomainErrorInterceptor(UnaryInterceptor):
     """Maps `ShardRouterError` to status + rich details for every unary method not in `skip`."""
 
     def __init__(self, skip: Collection[str] = ()) -> None:
         self._skip = frozenset(skip)
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], MethodHandler | None],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> MethodHandler | None:
-        """Wrap unary-unary handlers; leave the rest alone."""
-        handler = continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None or handler_call_details.method in self._skip:
-            return handler
+    def applies_to(self, method: str) -> bool:
+        """Every method but the skipped ones."""
+        return method not in self._skip
+
+    def wrap(self, method: str, handler: MethodHandler) -> MethodHandler:
+        """Decode the request here and map the handler's domain errors."""
         behaviour = handler.unary_unary
-        method = handler_call_details.method
+        assert behaviour is not None
         deserialize = handler.request_deserializer
 
         def mapped(raw: Any, context: grpc.ServicerContext) -> Any:

@@ -47,7 +47,7 @@ from opentelemetry.sdk.trace.sampling import Sampler
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from shardrouter.grpcserver import MethodHandler, ServerInterceptorBase
+from shardrouter.grpcserver import MethodHandler, UnaryInterceptor, with_behaviour
 
 if TYPE_CHECKING:
     ClientInterceptorBase = grpc.UnaryUnaryClientInterceptor[Any, Any]
@@ -294,7 +294,7 @@ def _server_span(
         yield span
 
 
-class TracingServerInterceptor(ServerInterceptorBase):
+class TracingServerInterceptor(UnaryInterceptor):
     """Opens the SERVER span of every unary call, as a child of the caller's `traceparent`.
 
     Put it first in the server's interceptor list, so the spans other interceptors make (the
@@ -312,20 +312,17 @@ class TracingServerInterceptor(ServerInterceptorBase):
         self._tracer = get_tracer(tracer_provider)
         self._untraced = tuple(untraced_prefixes)
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], MethodHandler | None],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> MethodHandler | None:
-        """Wrap unary-unary handlers of traced methods; leave everything else alone."""
-        handler = continuation(handler_call_details)
-        full_method = handler_call_details.method
-        if handler is None or handler.unary_unary is None or full_method.startswith(self._untraced):
-            return handler
+    def applies_to(self, method: str) -> bool:
+        """Every method but the untraced ones (health, reflection)."""
+        return not method.startswith(self._untraced)
+
+    def wrap(self, method: str, handler: MethodHandler) -> MethodHandler:
+        """The handler inside its SERVER span."""
         behaviour = handler.unary_unary
+        assert behaviour is not None
         tracer = self._tracer
-        name = _span_name(full_method)
-        attributes = _rpc_attributes(full_method)
+        name = _span_name(method)
+        attributes = _rpc_attributes(method)
 
         def traced(request: Any, context: grpc.ServicerContext) -> Any:
             with _server_span(tracer, name, attributes, tuple(context.invocation_metadata())) as span:
@@ -341,11 +338,7 @@ class TracingServerInterceptor(ServerInterceptorBase):
                 set_rpc_status(span, _context_code(context) or grpc.StatusCode.OK, server=True)
                 return response
 
-        return grpc.unary_unary_rpc_method_handler(
-            traced,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        return with_behaviour(handler, traced)
 
 
 def _context_code(context: grpc.ServicerContext) -> grpc.StatusCode | None:

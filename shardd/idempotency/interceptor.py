@@ -44,7 +44,7 @@ from shardrouter.errors import (
     to_grpc_status,
     to_status_proto,
 )
-from shardrouter.grpcserver import MethodHandler, ServerInterceptorBase
+from shardrouter.grpcserver import MethodHandler, UnaryInterceptor
 from shardrouter.keys import KEY_FORMAT_HINT, KEY_METADATA, key_time, parse_key
 from shardrouter.telemetry import (
     SERVER_ERROR_CODES,
@@ -95,7 +95,7 @@ class CallOutcome:
     duration_s: float = 0.0
 
 
-class IdempotencyInterceptor(ServerInterceptorBase):
+class IdempotencyInterceptor(UnaryInterceptor):
     """Claims keys in PostgreSQL for every configured mutating method."""
 
     def __init__(
@@ -121,19 +121,13 @@ class IdempotencyInterceptor(ServerInterceptorBase):
         self._tracer = tracer if tracer is not None else (get_tracer() if tracing_active() else None)
         self._shard_id = shard_id
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], MethodHandler | None],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> MethodHandler | None:
-        """Wrap guarded unary methods; pass every other method through untouched."""
-        handler = continuation(handler_call_details)
-        method = self._methods.get(handler_call_details.method)
-        if handler is None or method is None or handler.unary_unary is None:
-            return handler
-        guarded = _GuardedCall(self, method, handler)
-        # No (de)serialisers: the guarded call sees the request bytes and returns response bytes.
-        return grpc.unary_unary_rpc_method_handler(guarded)
+    def applies_to(self, method: str) -> bool:
+        """Only the mutating methods are guarded."""
+        return method in self._methods
+
+    def wrap(self, method: str, handler: MethodHandler) -> MethodHandler:
+        """The guarded call: no (de)serialisers, it sees the request bytes and returns response bytes."""
+        return grpc.unary_unary_rpc_method_handler(_GuardedCall(self, self._methods[method], handler))
 
     def _notify(self, outcome: CallOutcome) -> None:
         # One line per guarded call, inside its span (so with its trace and span ids): the key and

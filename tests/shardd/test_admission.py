@@ -59,6 +59,29 @@ def _wait_for_lock_waiters(db, n):
     raise AssertionError(f"expected {n} calls waiting on the lock")
 
 
+def _one_more_call_while_blocked(stub, database, db, callers, *, caller):
+    """Block one Deposit per `callers` on a held lock, then send one more (expected to be refused).
+
+    Returns (the refusal, seconds it took, errors of the blocked calls once released)."""
+    holder, threads, errors = _blocked_calls(stub, database, callers)
+    try:
+        _wait_for_lock_waiters(db, len(callers))
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Deposit(
+                transfer_pb2.DepositRequest(account_id="cold", amount=money(1)),
+                metadata=key_metadata(caller=caller),
+                timeout=20,
+            )
+        elapsed = time.monotonic() - started
+    finally:
+        holder.rollback()
+        holder.close()
+        for t in threads:
+            t.join()
+    return info, elapsed, errors
+
+
 @pytest.mark.parametrize(
     ("overrides", "callers", "code", "reason"),
     [
@@ -77,20 +100,7 @@ def test_calls_beyond_the_limits_are_shed_at_once(database, db, overrides, calle
         with grpc.insecure_channel(f"127.0.0.1:{daemon.port}") as channel:
             stub = transfer_pb2_grpc.TransferServiceStub(channel)
             deposit(stub, "hot", 1)
-            holder, threads, errors = _blocked_calls(stub, database, callers)
-            _wait_for_lock_waiters(db, 2)
-            started = time.monotonic()
-            with pytest.raises(grpc.RpcError) as info:
-                stub.Deposit(
-                    transfer_pb2.DepositRequest(account_id="cold", amount=money(1)),
-                    metadata=key_metadata(caller="storm"),
-                    timeout=20,
-                )
-            elapsed = time.monotonic() - started
-            holder.rollback()
-            holder.close()
-            for t in threads:
-                t.join()
+            info, elapsed, errors = _one_more_call_while_blocked(stub, database, db, callers, caller="storm")
         assert info.value.code() == code
         assert reason in str(rpc_status.from_call(info.value))
         assert _retry_info(info.value) is not None
@@ -107,20 +117,7 @@ def test_pool_exhaustion_answers_unavailable_quickly(database, db):
         with grpc.insecure_channel(f"127.0.0.1:{daemon.port}") as channel:
             stub = transfer_pb2_grpc.TransferServiceStub(channel)
             deposit(stub, "hot", 1)
-            holder, threads, errors = _blocked_calls(stub, database, ["a", "b"])
-            _wait_for_lock_waiters(db, 2)
-            started = time.monotonic()
-            with pytest.raises(grpc.RpcError) as info:
-                stub.Deposit(
-                    transfer_pb2.DepositRequest(account_id="cold", amount=money(1)),
-                    metadata=key_metadata(caller="c"),
-                    timeout=20,
-                )
-            elapsed = time.monotonic() - started
-            holder.rollback()
-            holder.close()
-            for t in threads:
-                t.join()
+            info, elapsed, errors = _one_more_call_while_blocked(stub, database, db, ["a", "b"], caller="c")
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "connections are all busy" in info.value.details()
         assert _retry_info(info.value) is not None
