@@ -40,6 +40,7 @@ from shardclient.operation import Operation, OperationState
 from shardclient.status import RpcFailure
 from shardclient.store import SqliteOperationStore
 from shardclient.wire import InvalidOperation, message_to_dict
+from shardrouter import telemetry
 from shardrouter.v1 import transfer_pb2
 
 __all__ = ["ExitCode", "build_parser", "default_store_path", "main"]
@@ -147,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.command == "dev":
         return _dev(ns.rest)
     out = _Output(json_mode=ns.json)
+    # Off unless OTEL_* asks for it; then each operation and attempt is a span (shardclient.tracing).
+    telemetry.configure_tracing("shard-router-cli")
     try:
         if ns.command in ("balance", "get-transfer"):
             with TransferClient(ns.target, store=None, caller_id=ns.caller) as client:
@@ -158,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return out.failure(
             ExitCode.USAGE, f"{ns.command}: {error}", {"command": ns.command, "error": str(error)}
         )
+    finally:
+        telemetry.shutdown_tracing()  # export what is queued before the process ends
 
 
 def _dev(rest: Sequence[str]) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import sys
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -166,7 +167,8 @@ def configure_tracing(service_name: str, *, env: Mapping[str, str] | None = None
 
         exporters.append(OTLPSpanExporter())
     if "console" in names:
-        exporters.append(ConsoleSpanExporter())
+        # stderr: stdout is the program's own output (the CLI's --json, say).
+        exporters.append(ConsoleSpanExporter(out=sys.stderr))
     name = env.get("OTEL_SERVICE_NAME") or service_name
     provider = new_tracer_provider(name, exporters)
     trace.set_tracer_provider(provider)

@@ -97,3 +97,31 @@ def test_default_store_lives_in_the_user_data_dir(shard: ShardDaemon, tmp_path: 
 def test_dev_is_dispatched_to_the_devcluster_cli(tmp_path: Path) -> None:
     run = cli(tmp_path, "dev", "--help")
     assert run.code == 0 and "shard-router dev" in run.stdout
+
+
+def test_otel_environment_traces_the_command_without_touching_its_output(
+    shard: ShardDaemon, tmp_path: Path
+) -> None:
+    env = child_env(tmp_path, OTEL_TRACES_EXPORTER="console", OTEL_SERVICE_NAME="cli-test")
+    run = cli(
+        tmp_path,
+        "--target",
+        f"127.0.0.1:{shard.port}",
+        "--json",
+        "deposit",
+        "--account",
+        "zoe",
+        "--amount",
+        "1.00",
+        "--currency",
+        "EUR",
+        store=tmp_path / "ops.db",
+        env=env,
+    )
+    assert run.code == 0, run.output
+    reply = run.json()  # stdout is still exactly one JSON object
+    key = reply["operation"]["idempotency_key"]
+    assert '"name": "shardclient.operation"' in run.stderr, run.stderr
+    assert '"name": "shardrouter.v1.TransferService/Deposit"' in run.stderr
+    assert f'"idempotency.key": "{key}"' in run.stderr
+    assert '"service.name": "cli-test"' in run.stderr
