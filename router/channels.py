@@ -103,6 +103,17 @@ class ChannelPool:
             self._retiring[id(channel)] = (timer, channel)
             log.info("retiring channel to %s: no longer in the shard map", address)
 
+    def replace_credentials(self, credentials: grpc.ChannelCredentials) -> None:
+        """Use `credentials` for every channel from now on (a rotated client certificate).
+
+        The current channels are retired like addresses that left the map: calls in flight on them
+        finish, new calls get new channels that handshake with the new certificate.
+        """
+        self._credentials = credentials
+        addresses = list(self._channels)
+        self.retain(())
+        log.info("client certificate rotated: new channels to %d shard(s)", len(addresses))
+
     async def close(self) -> None:
         """Close every channel now, retiring ones included."""
         self._closed = True

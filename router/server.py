@@ -19,7 +19,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -60,6 +60,8 @@ class Router:
     #: The router's metrics and their /metrics endpoint (None when metrics_port is 0).
     metrics: RouterMetrics | None = None
     metrics_server: MetricsServer | None = None
+    #: Tasks that live as long as the router (certificate rotation watch).
+    background: list[asyncio.Task[None]] = field(default_factory=list)
 
     @property
     def metrics_port(self) -> int:
@@ -69,6 +71,8 @@ class Router:
     async def stop(self, grace_s: float | None = None) -> None:
         """Graceful stop: health NOT_SERVING, drain in-flight calls, then close the shard channels."""
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
+        for task in self.background:
+            task.cancel()
         await self.health.enter_graceful_shutdown()
         # Refuses new calls at once; calls still running after `grace` are cancelled (and with them
         # their shard calls).
@@ -94,14 +98,15 @@ async def start_router(
     loop = asyncio.get_running_loop()
     traced = telemetry.tracing_active(tracer_provider)
     metrics = RouterMetrics() if settings.metrics_port > 0 else None
+    shard_certificates = (
+        grpcserver.ClientCertificateFiles(
+            settings.shard_tls_cert, settings.shard_tls_key, settings.shard_tls_ca
+        )
+        if settings.shard_tls_enabled
+        else None
+    )
     pool = ChannelPool(
-        credentials=(
-            grpcserver.channel_credentials(
-                settings.shard_tls_cert, settings.shard_tls_key, settings.shard_tls_ca
-            )
-            if settings.shard_tls_enabled
-            else None
-        ),
+        credentials=shard_certificates.credentials if shard_certificates else None,
         max_message_bytes=settings.max_message_bytes,
         # In-flight calls on a channel dropped from the map may run until their (capped) deadline.
         retire_after_s=settings.max_deadline_s + 1,
@@ -162,7 +167,23 @@ async def start_router(
         if metrics is not None
         else None
     )
-    return Router(settings, server, port, health_servicer, shard_maps, pool, metrics, metrics_server)
+    router = Router(settings, server, port, health_servicer, shard_maps, pool, metrics, metrics_server)
+    if shard_certificates is not None:
+        router.background.append(
+            loop.create_task(_follow_rotation(shard_certificates, pool, settings.reload_interval_s))
+        )
+    return router
+
+
+async def _follow_rotation(
+    files: grpcserver.ClientCertificateFiles, pool: ChannelPool, interval_s: float
+) -> None:
+    """Poll the router's client certificate files; on a rotation, new channels use the new ones."""
+    while True:
+        await asyncio.sleep(interval_s)
+        credentials = await asyncio.to_thread(files.changed)
+        if credentials is not None:
+            pool.replace_credentials(credentials)
 
 
 def bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:

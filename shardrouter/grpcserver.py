@@ -115,9 +115,8 @@ class CertificateFiles:
             log.info("TLS certificate files reloaded", extra={"cert": str(self._cert)})
             return configuration
 
-    def _current_stamp(self) -> tuple[tuple[int, int, int], ...]:
-        # stat() follows the symlinks a Kubernetes Secret volume swaps on update.
-        return tuple((st.st_ino, st.st_size, st.st_mtime_ns) for st in (p.stat() for p in self._paths))
+    def _current_stamp(self) -> FilesStamp:
+        return files_stamp(self._paths)
 
     def _configuration(self) -> grpc.ServerCertificateConfiguration:
         chain, private = self._cert.read_bytes(), self._key.read_bytes()
@@ -125,6 +124,53 @@ class CertificateFiles:
             raise ValueError(f"{self._cert} or {self._key} is not a PEM certificate and key")
         roots = self._ca.read_bytes() if self._ca else None
         return grpc.ssl_server_certificate_configuration([(private, chain)], root_certificates=roots)
+
+
+FilesStamp = tuple[tuple[int, int, int], ...]
+
+
+def files_stamp(paths: Sequence[Path]) -> FilesStamp:
+    """Identity of the files' current contents (inode, size, mtime); cheap enough for every handshake.
+
+    stat() follows the symlinks a Kubernetes Secret volume swaps on update.
+    """
+    return tuple((st.st_ino, st.st_size, st.st_mtime_ns) for st in (p.stat() for p in paths))
+
+
+class ClientCertificateFiles:
+    """A client's certificate, key and CA on disk: `changed()` gives new credentials after a rotation.
+
+    grpc's channel credentials are fixed when a channel is made, so the owner of the channels polls
+    this and replaces its channels when it returns credentials.
+    """
+
+    def __init__(self, cert: str, key: str, ca: str) -> None:
+        self._args = (cert, key, ca)
+        self._paths = tuple(Path(p) for p in self._args if p)
+        self._stamp = files_stamp(self._paths)
+        self.credentials = channel_credentials(cert, key, ca)
+
+    def changed(self) -> grpc.ChannelCredentials | None:
+        """New credentials if the files changed and load, else None (also while a set is half-written)."""
+        try:
+            stamp = files_stamp(self._paths)
+            if stamp == self._stamp:
+                return None
+            cert, key, _ = self._args
+            if (cert and b"CERTIFICATE" not in Path(cert).read_bytes()) or (
+                key and b"PRIVATE KEY" not in Path(key).read_bytes()
+            ):
+                raise ValueError(f"{cert} or {key} is not a PEM certificate and key")
+            credentials = channel_credentials(*self._args)
+        except (OSError, ValueError) as exc:
+            log.warning(
+                "client TLS files changed but cannot be loaded yet (%s); keeping the current ones", exc
+            )
+            return None
+        self._stamp = stamp
+        self.credentials = credentials
+        log.info("client TLS certificate files reloaded", extra={"cert": self._args[0]})
+        return credentials
 
 
 def server_credentials(cert: str, key: str, ca: str) -> grpc.ServerCredentials:
@@ -162,7 +208,9 @@ def new_server(
 def bind(server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
     """Bind `address`; fails loudly if the port is taken. Returns the bound port."""
     try:
-        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        port = (
+            server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        )
     except RuntimeError as exc:  # recent grpcio raises instead of returning 0
         raise SystemExit(f"cannot listen on {address}: the address is in use or invalid ({exc})") from None
     if port == 0:

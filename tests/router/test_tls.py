@@ -48,6 +48,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     certs = {
         "router-server": ca.issue("router.local", server=True),
         "router-client": ca.issue("router"),
+        "router-renewed": ca.issue("router-renewed"),
         "alice": ca.issue("alice"),
         "shard": ca.issue("shard-0", server=True),
     }
@@ -161,3 +162,69 @@ def test_without_verified_callers_outside_dev_mode_every_call_is_refused(tmp_pat
     finally:
         router.stop(0)
         fake.stop()
+
+
+def _publish(folder: Path, version: str, files: CertFiles) -> None:
+    """Swap in a certificate the way a Kubernetes Secret volume does: one atomic symlink flip."""
+    import os
+
+    target = folder / version
+    target.mkdir()
+    (target / "tls.crt").write_bytes(files.cert.read_bytes())
+    (target / "tls.key").write_bytes(files.key.read_bytes())
+    (folder / "..data_tmp").symlink_to(version)
+    os.replace(folder / "..data_tmp", folder / "..data")
+
+
+def test_a_rotated_client_certificate_is_used_without_a_restart(pki: Pki, tmp_path: Path) -> None:
+    """The router's certificate towards the shards is re-read when its files change: calls after the
+    rotation arrive over new connections that present the new certificate."""
+    folder = tmp_path / "shard-client-tls"
+    folder.mkdir()
+    _publish(folder, "v1", pki.certs["router-client"])
+    for name in ("tls.crt", "tls.key"):
+        (folder / name).symlink_to(Path("..data") / name)
+    cert, key = pki.certs["shard"].cert, pki.certs["shard"].key
+    fake = start_fake_shard(
+        credentials=grpc.ssl_server_credentials(
+            [(key.read_bytes(), cert.read_bytes())], root_certificates=pki.ca.read_bytes(), require_client_auth=True
+        )
+    )
+    map_path = tmp_path / "map.json"
+    map_path.write_text(json.dumps(single_shard_map(fake.address)))
+    router = start_router_thread(
+        RouterSettings(
+            listen="127.0.0.1:0",
+            shard_map=str(map_path),
+            dev_mode=True,
+            metrics_port=0,
+            reload_interval_s=0.1,
+            shard_tls_cert=str(folder / "tls.crt"),
+            shard_tls_key=str(folder / "tls.key"),
+            shard_tls_ca=str(pki.ca),
+        )
+    )
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{router.port}") as channel:
+            call = channel.unary_unary(GET_BALANCE, request_serializer=None, response_deserializer=None)
+            assert call(REQUEST, timeout=5) == REQUEST
+            _publish(folder, "v2", pki.certs["router-renewed"])
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and fake.calls[-1].peer_common_name != "router-renewed":
+                time.sleep(0.1)
+                assert call(REQUEST, timeout=5) == REQUEST
+            # A half-written rotation is skipped: calls go on with the last good certificate.
+            (folder / "v3").mkdir()
+            (folder / "v3" / "tls.crt").write_bytes(b"not a certificate")
+            (folder / "v3" / "tls.key").write_bytes(b"")
+            (folder / "..data_tmp").symlink_to("v3")
+            (folder / "..data_tmp").replace(folder / "..data")
+            time.sleep(0.5)
+            assert call(REQUEST, timeout=5) == REQUEST
+    finally:
+        router.stop(0.5)
+        fake.stop()
+    names = [c.peer_common_name for c in fake.calls]
+    assert names[0] == "router"
+    assert names[-1] == "router-renewed", names
+    assert names[-2:] == ["router-renewed", "router-renewed"]
