@@ -82,3 +82,19 @@ class TestCA:
             )
         )
         return CertFiles(cert_path, key_path, self.ca_path)
+
+
+def publish_like_a_secret(folder: Path, version: str, cert: bytes, key: bytes) -> None:
+    """Put `cert` and `key` in `folder/version` and flip `folder/..data` to it in one atomic rename,
+    as a Kubernetes Secret volume updates (`tls.crt` -> `..data/tls.crt` links stay as they are)."""
+    import os
+
+    target = folder / version
+    target.mkdir()
+    (target / "tls.crt").write_bytes(cert)
+    (target / "tls.key").write_bytes(key)
+    (folder / "..data_tmp").symlink_to(version)
+    os.replace(folder / "..data_tmp", folder / "..data")
+    for name in ("tls.crt", "tls.key"):
+        if not (folder / name).is_symlink():
+            (folder / name).symlink_to(Path("..data") / name)

@@ -24,7 +24,7 @@ from shardrouter.errors import Reason
 from shardrouter.v1 import transfer_pb2
 from tests.processes import ROOT, router_process
 from tests.router.fakeshard import FakeShard, single_shard_map, start_fake_shard
-from tests.tls import CertFiles, TestCA
+from tests.tls import CertFiles, TestCA, publish_like_a_secret
 
 GET_BALANCE = "/shardrouter.v1.TransferService/GetBalance"
 REQUEST = transfer_pb2.GetBalanceRequest(account_id="acct-1").SerializeToString()
@@ -165,15 +165,7 @@ def test_without_verified_callers_outside_dev_mode_every_call_is_refused(tmp_pat
 
 
 def _publish(folder: Path, version: str, files: CertFiles) -> None:
-    """Swap in a certificate the way a Kubernetes Secret volume does: one atomic symlink flip."""
-    import os
-
-    target = folder / version
-    target.mkdir()
-    (target / "tls.crt").write_bytes(files.cert.read_bytes())
-    (target / "tls.key").write_bytes(files.key.read_bytes())
-    (folder / "..data_tmp").symlink_to(version)
-    os.replace(folder / "..data_tmp", folder / "..data")
+    publish_like_a_secret(folder, version, files.cert.read_bytes(), files.key.read_bytes())
 
 
 def test_a_rotated_client_certificate_is_used_without_a_restart(pki: Pki, tmp_path: Path) -> None:
@@ -182,8 +174,6 @@ def test_a_rotated_client_certificate_is_used_without_a_restart(pki: Pki, tmp_pa
     folder = tmp_path / "shard-client-tls"
     folder.mkdir()
     _publish(folder, "v1", pki.certs["router-client"])
-    for name in ("tls.crt", "tls.key"):
-        (folder / name).symlink_to(Path("..data") / name)
     cert, key = pki.certs["shard"].cert, pki.certs["shard"].key
     fake = start_fake_shard(
         credentials=grpc.ssl_server_credentials(
@@ -214,11 +204,7 @@ def test_a_rotated_client_certificate_is_used_without_a_restart(pki: Pki, tmp_pa
                 time.sleep(0.1)
                 assert call(REQUEST, timeout=5) == REQUEST
             # A half-written rotation is skipped: calls go on with the last good certificate.
-            (folder / "v3").mkdir()
-            (folder / "v3" / "tls.crt").write_bytes(b"not a certificate")
-            (folder / "v3" / "tls.key").write_bytes(b"")
-            (folder / "..data_tmp").symlink_to("v3")
-            (folder / "..data_tmp").replace(folder / "..data")
+            publish_like_a_secret(folder, "v3", b"not a certificate", b"")
             time.sleep(0.5)
             assert call(REQUEST, timeout=5) == REQUEST
     finally:

@@ -13,7 +13,7 @@ from shardrouter.grpcserver import channel_credentials
 from shardrouter.keys import new_key
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import key_metadata, make_settings, money
-from tests.tls import TestCA
+from tests.tls import TestCA, publish_like_a_secret
 
 
 @pytest.fixture
@@ -129,25 +129,11 @@ def _served_common_name(port: int, ca: TestCA, client) -> str:
     return str(subject["commonName"])
 
 
-def _publish(folder: Path, version: str, cert: bytes, key: bytes) -> None:
-    """Swap in a new certificate the way a Kubernetes Secret volume does: one atomic symlink flip."""
-    import os
-
-    target = folder / version
-    target.mkdir()
-    (target / "tls.crt").write_bytes(cert)
-    (target / "tls.key").write_bytes(key)
-    (folder / "..data_tmp").symlink_to(version)
-    os.replace(folder / "..data_tmp", folder / "..data")
-
-
 def test_a_rotated_server_certificate_reaches_new_connections_without_a_restart(database, ca, tmp_path):
     folder = tmp_path / "tls"
     folder.mkdir()
     first, renewed = ca.issue("shard-0", server=True), ca.issue("shard-0-renewed", server=True)
-    _publish(folder, "v1", first.cert.read_bytes(), first.key.read_bytes())
-    for name in ("tls.crt", "tls.key"):
-        (folder / name).symlink_to(Path("..data") / name)
+    publish_like_a_secret(folder, "v1", first.cert.read_bytes(), first.key.read_bytes())
     daemon = start_shard(
         make_settings(
             database,
@@ -163,14 +149,14 @@ def test_a_rotated_server_certificate_reaches_new_connections_without_a_restart(
         _deposit(old_stub, new_key())
         assert _served_common_name(daemon.port, ca, client) == "shard-0"
 
-        _publish(folder, "v2", renewed.cert.read_bytes(), renewed.key.read_bytes())
+        publish_like_a_secret(folder, "v2", renewed.cert.read_bytes(), renewed.key.read_bytes())
         assert _served_common_name(daemon.port, ca, client) == "shard-0-renewed"
         channel, stub = _stub(daemon.port, ca, "team-a")
         _deposit(stub, new_key())  # a new connection works with the new certificate
         _deposit(old_stub, new_key())  # and the connection made before the rotation still does
 
         # A broken set (a half-finished rotation) is not loaded: the last good one stays.
-        _publish(folder, "v3", b"not a certificate", renewed.key.read_bytes())
+        publish_like_a_secret(folder, "v3", b"not a certificate", renewed.key.read_bytes())
         assert _served_common_name(daemon.port, ca, client) == "shard-0-renewed"
         _deposit(stub, new_key())
         channel.close()
