@@ -24,7 +24,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -37,20 +36,6 @@ from shardrouter.devcluster.postgres import free_port  # noqa: E402
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 DEFAULT_SCREENSHOT = ROOT / "docs" / "tracing-ui.png"
-
-
-def replay_span(ui_url: str, key: str, timeout_s: float = 30.0) -> dict[str, Any] | None:
-    """The replay span of `key` from Phoenix's REST API, waiting up to `timeout_s` for it."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        spans = tracing_ui.phoenix_spans(
-            ui_url,
-            telemetry.TRACE_PROJECT,
-            attributes={"idempotency.key": key, "idempotency.outcome": "replay"},
-        )
-        if spans or time.monotonic() >= deadline:
-            return spans[0] if spans else None
-        time.sleep(0.5)
 
 
 def browser_check(page_url: str, key: str, shot: Path | None, timeout_s: float = 60.0) -> bool:
@@ -102,10 +87,11 @@ def browser_check(page_url: str, key: str, shot: Path | None, timeout_s: float =
 
 def check(ui_url: str, key: str, shot: Path | None) -> int:
     """Find the replay span of `key` through the API, then see it in the browser."""
-    span = replay_span(ui_url, key)
-    if span is None:
+    spans = tracing_ui.replay_spans(ui_url, telemetry.TRACE_PROJECT, key, timeout_s=30)
+    if not spans:
         print(f"Phoenix at {ui_url} has no replay span for idempotency.key={key}", file=sys.stderr)
         return 1
+    span = spans[0]
     attrs = span["attributes"]
     print(
         f"API: span {span['context']['span_id']} of trace {span['context']['trace_id']}: "

@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -107,7 +106,9 @@ def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.Ph
             print(f"  metrics of {name}: {url}")
         if phoenix is not None:
             print(f"  tracing UI: {phoenix.ui_url} (project {telemetry.TRACE_PROJECT})")
-            print(f"  your own callers can trace there too: OTEL_EXPORTER_OTLP_ENDPOINT={phoenix.otlp_endpoint}")
+            print(
+                f"  your own callers can trace there too: OTEL_EXPORTER_OTLP_ENDPOINT={phoenix.otlp_endpoint}"
+            )
         elif cluster.otlp_endpoint:
             print(f"  spans go to {cluster.otlp_endpoint}")
         if not args.no_demo:
@@ -137,17 +138,10 @@ def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.Ph
 def _show_replay_span(phoenix: tracing_ui.PhoenixProcess, key: str, timeout_s: float = 20.0) -> None:
     """Print a link to the demo's replay span once Phoenix has it (the exporters batch for 0.5 s)."""
     telemetry.force_flush()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        spans = tracing_ui.phoenix_spans(
-            phoenix.ui_url,
-            telemetry.TRACE_PROJECT,
-            attributes={"idempotency.key": key, "idempotency.outcome": "replay"},
-        )
-        if spans:
-            span_id = spans[0]["context"]["span_id"]
-            print(f"\nThe replay of step 2 in the tracing UI: {tracing_ui.span_url(phoenix.ui_url, span_id)}")
-            print(f"  (spans of every attempt: search the attribute idempotency.key = {key})", flush=True)
-            return
-        time.sleep(0.5)
+    spans = tracing_ui.replay_spans(phoenix.ui_url, telemetry.TRACE_PROJECT, key, timeout_s=timeout_s)
+    if spans:
+        span_id = spans[0]["context"]["span_id"]
+        print(f"\nThe replay of step 2 in the tracing UI: {tracing_ui.span_url(phoenix.ui_url, span_id)}")
+        print(f"  (spans of every attempt: search the attribute idempotency.key = {key})", flush=True)
+        return
     print(f"\nThe replay span has not reached the tracing UI yet; search idempotency.key = {key}")

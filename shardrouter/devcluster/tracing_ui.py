@@ -181,18 +181,17 @@ def phoenix_spans(
     return spans
 
 
-def phoenix_project_id(ui_url: str, project: str) -> str:
-    """Phoenix's id of a project (for UI links), by name."""
-    url = f"{ui_url}/v1/projects/{urllib.parse.quote(project, safe='')}"
-    with urllib.request.urlopen(url, timeout=10) as reply:  # noqa: S310 - the caller's Phoenix URL
-        body = json.load(reply)
-    return str(body["data"]["id"])
-
-
-def trace_ui_url(ui_url: str, project_id: str, trace_id: str, span_node_id: str = "") -> str:
-    """The Phoenix UI page of one trace, with a span selected when given."""
-    url = f"{ui_url}/projects/{project_id}/traces/{urllib.parse.quote(trace_id)}"
-    return f"{url}?selectedSpanNodeId={urllib.parse.quote(span_node_id)}" if span_node_id else url
+def replay_spans(ui_url: str, project: str, key: str, *, timeout_s: float) -> list[dict[str, Any]]:
+    """The replay spans of idempotency key `key`, waiting up to `timeout_s` for the first to arrive
+    (exporters send in batches); [] if none came."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        spans = phoenix_spans(
+            ui_url, project, attributes={"idempotency.key": key, "idempotency.outcome": "replay"}
+        )
+        if spans or time.monotonic() >= deadline:
+            return spans
+        time.sleep(0.5)
 
 
 def span_url(ui_url: str, span_id: str) -> str:
@@ -216,8 +215,7 @@ __all__ = [
     "PhoenixProcess",
     "launch_phoenix",
     "phoenix_installed",
-    "phoenix_project_id",
     "phoenix_spans",
+    "replay_spans",
     "span_url",
-    "trace_ui_url",
 ]

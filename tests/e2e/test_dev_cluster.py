@@ -174,15 +174,7 @@ def test_dev_up_with_tracing_ui_shows_the_replay_span_and_its_metrics(tmp_path):
             assert replayed.ok and replayed.replayed
         provider.shutdown()
 
-        spans: list[dict] = []
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not spans:
-            spans = tracing_ui.phoenix_spans(
-                ui,
-                telemetry.TRACE_PROJECT,
-                attributes={"idempotency.key": op.idempotency_key, "idempotency.outcome": "replay"},
-            )
-            time.sleep(0.5)
+        spans = tracing_ui.replay_spans(ui, telemetry.TRACE_PROJECT, op.idempotency_key, timeout_s=30)
         assert len(spans) == 1, spans
         replay = spans[0]
         attrs = replay["attributes"]
