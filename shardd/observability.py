@@ -218,12 +218,10 @@ class ShardStateCollector:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the refresh thread, then the metrics (their registry stops exposing them)."""
+        """Stop the refresh thread."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self._metrics is not None:
-            self._metrics.shutdown()
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):

@@ -103,6 +103,8 @@ class ShardDaemon:
         )
         for task in self.background:
             task.stop()  # type: ignore[attr-defined]
+        if self.metrics is not None:
+            self.metrics.shutdown()  # its registry stops exposing the instruments
         self.database.close()
 
 
