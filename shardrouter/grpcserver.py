@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -82,51 +82,8 @@ def server_options(
     ]
 
 
-class CertificateFiles:
-    """A server's certificate, key and client CA on disk, re-read when they change.
-
-    grpc asks `fetch` at every TLS handshake; it answers None (keep the current configuration) unless
-    a file's identity changed since the last load, so a rotation (cert-manager renewing a Secret,
-    which Kubernetes swaps in atomically) reaches new connections without a restart. A half-written
-    set that does not load is logged and skipped: the last good configuration stays until it loads.
-    """
-
-    def __init__(self, cert: str, key: str, ca: str) -> None:
-        self._paths = tuple(Path(p) for p in (cert, key, ca) if p)
-        self._cert, self._key, self._ca = Path(cert), Path(key), Path(ca) if ca else None
-        self._lock = threading.Lock()
-        self._stamp = self._current_stamp()
-        self.initial = self._configuration()  # start-up: an unreadable file is an error here
-        self.reloads = 0
-
-    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
-        """The new configuration if the files changed, else None (grpc keeps the current one)."""
-        with self._lock:
-            try:
-                stamp = self._current_stamp()
-                if stamp == self._stamp:
-                    return None
-                configuration = self._configuration()
-            except (OSError, ValueError) as exc:
-                log.warning("TLS files changed but cannot be loaded yet (%s); keeping the current ones", exc)
-                return None
-            self._stamp = stamp
-            self.reloads += 1
-            log.info("TLS certificate files reloaded", extra={"cert": str(self._cert)})
-            return configuration
-
-    def _current_stamp(self) -> FilesStamp:
-        return files_stamp(self._paths)
-
-    def _configuration(self) -> grpc.ServerCertificateConfiguration:
-        chain, private = self._cert.read_bytes(), self._key.read_bytes()
-        if b"CERTIFICATE" not in chain or b"PRIVATE KEY" not in private:
-            raise ValueError(f"{self._cert} or {self._key} is not a PEM certificate and key")
-        roots = self._ca.read_bytes() if self._ca else None
-        return grpc.ssl_server_certificate_configuration([(private, chain)], root_certificates=roots)
-
-
 FilesStamp = tuple[tuple[int, int, int], ...]
+_T = TypeVar("_T")
 
 
 def files_stamp(paths: Sequence[Path]) -> FilesStamp:
@@ -137,6 +94,70 @@ def files_stamp(paths: Sequence[Path]) -> FilesStamp:
     return tuple((st.st_ino, st.st_size, st.st_mtime_ns) for st in (p.stat() for p in paths))
 
 
+class WatchedFiles:
+    """Files loaded together and loaded again when any of them changes (a certificate rotation).
+
+    A set that changed but does not load (half-written) is logged and skipped: whoever holds the last
+    good load keeps it until the new set loads.
+    """
+
+    def __init__(self, what: str, *paths: str) -> None:
+        self._what = what
+        self._paths = tuple(Path(p) for p in paths if p)
+        self._lock = threading.Lock()
+        self._stamp = files_stamp(self._paths)
+
+    def load_if_changed(self, load: Callable[[], _T]) -> _T | None:
+        """`load()` if the files changed since the last successful load, else None."""
+        with self._lock:
+            try:
+                stamp = files_stamp(self._paths)
+                if stamp == self._stamp:
+                    return None
+                loaded = load()
+            except (OSError, ValueError) as exc:
+                log.warning(
+                    "%s files changed but cannot be loaded yet (%s); keeping the current ones",
+                    self._what,
+                    exc,
+                )
+                return None
+            self._stamp = stamp
+            log.info("%s files reloaded", self._what, extra={"files": ",".join(map(str, self._paths))})
+            return loaded
+
+
+def _pem_pair(cert: str, key: str) -> tuple[bytes, bytes]:
+    """A certificate chain and its private key, checked to be PEM (a half-written file is not)."""
+    chain, private = Path(cert).read_bytes(), Path(key).read_bytes()
+    if b"CERTIFICATE" not in chain or b"PRIVATE KEY" not in private:
+        raise ValueError(f"{cert} or {key} is not a PEM certificate and key")
+    return chain, private
+
+
+class CertificateFiles:
+    """A server's certificate, key and client CA on disk, re-read when they change.
+
+    grpc asks `fetch` at every TLS handshake; it answers None (keep the current configuration) unless
+    the files changed since the last load, so a rotation (cert-manager renewing a Secret, which
+    Kubernetes swaps in atomically) reaches new connections without a restart.
+    """
+
+    def __init__(self, cert: str, key: str, ca: str) -> None:
+        self._cert, self._key, self._ca = cert, key, ca
+        self._files = WatchedFiles("TLS server certificate", cert, key, ca)
+        self.initial = self._configuration()  # start-up: an unreadable file is an error here
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """The new configuration if the files changed, else None (grpc keeps the current one)."""
+        return self._files.load_if_changed(self._configuration)
+
+    def _configuration(self) -> grpc.ServerCertificateConfiguration:
+        chain, private = _pem_pair(self._cert, self._key)
+        roots = Path(self._ca).read_bytes() if self._ca else None
+        return grpc.ssl_server_certificate_configuration([(private, chain)], root_certificates=roots)
+
+
 class ClientCertificateFiles:
     """A client's certificate, key and CA on disk: `changed()` gives new credentials after a rotation.
 
@@ -145,32 +166,24 @@ class ClientCertificateFiles:
     """
 
     def __init__(self, cert: str, key: str, ca: str) -> None:
-        self._args = (cert, key, ca)
-        self._paths = tuple(Path(p) for p in self._args if p)
-        self._stamp = files_stamp(self._paths)
-        self.credentials = channel_credentials(cert, key, ca)
+        self._cert, self._key, self._ca = cert, key, ca
+        self._files = WatchedFiles("TLS client certificate", cert, key, ca)
+        self.credentials = self._credentials()
 
     def changed(self) -> grpc.ChannelCredentials | None:
         """New credentials if the files changed and load, else None (also while a set is half-written)."""
-        try:
-            stamp = files_stamp(self._paths)
-            if stamp == self._stamp:
-                return None
-            cert, key, _ = self._args
-            if (cert and b"CERTIFICATE" not in Path(cert).read_bytes()) or (
-                key and b"PRIVATE KEY" not in Path(key).read_bytes()
-            ):
-                raise ValueError(f"{cert} or {key} is not a PEM certificate and key")
-            credentials = channel_credentials(*self._args)
-        except (OSError, ValueError) as exc:
-            log.warning(
-                "client TLS files changed but cannot be loaded yet (%s); keeping the current ones", exc
-            )
-            return None
-        self._stamp = stamp
-        self.credentials = credentials
-        log.info("client TLS certificate files reloaded", extra={"cert": self._args[0]})
+        credentials = self._files.load_if_changed(self._credentials)
+        if credentials is not None:
+            self.credentials = credentials
         return credentials
+
+    def _credentials(self) -> grpc.ChannelCredentials:
+        chain, private = _pem_pair(self._cert, self._key) if self._cert else (None, None)
+        return grpc.ssl_channel_credentials(
+            root_certificates=Path(self._ca).read_bytes() if self._ca else None,
+            private_key=private,
+            certificate_chain=chain,
+        )
 
 
 def server_credentials(cert: str, key: str, ca: str) -> grpc.ServerCredentials:
