@@ -127,13 +127,14 @@ def start_shard(
         raise SystemExit(f"shard map {settings.shard_map} has no shard {settings.shard_id!r}")
     locator = ShardLocator(settings.shard_id, (lambda a: shard_map.shard_for(a).id) if shard_map else None)
     metrics = ShardMetrics() if settings.metrics_port > 0 else None
+    traced = telemetry.tracing_active(tracer_provider)
     database = Database(
         settings.dsn,
         min_size=settings.pool_min,
         max_size=settings.pool_max,
         acquire_timeout_s=settings.pool_timeout_s,
         tracer_provider=tracer_provider,
-        traced=settings.trace_statements and telemetry.tracing_active(tracer_provider),
+        traced=traced and settings.trace_statements,
     )
     interceptor = IdempotencyInterceptor(
         database=database,
@@ -143,11 +144,11 @@ def start_shard(
             dev_mode=settings.dev_mode, trusted_proxies=frozenset(settings.trusted_proxies)
         ),
         listeners=[*listeners, *([metrics.observe] if metrics else [])],
-        tracer=telemetry.get_tracer(tracer_provider) if telemetry.tracing_active(tracer_provider) else None,
+        tracer=telemetry.get_tracer(tracer_provider) if traced else None,
         shard_id=settings.shard_id,
     )
     interceptors: list[grpcserver.ServerInterceptorBase] = []
-    if telemetry.tracing_active(tracer_provider):
+    if traced:
         interceptors.append(telemetry.server_interceptor(tracer_provider))  # first: the SERVER span
     # Admission before anything touches the database: a shed call costs no connection.
     admission = AdmissionLimits(

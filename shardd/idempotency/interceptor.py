@@ -48,10 +48,8 @@ from shardrouter.grpcserver import MethodHandler, UnaryInterceptor
 from shardrouter.keys import KEY_FORMAT_HINT, KEY_METADATA, key_time, parse_key
 from shardrouter.telemetry import (
     SERVER_ERROR_CODES,
-    get_tracer,
     span_context_of_traceparent,
     traceparent_of,
-    tracing_active,
 )
 
 log = logging.getLogger(__name__)
@@ -107,7 +105,7 @@ class IdempotencyInterceptor(UnaryInterceptor):
         identity: IdentityPolicy,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         listeners: Sequence[OutcomeListener] = (),
-        #: Spans go here; default: the global tracer while tracing is on, none otherwise.
+        #: Spans go here; None (tracing off): the calls skip even the no-op spans.
         tracer: trace.Tracer | None = None,
         shard_id: str = "",
     ) -> None:
@@ -117,8 +115,7 @@ class IdempotencyInterceptor(UnaryInterceptor):
         self._identity = identity
         self._clock = clock
         self._listeners = tuple(listeners)
-        # No tracer while tracing is off: the calls then skip even the no-op spans.
-        self._tracer = tracer if tracer is not None else (get_tracer() if tracing_active() else None)
+        self._tracer = tracer
         self._shard_id = shard_id
 
     def applies_to(self, method: str) -> bool:
