@@ -156,8 +156,8 @@ class LocalCluster:
             env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": self.otlp_endpoint, "OTEL_BSP_SCHEDULE_DELAY": "500"}
         return env
 
-    def _metrics_port(self, name: str, legacy_key: str) -> str:
-        return str(self.metrics_ports.get(name) or self.extra_env.get(legacy_key, "0"))
+    def _metrics_port(self, name: str) -> str:
+        return str(self.metrics_ports.get(name, 0))  # 0: no /metrics
 
     def _env(self) -> dict[str, str]:
         root = str(Path(__file__).resolve().parents[2])
@@ -172,7 +172,7 @@ class LocalCluster:
             "SHARDD_LISTEN": f"127.0.0.1:{port}",
             "SHARDD_SHARD_MAP": str(self.shard_map_path),
             "SHARDD_DEV_MODE": "true",
-            "SHARDD_METRICS_PORT": self._metrics_port(shard_id, f"SHARDD_METRICS_PORT_{shard_id}"),
+            "SHARDD_METRICS_PORT": self._metrics_port(shard_id),
             **self._telemetry_env(f"shardd-{shard_id}"),
         }
         return Daemon(
@@ -189,7 +189,7 @@ class LocalCluster:
             "ROUTER_LISTEN": f"127.0.0.1:{self.router_port}",
             "ROUTER_SHARD_MAP": str(self.shard_map_path),
             "ROUTER_DEV_MODE": "true",
-            "ROUTER_METRICS_PORT": self._metrics_port("router", "ROUTER_METRICS_PORT"),
+            "ROUTER_METRICS_PORT": self._metrics_port("router"),
             **self._telemetry_env("router"),
         }
         return Daemon(
