@@ -26,7 +26,7 @@ USAGE = """router COMMAND [--flag value ...]
 commands:
   serve                      forward TransferService calls to the shard that owns each account
 
-Every setting is a flag (--listen, --shard-map, --workers, ...) or a ROUTER_* environment variable;
+Every setting is a flag (--listen, --shard-map, --max-calls, ...) or a ROUTER_* environment variable;
 see README.md."""
 
 

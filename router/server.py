@@ -135,9 +135,9 @@ async def start_router(
         options=grpcserver.server_options(
             max_message_bytes=settings.max_message_bytes,
             max_metadata_bytes=settings.max_metadata_bytes,
-            max_streams=settings.workers * 4,
+            max_streams=settings.max_calls,
         ),
-        maximum_concurrent_rpcs=settings.workers * 8,
+        maximum_concurrent_rpcs=settings.max_calls,
     )
     server.add_generic_rpc_handlers((forwarder,))
     health_servicer = await add_health_and_reflection(server, [SERVICE])

@@ -27,8 +27,10 @@ class RouterSettings:
     shard_map: str = "shard-map.yaml"
     #: Seconds between checks of the shard map file.
     reload_interval_s: float = 1.0
-    #: gRPC worker threads (concurrent calls being forwarded).
-    workers: int = 32
+    #: Calls forwarded at once (asyncio: no thread each), and the HTTP/2 streams one client connection
+    #: may open. Past it grpc answers RESOURCE_EXHAUSTED; below it a client's parallel calls on one
+    #: channel are never refused (a small stream cap made grpc reset streams with REFUSED_STREAM).
+    max_calls: int = 1024
     #: Dev mode passes a caller-sent `x-caller-id` through without TLS. Never in production.
     dev_mode: bool = False
     #: The router's own server TLS: certificate and key; with a CA, callers need client certificates
@@ -85,8 +87,8 @@ class RouterSettings:
             out.append("shard_map must name the shard map file")
         if self.reload_interval_s <= 0:
             out.append("reload_interval_s must be positive")
-        if self.workers < 1:
-            out.append("workers must be at least 1")
+        if self.max_calls < 1:
+            out.append("max_calls must be at least 1")
         if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_ca and not self.tls_cert):
             out.append("tls_cert and tls_key go together, and tls_ca needs them")
         if bool(self.shard_tls_cert) != bool(self.shard_tls_key):

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                     dev_mode=True,
                     relay_workers=0,
                     max_in_flight=64,
-                    max_in_flight_per_caller=64,
+                    max_waiting=64,
                     workers=80,
                     trace_statements=name != "on-no-sql",
                 )

@@ -13,10 +13,11 @@ from grpc_health.v1 import health
 from opentelemetry import trace
 
 from shardd import migrations, partitions
-from shardd.admission import AdmissionInterceptor, AdmissionLimits
+from shardd.admission import Admission, AdmissionInterceptor, AdmissionLimits
 from shardd.db import Database
 from shardd.idempotency import IdempotencyConfig, IdempotencyInterceptor, MutatingMethod
 from shardd.idempotency.interceptor import OutcomeListener
+from shardd.idempotency.process_keys import CompletedKeys
 from shardd.identity import IdentityPolicy
 from shardd.ledger.service import (
     ShardLedgerServicer,
@@ -133,9 +134,21 @@ def start_shard(
         min_size=settings.pool_min,
         max_size=settings.pool_max,
         acquire_timeout_s=settings.pool_timeout_s,
+        transient_retry_ms=settings.transient_retry_ms,
         tracer_provider=tracer_provider,
         traced=traced and settings.trace_statements,
     )
+    # Admission before anything touches the database: a shed call costs no connection. Guarded calls
+    # are admitted by the idempotency interceptor, after the answers it gives from memory.
+    admission = Admission(
+        AdmissionLimits(
+            max_in_flight=settings.max_in_flight,
+            max_waiting=settings.max_waiting,
+            retry_after_ms=settings.in_flight_retry_ms,
+        ),
+        frozenset(settings.trusted_proxies),
+    )
+    guarded = frozenset(m.full_name for m in mutating_methods())
     interceptor = IdempotencyInterceptor(
         database=database,
         methods=mutating_methods(),
@@ -146,25 +159,24 @@ def start_shard(
         listeners=[*listeners, *([metrics.observe] if metrics else [])],
         tracer=telemetry.get_tracer(tracer_provider) if traced else None,
         shard_id=settings.shard_id,
+        admission=admission,
+        completed=CompletedKeys(
+            max_entries=settings.replay_cache_entries, max_bytes=settings.replay_cache_mb * 1024 * 1024
+        ),
     )
     interceptors: list[grpcserver.ServerInterceptorBase] = []
     if traced:
         interceptors.append(telemetry.server_interceptor(tracer_provider))  # first: the SERVER span
-    # Admission before anything touches the database: a shed call costs no connection.
-    admission = AdmissionLimits(
-        max_in_flight=settings.max_in_flight,
-        max_per_caller=settings.max_in_flight_per_caller,
-        retry_after_ms=settings.in_flight_retry_ms,
-    )
-    interceptors.append(AdmissionInterceptor(admission, frozenset(settings.trusted_proxies)))
-    interceptors += [DomainErrorInterceptor(skip={m.full_name for m in mutating_methods()}), interceptor]
+    interceptors.append(AdmissionInterceptor(admission, skip=guarded))
+    interceptors += [DomainErrorInterceptor(skip=set(guarded)), interceptor]
     server = grpcserver.new_server(
         workers=settings.workers,
+        max_calls=settings.max_calls,
         interceptors=interceptors,
         options=grpcserver.server_options(
             max_message_bytes=settings.max_message_bytes,
             max_metadata_bytes=settings.max_metadata_bytes,
-            max_streams=settings.workers * 4,
+            max_streams=settings.max_calls,
         ),
     )
     transfer_pb2_grpc.add_TransferServiceServicer_to_server(TransferServicer(database, locator), server)
@@ -199,6 +211,13 @@ def start_shard(
         relay.start()
         daemon.background.append(relay)
     grpcserver.mark_serving(health_servicer, [PUBLIC_SERVICE, INTERNAL_SERVICE])
+    if settings.workers <= settings.max_in_flight + settings.max_waiting:
+        log.warning(
+            "workers (%d) do not exceed max_in_flight + max_waiting (%d): calls past the admission limits "
+            "queue for a thread instead of being answered at once",
+            settings.workers,
+            settings.max_in_flight + settings.max_waiting,
+        )
     if not settings.tls_enabled and not settings.dev_mode:
         log.warning("no TLS and not in dev mode: every call will be refused as unauthenticated")
     log.info("shard %s serving on port %d", settings.shard_id, port)

@@ -28,13 +28,18 @@ class ShardSettings:
     metrics_port: int = 9465
     #: Shard map file; needed to route credits to other shards. Empty: a single-shard system.
     shard_map: str = ""
-    #: gRPC worker threads. Keep more than `max_in_flight`: the spare threads answer shed calls at once
-    #: instead of letting them queue behind busy ones.
-    workers: int = 32
+    #: gRPC worker threads. Keep more than `max_in_flight + max_waiting`: the spare threads answer shed
+    #: calls at once instead of letting them queue behind busy ones.
+    workers: int = 64
+    #: Calls open at once (running or queued for a thread), and the HTTP/2 streams one client
+    #: connection may open; past it grpc answers RESOURCE_EXHAUSTED. Admission sheds long before.
+    max_calls: int = 1024
     #: Database pool bounds and how long a call may wait for a connection.
     pool_min: int = 2
     pool_max: int = 16
     pool_timeout_s: float = 2.0
+    #: RetryInfo delay after a transient database failure (ms).
+    transient_retry_ms: int = 250
     #: Idempotency keys expire after this many days.
     retention_days: int = 30
     #: Keys dated this far in the future are still accepted.
@@ -51,9 +56,16 @@ class ShardSettings:
     relay_call_timeout_s: float = 5.0
     #: Dead letters may be replayed by hand for this long; retention must outlast it.
     dead_letter_replay_days: int = 7
-    #: Admission: calls in flight in total and per caller before new ones are shed at once.
-    max_in_flight: int = 16
-    max_in_flight_per_caller: int = 8
+    #: Admission (shardd/admission.py): calls in flight (running, or waiting briefly for one of the
+    #: pool_max connections) before the shard counts as saturated; past it a caller holding its fair
+    #: share (max_in_flight / callers in flight) is shed at once.
+    max_in_flight: int = 32
+    #: Calls admitted beyond saturation for callers under their fair share; past max_in_flight +
+    #: max_waiting every call is shed.
+    max_waiting: int = 16
+    #: Completed keys kept in memory for replays without a database read (0: none), and their bytes.
+    replay_cache_entries: int = 10_000
+    replay_cache_mb: int = 16
     #: Largest request accepted (bytes).
     max_message_bytes: int = 64 * 1024
     #: Largest request metadata accepted (bytes).
@@ -93,12 +105,17 @@ class ShardSettings:
     def problems(self) -> list[str]:
         """Every reason these settings are unusable."""
         out = []
-        if self.workers < 1:
-            out.append("workers must be at least 1")
+        if self.workers < 1 or self.max_calls < 1:
+            out.append("workers and max_calls must be at least 1")
+
         if not 1 <= self.pool_min <= self.pool_max:
             out.append("pool sizes must satisfy 1 <= pool_min <= pool_max")
-        if self.max_in_flight < 1 or self.max_in_flight_per_caller < 1:
-            out.append("max_in_flight and max_in_flight_per_caller must be at least 1")
+        if self.max_in_flight < 1 or self.max_waiting < 0:
+            out.append("max_in_flight must be at least 1 and max_waiting at least 0")
+        if self.replay_cache_entries < 0 or self.replay_cache_mb < 0:
+            out.append("replay_cache_entries and replay_cache_mb must not be negative")
+        if self.transient_retry_ms < 1:
+            out.append("transient_retry_ms must be at least 1")
         if self.retention_days < 1:
             out.append("retention_days must be at least 1")
         if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_ca and not self.tls_cert):

@@ -207,14 +207,18 @@ def channel_credentials(cert: str, key: str, ca: str) -> grpc.ChannelCredentials
 
 
 def new_server(
-    *, workers: int, interceptors: Sequence[ServerInterceptorBase], options: list[tuple[str, int]]
+    *,
+    workers: int,
+    max_calls: int,
+    interceptors: Sequence[ServerInterceptorBase],
+    options: list[tuple[str, int]],
 ) -> grpc.Server:
     """A thread-pool gRPC server (see README: sync measured faster than asyncio here)."""
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
         interceptors=list(interceptors),
         options=options,
-        maximum_concurrent_rpcs=workers * 8,
+        maximum_concurrent_rpcs=max_calls,
     )
 
 

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-import itertools
 import os
+
+# grpc's C core prints INFO lines ("Got goaway [2] err=UNAVAILABLE:Cancelling all calls", when a
+# server stops under a channel) straight to file descriptor 2, so one written between pytest's
+# captured phases lands among the progress dots. It reads GRPC_VERBOSITY when it initialises: set
+# before anything imports grpc. Processes the tests start inherit it; errors are still printed.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+import itertools
 import shutil
 import tempfile
 import uuid
@@ -80,10 +87,11 @@ def make_settings(dsn: str, **overrides: object) -> ShardSettings:
         "listen": "127.0.0.1:0",
         "metrics_port": 0,
         "dev_mode": True,
-        "workers": 16,
+        "workers": 32,
         "pool_max": 16,
-        # Concurrency tests run many calls of one caller at once; shedding is tested on its own.
-        "max_in_flight_per_caller": 16,
+        # Spare threads beyond the admission limits (16 + 8), as in production.
+        "max_in_flight": 16,
+        "max_waiting": 8,
         "shutdown_grace_s": 1.0,
         "relay_workers": 0,
     }

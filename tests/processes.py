@@ -16,6 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shardrouter.devcluster.postgres import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+#: A default the caller's environment overrides: grpc's C core logs only errors in the daemons too
+#: (its INFO lines, a GOAWAY at every peer restart, are noise in the logs a failing test prints).
+_QUIET_GRPC = {"GRPC_VERBOSITY": "ERROR"}
 
 
 @dataclass
@@ -105,6 +108,7 @@ def shardd_process(
     """A `shardd serve` process in dev mode (no TLS) on a free loopback port."""
     port = port or free_port()
     env = {
+        **_QUIET_GRPC,
         **os.environ,
         "PYTHONPATH": str(ROOT),
         "SHARDD_SHARD_ID": shard_id,
@@ -127,13 +131,14 @@ def router_process(
     """A `router serve` process in dev mode (no TLS) on a free loopback port."""
     port = port or free_port()
     env = {
+        **_QUIET_GRPC,
         **os.environ,
         "PYTHONPATH": str(ROOT),
         "ROUTER_LISTEN": f"127.0.0.1:{port}",
         "ROUTER_METRICS_PORT": "0",
         "ROUTER_DEV_MODE": "true",
         "ROUTER_SHARD_MAP": str(shard_map),
-        "ROUTER_WORKERS": "16",
+        "ROUTER_MAX_CALLS": "256",
         "ROUTER_SHUTDOWN_GRACE_S": "2",
         "ROUTER_RELOAD_INTERVAL_S": "0.2",
         **(extra_env or {}),

@@ -18,10 +18,9 @@ class IdempotencyConfig:
     claim_lock_timeout_ms: int = 50
     #: Lock wait allowed to the handler after the claim (hot account rows).
     handler_lock_timeout_ms: int = 2000
-    #: Delay suggested in RetryInfo when the same key is in flight.
+    #: Delay suggested in RetryInfo when the same key is in flight. (The delay after a transient
+    #: database failure is the `Database`'s, which maps those failures.)
     in_flight_retry_ms: int = 100
-    #: Delay suggested in RetryInfo after a transient database failure.
-    transient_retry_ms: int = 250
 
     def __post_init__(self) -> None:
         if self.retention <= timedelta(0):

@@ -2,9 +2,12 @@
 
 It wraps each configured method as a bytes-in, bytes-out handler, so a replay returns the stored
 response bytes exactly. Per call: read and check the key -> decode and validate the request (failures
-are answered before any claim and never stored) -> open one transaction -> claim the key -> run the
-real handler in that transaction (published through `shardd.db.bind_transaction`) -> store the full
-outcome -> commit -> answer. Transient failures roll everything back and leave the key free.
+are answered before any claim and never stored) -> answer from this process's memory when it can (a
+key it completed recently is replayed; a duplicate of a key one of its threads is working on joins
+that call: `process_keys`) -> take an admission slot (`shardd.admission`) -> open one transaction ->
+claim the key (a completed key is replayed by a plain read, no lock) -> run the real handler in that
+transaction (published through `shardd.db.bind_transaction`) -> store the full outcome -> commit ->
+answer. Transient failures roll everything back and leave the key free.
 
 Tracing: each guarded call gets an `idempotency` span (a child of the gRPC SERVER span) carrying the
 key, scope, outcome and method, with an event on replays, conflicts and key reuse; the database
@@ -19,7 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -29,10 +32,12 @@ from google.protobuf.message import DecodeError, Message
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from shardd.admission import Admission
 from shardd.db import Database, bind_transaction, mapped_database_errors
 from shardd.idempotency import store
 from shardd.idempotency.config import IdempotencyConfig
-from shardd.idempotency.record import ClaimStatus, StoredOutcome, Trailer
+from shardd.idempotency.process_keys import CompletedKeys, KeyFlight, KeyFlights, ScopedKey
+from shardd.idempotency.record import ClaimStatus, IdempotencyRecord, RecordState, StoredOutcome, Trailer
 from shardd.identity import IdentityPolicy
 from shardrouter.errors import (
     Aborted,
@@ -87,7 +92,7 @@ class CallOutcome:
     method: str
     scope: str
     key: str
-    outcome: str  # new | replay | in_progress_conflict | key_reused | expired | invalid | error
+    outcome: str  # new | replay | in_progress_conflict | key_reused | expired | invalid | shed | error
     code: grpc.StatusCode
     #: Seconds from the call reaching the interceptor to its outcome being known.
     duration_s: float = 0.0
@@ -108,6 +113,10 @@ class IdempotencyInterceptor(UnaryInterceptor):
         #: Spans go here; None (tracing off): the calls skip even the no-op spans.
         tracer: trace.Tracer | None = None,
         shard_id: str = "",
+        #: Admission slots for the calls that reach the database; None: no limits.
+        admission: Admission | None = None,
+        #: Completed records kept in memory for replays (None: a default-sized cache).
+        completed: CompletedKeys | None = None,
     ) -> None:
         self._db = database
         self._methods: Mapping[str, MutatingMethod] = {m.full_name: m for m in methods}
@@ -117,6 +126,13 @@ class IdempotencyInterceptor(UnaryInterceptor):
         self._listeners = tuple(listeners)
         self._tracer = tracer
         self._shard_id = shard_id
+        self._admission = admission
+        self._completed = (
+            completed
+            if completed is not None
+            else CompletedKeys(max_entries=10_000, max_bytes=16 * 1024 * 1024)
+        )
+        self._flights = KeyFlights()
 
     def applies_to(self, method: str) -> bool:
         """Only the mutating methods are guarded."""
@@ -125,6 +141,9 @@ class IdempotencyInterceptor(UnaryInterceptor):
     def wrap(self, method: str, handler: MethodHandler) -> MethodHandler:
         """The guarded call: no (de)serialisers, it sees the request bytes and returns response bytes."""
         return grpc.unary_unary_rpc_method_handler(_GuardedCall(self, self._methods[method], handler))
+
+    def _admitted(self, context: grpc.ServicerContext) -> AbstractContextManager[None]:
+        return nullcontext() if self._admission is None else self._admission.admitted(context)
 
     def _notify(self, outcome: CallOutcome) -> None:
         # One line per guarded call, inside its span (so with its trace and span ids): the key and
@@ -198,7 +217,7 @@ class _GuardedCall:
                 method.encode() + b"\x00" + request.SerializeToString(deterministic=True)
             ).digest()
             try:
-                outcome, kind = self._execute(context, scope, key, moment, request, request_hash, span)
+                outcome, kind = self._answer(context, scope, key, moment, request, request_hash, span)
             except ShardRouterError:
                 raise
             except Exception as exc:
@@ -260,7 +279,7 @@ class _GuardedCall:
                 reason=Reason.INVALID_REQUEST,
             ) from exc
 
-    def _execute(
+    def _answer(
         self,
         context: grpc.ServicerContext,
         scope: str,
@@ -270,15 +289,101 @@ class _GuardedCall:
         request_hash: bytes,
         span: trace.Span,
     ) -> tuple[StoredOutcome, str]:
+        """The call's outcome and kind: from memory when this process knows the key, else the database."""
+        owner = self._owner
+        scoped: ScopedKey = (scope, str(key))
+        cached = owner._completed.get(scoped)
+        if cached is not None:
+            return self._replay(cached, request_hash, span, source="memory"), "replay"
+        flight, leads = owner._flights.join(scoped)
+        if not leads:
+            return self._follow(flight, request_hash, span)
+        record: IdempotencyRecord | None = None
+        try:
+            with owner._admitted(context):
+                record, made = self._execute(context, scope, key, moment, request, request_hash, span, flight)
+        finally:
+            if record is not None:
+                owner._completed.put(scoped, record)
+            owner._flights.land(scoped, flight, record)
+        assert record is not None and record.outcome is not None
+        if made:
+            return record.outcome, "new"
+        return self._replay(record, request_hash, span, source="database"), "replay"
+
+    def _follow(self, flight: KeyFlight, request_hash: bytes, span: trace.Span) -> tuple[StoredOutcome, str]:
+        """A duplicate of a key another thread here works on: its record, or in flight."""
+        # The leading call settles within one database read unless it claimed the key; a bounded
+        # wait keeps a worker thread from queueing behind a slow database.
+        flight.wait_settled(self._owner._config.claim_lock_timeout_ms / 1000)
+        if flight.record is not None:
+            return self._replay(flight.record, request_hash, span, source="memory"), "replay"
+        raise self._in_flight(span)
+
+    def _in_flight(self, span: trace.Span) -> Aborted:
+        retry_ms = self._owner._config.in_flight_retry_ms
+        span.add_event("idempotency.conflict", {"idempotency.retry_after_ms": retry_ms})
+        return Aborted(
+            "an earlier attempt with this idempotency key is still in progress; "
+            f"retry the same request with the same key in {retry_ms} ms",
+            reason=Reason.IDEMPOTENCY_KEY_IN_FLIGHT,
+            retry_after_ms=retry_ms,
+        )
+
+    def _replay(
+        self, record: IdempotencyRecord, request_hash: bytes, span: trace.Span, *, source: str
+    ) -> StoredOutcome:
+        """The stored outcome of a completed key, or a refusal if the key was used for another request.
+
+        `source`: where the record came from, "memory" (this process's) or "database".
+        """
+        assert record.outcome is not None
+        span.set_attribute("idempotency.record_source", source)
+        _link_first_attempt(span, record.first_traceparent)
+        if record.request_hash != request_hash:
+            span.add_event(
+                "idempotency.key_reused",
+                {
+                    "idempotency.first_method": record.method,
+                    "idempotency.first_used_at": record.created_at.isoformat(),
+                },
+            )
+            raise FailedPrecondition(
+                "this idempotency key was already used for a different request "
+                f"to {record.method}; use a new key for a new operation",
+                reason=Reason.IDEMPOTENCY_KEY_REUSED,
+                metadata={"first_used_at": record.created_at.isoformat()},
+            )
+        span.add_event(
+            "idempotency.replay",
+            {
+                "idempotency.first_used_at": record.created_at.isoformat(),
+                "idempotency.stored_status_code": record.outcome.code,
+            },
+        )
+        return record.outcome
+
+    def _execute(
+        self,
+        context: grpc.ServicerContext,
+        scope: str,
+        key: uuid.UUID,
+        moment: datetime,
+        request: Message,
+        request_hash: bytes,
+        span: trace.Span,
+        flight: KeyFlight,
+    ) -> tuple[IdempotencyRecord, bool]:
+        """The key's completed record from the database, and whether this call made it (ran the handler)."""
         config = self._owner._config
         db = self._owner._db
+        traceparent = traceparent_of(span)
         with (
             _db_span(self._owner._tracer),
             mapped_database_errors(db.transient_retry_ms),
             db.connection() as conn,
         ):
             with conn.transaction():
-                _bound_statement_time(conn, context)
                 claim = store.claim_key(
                     conn,
                     scope=scope,
@@ -288,47 +393,31 @@ class _GuardedCall:
                     request_hash=request_hash,
                     claim_lock_timeout_ms=config.claim_lock_timeout_ms,
                     handler_lock_timeout_ms=config.handler_lock_timeout_ms,
-                    traceparent=traceparent_of(span),
+                    statement_timeout_ms=_statement_timeout_ms(context),
+                    traceparent=traceparent,
                 )
                 if claim.status is ClaimStatus.IN_FLIGHT:
-                    span.add_event(
-                        "idempotency.conflict", {"idempotency.retry_after_ms": config.in_flight_retry_ms}
-                    )
-                    raise Aborted(
-                        "an earlier attempt with this idempotency key is still in progress; "
-                        f"retry the same request with the same key in {config.in_flight_retry_ms} ms",
-                        reason=Reason.IDEMPOTENCY_KEY_IN_FLIGHT,
-                        retry_after_ms=config.in_flight_retry_ms,
-                    )
+                    raise self._in_flight(span)
                 if claim.status is ClaimStatus.EXISTING:
-                    record = claim.existing
-                    assert record is not None and record.outcome is not None
-                    _link_first_attempt(span, record.first_traceparent)
-                    if record.request_hash != request_hash:
-                        span.add_event(
-                            "idempotency.key_reused",
-                            {
-                                "idempotency.first_method": record.method,
-                                "idempotency.first_used_at": record.created_at.isoformat(),
-                            },
-                        )
-                        raise FailedPrecondition(
-                            "this idempotency key was already used for a different request "
-                            f"to {record.method}; use a new key for a new operation",
-                            reason=Reason.IDEMPOTENCY_KEY_REUSED,
-                            metadata={"first_used_at": record.created_at.isoformat()},
-                        )
-                    span.add_event(
-                        "idempotency.replay",
-                        {
-                            "idempotency.first_used_at": record.created_at.isoformat(),
-                            "idempotency.stored_status_code": record.outcome.code,
-                        },
-                    )
-                    return record.outcome, "replay"
+                    assert claim.existing is not None and claim.existing.outcome is not None
+                    return claim.existing, False
+                flight.mark_claimed()
                 outcome = self._run_handler(conn, key, context, request)
                 store.complete_key(conn, scope=scope, key=key, key_time=moment, outcome=outcome)
-        return outcome, "new"
+        assert claim.created_at is not None
+        record = IdempotencyRecord(
+            scope=scope,
+            key=key,
+            key_time=moment,
+            method=self._method.full_name,
+            request_hash=request_hash,
+            state=RecordState.COMPLETED,
+            outcome=outcome,
+            created_at=claim.created_at,
+            completed_at=None,
+            first_traceparent=traceparent,
+        )
+        return record, True
 
     def _run_handler(
         self, conn: Any, key: uuid.UUID, context: grpc.ServicerContext, request: Message
@@ -385,12 +474,12 @@ def _key_from(metadata: Sequence[tuple[str, str | bytes]]) -> uuid.UUID:
 _NO_DEADLINE_S = 24 * 3600  # grpc reports "no deadline" as an enormous time remaining
 
 
-def _bound_statement_time(conn: Any, context: grpc.ServicerContext) -> None:
+def _statement_timeout_ms(context: grpc.ServicerContext) -> int | None:
     """No statement may outlive the caller's deadline (the work would be wasted and rolled back)."""
     remaining = context.time_remaining()
     if remaining is not None and remaining < _NO_DEADLINE_S:
-        ms = max(1, int(remaining * 1000))
-        conn.execute("SELECT set_config('statement_timeout', %s, true)", (f"{ms}ms",))
+        return max(1, int(remaining * 1000))
+    return None
 
 
 def _handler_trailers(context: grpc.ServicerContext) -> tuple[Trailer, ...]:
@@ -474,4 +563,6 @@ def _kind_of(error: ShardRouterError) -> str:
         Reason.IDEMPOTENCY_KEY_IN_FLIGHT: "in_progress_conflict",
         Reason.IDEMPOTENCY_KEY_REUSED: "key_reused",
         Reason.IDEMPOTENCY_KEY_EXPIRED: "expired",
+        Reason.RATE_LIMITED: "shed",
+        Reason.SHARD_SATURATED: "shed",
     }.get(error.reason, "invalid" if isinstance(error, InvalidArgument) else "error")

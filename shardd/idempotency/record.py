@@ -79,3 +79,5 @@ class Claim:
 
     status: ClaimStatus
     existing: IdempotencyRecord | None = None
+    #: When the claimed record was inserted (CLAIMED only): the `created_at` a replay reports.
+    created_at: datetime | None = None

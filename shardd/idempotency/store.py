@@ -3,14 +3,19 @@
 Timeline of one key inside the claiming transaction:
 
     BEGIN
-      pg_try_advisory_xact_lock(scope, key)   -- false: a twin is in flight -> IN_FLIGHT at once
+      one statement: the call's statement_timeout, the claim's bounded lock wait, the key's committed
+        record if there is one, and only if there is none pg_try_advisory_xact_lock(scope, key)
+        record found -> EXISTING: replayed (or refused as reused); no lock taken, nothing written
+        lock refused -> a twin is in flight; re-read once (it may have just committed) -> IN_FLIGHT
       INSERT ... ON CONFLICT DO NOTHING RETURNING  (lock_timeout = claim bound, 55P03 -> IN_FLIGHT)
         one row  -> CLAIMED: the handler runs in this same transaction, then `complete_key`
-        no rows  -> EXISTING: the committed record is read and replayed (or refused as reused)
+        no rows  -> EXISTING: the twin committed just now; its record is read and replayed
     COMMIT   -- the record becomes visible together with the handler's writes, or not at all
 
-The advisory lock answers an in-flight duplicate without waiting; the unique primary key is what
-actually decides the winner, and the bounded lock wait is the backstop if the two ever disagree.
+A replay of a completed key is therefore a plain read: it never waits for, nor takes, a lock, so any
+number of concurrent replays of one key all get the stored answer. The advisory lock answers an
+in-flight duplicate without waiting; the unique primary key is what actually decides the winner, and
+the bounded lock wait is the backstop if the two ever disagree.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ _COLUMNS = (
     "scope, key, key_time, method, request_hash, state, status_code, status_message,"
     " status_details, response, trailers, created_at, completed_at, first_traceparent"
 )
+_RECORD_COLUMNS = ", ".join(f"r.{c.strip()}" for c in _COLUMNS.split(","))
 
 
 def claim_key(
@@ -48,34 +54,64 @@ def claim_key(
     request_hash: bytes,
     claim_lock_timeout_ms: int,
     handler_lock_timeout_ms: int,
+    statement_timeout_ms: int | None = None,
     traceparent: str | None = None,
 ) -> Claim:
-    """Try to claim a key in the caller's open transaction. Never SELECT-then-INSERT."""
-    # One round trip: the claim's bounded lock wait, then the advisory lock. Round trips are most of
-    # a call's cost (scripts/bench_concurrency_model.py).
-    row = conn.execute(
-        "SELECT set_config('lock_timeout', %s, true), pg_try_advisory_xact_lock(hashtextextended(%s, 0))",
-        (f"{claim_lock_timeout_ms}ms", f"{scope} {key}"),
-    ).fetchone()
-    if row is None or not row[1]:
-        return Claim(ClaimStatus.IN_FLIGHT)
+    """Try to claim a key in the caller's open transaction. Never SELECT-then-INSERT.
+
+    `statement_timeout_ms` bounds every later statement of the transaction (the caller's deadline).
+    """
+    # One round trip for the settings, the replay read and the advisory lock: round trips are most
+    # of a call's cost (scripts/bench_concurrency_model.py). The lock is only tried when no committed
+    # record exists, so a replay takes none.
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(
+            "SELECT set_config('lock_timeout', %s, true) AS lock_timeout,"
+            " set_config('statement_timeout', coalesce(%s, current_setting('statement_timeout')), true)"
+            " AS statement_timeout,"
+            " CASE WHEN r.key IS NULL THEN pg_try_advisory_xact_lock(hashtextextended(%s, 0)) END AS locked,"
+            f" {_RECORD_COLUMNS}"
+            " FROM (VALUES (1)) AS one LEFT JOIN idempotency_record r"
+            " ON r.scope = %s AND r.key = %s AND r.key_time = %s AND r.state = 'completed'",
+            (
+                f"{claim_lock_timeout_ms}ms",
+                f"{statement_timeout_ms}ms" if statement_timeout_ms else None,
+                f"{scope} {key}",
+                scope,
+                key,
+                key_time,
+            ),
+        ).fetchone()
+    assert row is not None  # the VALUES row is always there
+    if row["key"] is not None:
+        return Claim(ClaimStatus.EXISTING, _record(row))
+    if not row["locked"]:
+        # The twin holding the lock may have committed between the read and the lock attempt (a
+        # transaction's locks are released just after its commit becomes visible).
+        return _committed_or_in_flight(conn, scope=scope, key=key, key_time=key_time)
     try:
         inserted = conn.execute(
             "INSERT INTO idempotency_record"
             " (scope, key, key_time, method, request_hash, state, first_traceparent)"
             " VALUES (%s, %s, %s, %s, %s, 'in_progress', %s)"
-            " ON CONFLICT (scope, key, key_time) DO NOTHING RETURNING key",
-            (scope, key, key_time, method, request_hash, traceparent),
+            " ON CONFLICT (scope, key, key_time) DO NOTHING"
+            " RETURNING created_at, set_config('lock_timeout', %s, true)",
+            (scope, key, key_time, method, request_hash, traceparent, f"{handler_lock_timeout_ms}ms"),
         ).fetchone()
     except errors.LockNotAvailable:
         # The transaction is now aborted; the caller answers "in flight" and rolls it back.
         return Claim(ClaimStatus.IN_FLIGHT)
-    _set_lock_timeout(conn, handler_lock_timeout_ms)
     if inserted is not None:
-        return Claim(ClaimStatus.CLAIMED)
+        return Claim(ClaimStatus.CLAIMED, created_at=inserted[0])
+    return _committed_or_in_flight(conn, scope=scope, key=key, key_time=key_time)
+
+
+def _committed_or_in_flight(
+    conn: psycopg.Connection[Any], *, scope: str, key: uuid.UUID, key_time: datetime
+) -> Claim:
     existing = lookup_key(conn, scope=scope, key=key, key_time=key_time)
     if existing is None or existing.state is not RecordState.COMPLETED:
-        # Only possible if the record vanished (partition dropped) between the two statements.
+        # Not committed yet (or its partition was dropped between two statements).
         return Claim(ClaimStatus.IN_FLIGHT)
     return Claim(ClaimStatus.EXISTING, existing)
 
@@ -128,16 +164,6 @@ def find_key(conn: psycopg.Connection[Any], *, key: uuid.UUID, key_time: datetim
             (key, key_time),
         ).fetchall()
     return [_record(r) for r in rows]
-
-
-def count_records(conn: psycopg.Connection[Any]) -> int:
-    """Exact number of records (tests and small tables only; metrics use estimates)."""
-    row = conn.execute("SELECT count(*) FROM idempotency_record").fetchone()
-    return int(row[0]) if row else 0
-
-
-def _set_lock_timeout(conn: psycopg.Connection[Any], ms: int) -> None:
-    conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{ms}ms",))
 
 
 def _record(row: dict[str, Any]) -> IdempotencyRecord:

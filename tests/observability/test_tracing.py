@@ -106,11 +106,11 @@ def test_first_call_then_replay(traced: Traced, db) -> None:
     assert any(q.startswith("INSERT INTO ledger_entries") for q in first_sql), first_sql
     assert any(q.startswith("UPDATE idempotency_record SET state = 'completed'") for q in first_sql), first_sql
     assert all(q and key not in q for q in first_sql), first_sql
-    (replay_db,) = [
+    # This process completed the key, so it replays from memory: no database transaction at all.
+    assert replay.attributes["idempotency.record_source"] == "memory"
+    assert not [
         s for s in traced.spans("db.transaction") if s.parent and s.parent.span_id == replay.context.span_id
     ]
-    replay_sql = statements(replay_db)
-    assert not any(q.startswith(("UPDATE", "INSERT INTO ledger")) for q in replay_sql), "a replay writes nothing"
 
 
 def test_in_flight_duplicate_is_a_conflict_not_an_error(traced: Traced, database: str) -> None:
@@ -160,6 +160,43 @@ def test_key_reused_for_a_different_request(traced: Traced) -> None:
     assert reused.events[0].attributes is not None
     assert reused.events[0].attributes["idempotency.first_method"] == DEPOSIT
     assert reused.status.status_code is StatusCode.UNSET
+
+
+def test_replay_from_the_database_is_one_read_only_transaction(database: str) -> None:
+    """Without the in-memory record (another process completed the key, or this one restarted), a
+    replay reads the record in one transaction that writes nothing and takes no lock."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from shardd.server import start_shard
+    from tests.conftest import make_settings
+
+    exporter = InMemorySpanExporter()
+    provider = telemetry.new_tracer_provider(SERVICE, [exporter], batch=False)
+    daemon = start_shard(make_settings(database, replay_cache_entries=0), tracer_provider=provider)
+    md = key_metadata()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{daemon.port}") as channel:
+            stub = transfer_pb2_grpc.TransferServiceStub(channel)
+            stub.Deposit(_deposit(), metadata=md)
+            stub.Deposit(_deposit(), metadata=md)
+    finally:
+        daemon.stop(0.5)
+    provider.force_flush()
+    spans = exporter.get_finished_spans()
+    replay = next(
+        s
+        for s in spans
+        if s.name == "idempotency" and (s.attributes or {}).get("idempotency.outcome") == "replay"
+    )
+    assert replay.attributes is not None and replay.attributes["idempotency.record_source"] == "database"
+    (transaction,) = [s for s in spans if s.name == "db.transaction" and s.parent.span_id == replay.context.span_id]  # type: ignore[union-attr]
+    sql = [
+        str((s.attributes or {}).get("db.statement", ""))
+        for s in spans
+        if s.parent is not None and s.parent.span_id == transaction.context.span_id
+    ]
+    assert sql and all(not q.startswith(("INSERT", "UPDATE", "DELETE")) for q in sql), sql
+    assert len([q for q in sql if q.startswith("SELECT")]) == 1, sql
 
 
 def test_transient_failure_is_an_error(database: str) -> None:

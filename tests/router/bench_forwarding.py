@@ -71,7 +71,6 @@ def _run_router(map_path: str, port_out: mp.Queue, stop: mp.Event) -> None:  # t
                 dev_mode=True,
                 metrics_port=0,
                 log_level="WARNING",
-                workers=WORKERS,
                 max_deadline_s=MAX_DEADLINE_S,
             )
         )

@@ -72,9 +72,9 @@ def test_bad_shard_map_at_start_is_a_clear_error(tmp_path: Path, content: str | 
 
 
 def test_bad_setting_at_start_is_a_clear_error() -> None:
-    result = _run_router(["serve"], {"ROUTER_WORKERS": "none"})
+    result = _run_router(["serve"], {"ROUTER_MAX_CALLS": "none"})
     assert result.returncode == 2
-    assert "ROUTER_WORKERS" in result.stderr and "Traceback" not in result.stderr
+    assert "ROUTER_MAX_CALLS" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_sigterm_lets_in_flight_calls_finish_and_exits_zero(tmp_path: Path) -> None:

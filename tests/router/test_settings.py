@@ -10,11 +10,11 @@ from router.settings import ENV_NAMES, RouterSettings, parse_settings
 def test_settings_defaults_env_and_flags() -> None:
     defaults = parse_settings([], env={})
     assert defaults == RouterSettings()
-    assert (defaults.listen, defaults.metrics_port, defaults.shard_map, defaults.workers) == (
+    assert (defaults.listen, defaults.metrics_port, defaults.shard_map, defaults.max_calls) == (
         "127.0.0.1:50051",
         9464,
         "shard-map.yaml",
-        32,
+        1024,
     )
     assert (defaults.dev_mode, defaults.max_message_bytes, defaults.max_metadata_bytes) == (
         False,
@@ -22,9 +22,9 @@ def test_settings_defaults_env_and_flags() -> None:
         16384,
     )
     assert (defaults.shutdown_grace_s, defaults.forward_retries, defaults.reload_interval_s) == (10.0, 2, 1.0)
-    env = {"ROUTER_WORKERS": "4", "ROUTER_DEV_MODE": "true", "ROUTER_SHARD_MAP": "/env.yaml"}
+    env = {"ROUTER_MAX_CALLS": "4", "ROUTER_DEV_MODE": "true", "ROUTER_SHARD_MAP": "/env.yaml"}
     settings = parse_settings(["serve", "--shard-map", "/flag.yaml", "--forward-retries", "0"], env=env)
-    assert (settings.workers, settings.dev_mode, settings.shard_map, settings.forward_retries) == (
+    assert (settings.max_calls, settings.dev_mode, settings.shard_map, settings.forward_retries) == (
         4,
         True,
         "/flag.yaml",
@@ -37,8 +37,8 @@ def test_settings_defaults_env_and_flags() -> None:
 @pytest.mark.parametrize(
     ("env", "problem"),
     [
-        ({"ROUTER_WORKERS": "0"}, "workers must be at least 1"),
-        ({"ROUTER_WORKERS": "many"}, "cannot read 'many' as int"),
+        ({"ROUTER_MAX_CALLS": "0"}, "max_calls must be at least 1"),
+        ({"ROUTER_MAX_CALLS": "many"}, "cannot read 'many' as int"),
         ({"ROUTER_DEV_MODE": "perhaps"}, "cannot read 'perhaps' as bool"),
         ({"ROUTER_TLS_CERT": "c.pem"}, "tls_cert and tls_key go together"),
         ({"ROUTER_SHARD_TLS_KEY": "k.pem"}, "shard_tls_cert and shard_tls_key go together"),
