@@ -13,38 +13,48 @@ import sys
 from collections.abc import Sequence
 
 from router.server import ListenError, start_router
-from router.settings import RouterSettings, parse_settings
+from router.settings import ENV_PREFIX, RouterSettings, parse_settings
 from shardrouter import telemetry
 from shardrouter.logs import configure_logging
-from shardrouter.settings_source import command_words
+from shardrouter.settings_source import (
+    UsageError,
+    help_text,
+    parse_command,
+    split_command_line,
+    unknown_environment,
+)
 from shardrouter.shardmap import ShardMapError
 
 log = logging.getLogger("router")
 
-USAGE = """router COMMAND [--flag value ...]
+USAGE = """usage: router COMMAND [--flag value ...]
 
 commands:
   serve                      forward TransferService calls to the shard that owns each account
 
-Every setting is a flag (--listen, --shard-map, --max-calls, ...) or a ROUTER_* environment variable;
-see README.md."""
+Flags go before or after the command; each one is also a ROUTER_* environment variable.
+"""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `router` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "help"):
-        print(USAGE)
-        return 0 if args else 2
-    if command_words(args) != ["serve"]:
-        print(USAGE, file=sys.stderr)
-        return 2
     try:
+        line = split_command_line(args, RouterSettings)
+        if line.help or line.words[:1] == ["help"]:
+            print(help_text(RouterSettings, ENV_PREFIX, USAGE))
+            return 0
+        if not line.words:
+            raise UsageError("no command given")
+        parse_command(line.words, {("serve",): 0})
         settings = parse_settings(args)
     except ValueError as exc:
         print(f"router: {exc}", file=sys.stderr)
+        print(USAGE.split("\n\n", 1)[0] + "\n(router --help lists every flag)", file=sys.stderr)
         return 2
     configure_logging("router", level=settings.log_level, fmt=settings.log_format)
+    for problem in unknown_environment(RouterSettings, ENV_PREFIX):
+        log.warning(problem)
     # Off unless the OTEL_* environment asks for it (docs/tracing.md).
     telemetry.configure_tracing("router")
     try:

@@ -33,15 +33,19 @@ class RouterSettings:
     max_calls: int = 1024
     #: Dev mode passes a caller-sent `x-caller-id` through without TLS. Never in production.
     dev_mode: bool = False
-    #: The router's own server TLS: certificate and key; with a CA, callers need client certificates
-    #: (mTLS) and the verified certificate's common name becomes the forwarded `x-caller-id`.
+    #: The router's own server certificate (PEM file); with tls_key. Empty: no TLS.
     tls_cert: str = ""
+    #: The server certificate's private key (PEM file).
     tls_key: str = ""
+    #: CA of callers' client certificates (PEM file): callers need one (mTLS), and the verified
+    #: certificate's common name becomes the forwarded `x-caller-id`.
     tls_ca: str = ""
-    #: TLS towards the shards: the router's client certificate and key (its identity to the shards,
-    #: which trust it to speak for callers) and the CA that signs the shards' certificates.
+    #: TLS towards the shards: the router's client certificate (PEM file), its identity to the shards,
+    #: which trust it to speak for callers.
     shard_tls_cert: str = ""
+    #: The client certificate's private key (PEM file).
     shard_tls_key: str = ""
+    #: The CA that signs the shards' server certificates (PEM file).
     shard_tls_ca: str = ""
     #: Largest request accepted (bytes).
     max_message_bytes: int = 64 * 1024
@@ -56,6 +60,7 @@ class RouterSettings:
     shutdown_grace_s: float = 10.0
     #: Log format: "json" or "text".
     log_format: str = "json"
+    #: Log level: DEBUG, INFO, WARNING or ERROR.
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
+import threading
 import uuid
 from collections.abc import Sequence
 
@@ -12,15 +14,21 @@ import psycopg
 
 from shardd import retention as retention_job
 from shardd.server import MONTHS_AHEAD, prepare_database, start_shard
-from shardd.settings import ShardSettings, parse_settings
-from shardrouter import grpcserver, telemetry
+from shardd.settings import ENV_PREFIX, ShardSettings, parse_settings
+from shardrouter import telemetry
 from shardrouter.keys import key_time
 from shardrouter.logs import configure_logging
-from shardrouter.settings_source import command_words
+from shardrouter.settings_source import (
+    UsageError,
+    help_text,
+    parse_command,
+    split_command_line,
+    unknown_environment,
+)
 
 log = logging.getLogger("shardd")
 
-USAGE = """shardd COMMAND [--flag value ...]
+USAGE = """usage: shardd COMMAND [--flag value ...]
 
 commands:
   serve                      run the shard daemon (migrates first)
@@ -31,78 +39,121 @@ commands:
   dead-letters replay ID     send the dead letter's refund again (safe to repeat)
   keys lookup KEY            show a key's records (state, status, expiry; never the response body)
 
-Every setting is a flag (--shard-id, --dsn, --listen, ...) or a SHARDD_* environment variable;
-see README.md."""
+Flags go before or after the command; each one is also a SHARDD_* environment variable.
+"""
+
+#: Each command's words and how many arguments follow them.
+COMMANDS: dict[tuple[str, ...], int] = {
+    ("serve",): 0,
+    ("migrate",): 0,
+    ("retention", "run"): 0,
+    ("dead-letters", "list"): 0,
+    ("dead-letters", "show"): 1,
+    ("dead-letters", "replay"): 1,
+    ("keys", "lookup"): 1,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `shardd` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "help"):
-        print(USAGE)
-        return 0 if args else 2
-    words = command_words(args)
     try:
+        line = split_command_line(args, ShardSettings)
+        if line.help or line.words[:1] == ["help"]:
+            print(help_text(ShardSettings, ENV_PREFIX, USAGE))
+            return 0
+        if not line.words:
+            raise UsageError("no command given")
+        command, operands = parse_command(line.words, COMMANDS)
         settings = parse_settings(args)
     except ValueError as exc:
         print(f"shardd: {exc}", file=sys.stderr)
+        print(USAGE.split("\n\n", 1)[0] + "\n(shardd --help lists every command and flag)", file=sys.stderr)
         return 2
     configure_logging(f"shardd/{settings.shard_id}", level=settings.log_level, fmt=settings.log_format)
-    command = words[:2]
-    if command[:1] == ["serve"]:
+    for problem in unknown_environment(ShardSettings, ENV_PREFIX):
+        log.warning(problem)
+    try:
+        return _run(settings, command, operands)
+    except psycopg.OperationalError as exc:
+        print(f"shardd: {database_unreachable(settings.dsn, exc)}", file=sys.stderr)
+        return 1
+
+
+def _run(settings: ShardSettings, command: tuple[str, ...], operands: list[str]) -> int:
+    if command == ("serve",):
         return _serve(settings)
-    if command[:1] == ["migrate"]:
+    if command == ("migrate",):
         prepare_database(settings.dsn, settings.retention)
         print("schema up to date")
         return 0
-    if command == ["retention", "run"]:
+    if command == ("retention", "run"):
         result = retention_job.run_retention(
             settings.dsn, retention=settings.retention, months_ahead=MONTHS_AHEAD
         )
         print(json.dumps(result.__dict__, default=list))
         return 0
-    if command[:1] == ["dead-letters"]:
-        return _dead_letters(settings, words[1:])
-    if command == ["keys", "lookup"] and len(words) == 3:
-        return _lookup_key(settings, words[2])
-    print(USAGE, file=sys.stderr)
-    return 2
+    if command[0] == "dead-letters":
+        return _dead_letters(settings, command[1], operands)
+    return _lookup_key(settings, operands[0])
+
+
+class _StopDuringStartUp(KeyboardInterrupt):
+    """SIGTERM or SIGINT before the daemon serves. A KeyboardInterrupt, so that psycopg cancels the
+    statement it is waiting for (a long migration) and the transaction rolls back."""
 
 
 def _serve(settings: ShardSettings) -> int:
+    # Signals are caught before anything starts: one during migrations is a clean stop too.
+    stop = threading.Event()
+    starting = True
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+        if starting:
+            raise _StopDuringStartUp
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     # Off unless the OTEL_* environment asks for it (docs/tracing.md); before the server is built,
     # so the daemon sees the provider and adds its tracing interceptor.
     telemetry.configure_tracing(f"shardd/{settings.shard_id}")
-    daemon = start_shard(settings)
-    grpcserver.wait_for_termination_signal()
+    try:
+        daemon = start_shard(settings)
+        starting = False
+    except _StopDuringStartUp:
+        log.info("stopped during start-up; nothing was left half done (each migration is one transaction)")
+        telemetry.shutdown_tracing()
+        return 0
+    stop.wait()
     daemon.stop()
     telemetry.shutdown_tracing()  # flush the spans still queued
     log.info("stopped")
     return 0
 
 
-def _dead_letters(settings: ShardSettings, words: list[str]) -> int:
+def _dead_letters(settings: ShardSettings, action: str, operands: list[str]) -> int:
     from shardd.db import Database
     from shardd.ledger import store
     from shardd.relay import OutboxRelay
     from shardrouter.shardmap import load_shard_map
 
     with psycopg.connect(settings.dsn) as conn:
-        if words == ["list"]:
+        if action == "list":
             for letter in store.list_dead_letters(conn):
                 print(json.dumps(_letter_json(letter)))
             return 0
-        if len(words) == 2 and words[0] in ("show", "replay"):
-            transfer_id = _uuid_or_exit(words[1])
-            found = store.read_dead_letter(conn, transfer_id)
-            if found is None:
-                print(f"no dead letter for transfer {transfer_id}", file=sys.stderr)
-                return 1
-            if words[0] == "show":
-                print(json.dumps(_letter_json(found), indent=2))
-                return 0
-            store.note_replay(conn, transfer_id)
-            conn.commit()
+        transfer_id = _uuid_or_exit(operands[0])
+        found = store.read_dead_letter(conn, transfer_id)
+        if found is None:
+            print(f"no dead letter for transfer {transfer_id}", file=sys.stderr)
+            return 1
+        if action == "show":
+            print(json.dumps(_letter_json(found), indent=2))
+            return 0
+        store.note_replay(conn, transfer_id)
+        conn.commit()
     if not settings.shard_map:
         print("replay needs --shard-map to reach this shard's RefundTransfer", file=sys.stderr)
         return 2
@@ -148,6 +199,20 @@ def _letter_json(letter: object) -> dict[str, object]:
     return {
         k: (str(v) if not isinstance(v, int | str | type(None)) else v) for k, v in letter.__dict__.items()
     }
+
+
+def database_unreachable(dsn: str, error: psycopg.OperationalError) -> str:
+    """One line for a database that cannot be reached: where (never the password) and the server's words."""
+    try:
+        parts = psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        parts = {}
+    host = parts.get("host") or "the local socket"
+    where = f"{host}:{parts.get('port') or 5432}"
+    if parts.get("dbname"):
+        where += f" (database {parts['dbname']})"
+    reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return f"cannot reach the database at {where}: {reason}"
 
 
 def _uuid_or_exit(text: str) -> uuid.UUID:

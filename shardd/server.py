@@ -189,8 +189,13 @@ def start_shard(
     )
     port = grpcserver.bind(server, settings.listen, credentials)
     server.start()  # health answers NOT_SERVING while the schema is prepared
-    prepare_database(settings.dsn, settings.retention)
-    database.open()
+    try:
+        prepare_database(settings.dsn, settings.retention)
+        database.open()
+    except BaseException:  # database unreachable, or SIGTERM during a migration: leave nothing running
+        server.stop(0)
+        database.close()
+        raise
     daemon = ShardDaemon(settings, server, port, database, health_servicer, shard_map, metrics=metrics)
     # Keeps months ahead partitioned while the daemon runs, whether or not the retention CronJob does.
     keeper = PartitionKeeper(settings.dsn, retention=settings.retention, months_ahead=MONTHS_AHEAD)

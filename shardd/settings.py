@@ -34,9 +34,11 @@ class ShardSettings:
     #: Calls open at once (running or queued for a thread), and the HTTP/2 streams one client
     #: connection may open; past it grpc answers RESOURCE_EXHAUSTED. Admission sheds long before.
     max_calls: int = 1024
-    #: Database pool bounds and how long a call may wait for a connection.
+    #: Database connections kept open even when idle.
     pool_min: int = 2
+    #: Most database connections (what the database serves at once for this daemon).
     pool_max: int = 16
+    #: Longest wait for a free connection (s); then UNAVAILABLE with RetryInfo.
     pool_timeout_s: float = 2.0
     #: RetryInfo delay after a transient database failure (ms).
     transient_retry_ms: int = 250
@@ -44,15 +46,19 @@ class ShardSettings:
     retention_days: int = 30
     #: Keys dated this far in the future are still accepted.
     max_clock_skew_s: int = 300
-    #: Bounded lock wait when claiming a key (ms), and lock wait allowed to handlers (ms).
+    #: Bounded lock wait when claiming a key (ms); also how long a duplicate waits for its twin's read.
     claim_lock_timeout_ms: int = 50
+    #: Lock wait allowed to handlers on hot account rows (ms).
     handler_lock_timeout_ms: int = 2000
     #: RetryInfo delay for an in-flight duplicate (ms).
     in_flight_retry_ms: int = 100
-    #: Outbox relay: worker threads (0: no relay), batch size, delivery give-up age, per-call deadline.
+    #: Outbox relay worker threads delivering cross-shard credits (0: no relay).
     relay_workers: int = 2
+    #: Outbox rows a relay worker takes at once.
     relay_batch: int = 32
+    #: Age after which an undeliverable credit is voided and dead-lettered (s).
     relay_max_age_s: int = 6 * 3600
+    #: Deadline of one delivery call to another shard (s).
     relay_call_timeout_s: float = 5.0
     #: Dead letters may be replayed by hand for this long; retention must outlast it.
     dead_letter_replay_days: int = 7
@@ -63,16 +69,19 @@ class ShardSettings:
     #: Calls admitted beyond saturation for callers under their fair share; past max_in_flight +
     #: max_waiting every call is shed.
     max_waiting: int = 16
-    #: Completed keys kept in memory for replays without a database read (0: none), and their bytes.
+    #: Completed keys kept in memory for replays without a database read (0: none).
     replay_cache_entries: int = 10_000
+    #: Most memory those kept keys' stored responses may use (MiB).
     replay_cache_mb: int = 16
     #: Largest request accepted (bytes).
     max_message_bytes: int = 64 * 1024
     #: Largest request metadata accepted (bytes).
     max_metadata_bytes: int = 16 * 1024
-    #: mTLS: server certificate, key, and the CA that signs client certificates (all or none).
+    #: mTLS: the daemon's server certificate (PEM file); with tls_key. Empty: no TLS.
     tls_cert: str = ""
+    #: mTLS: the server certificate's private key (PEM file).
     tls_key: str = ""
+    #: mTLS: the CA that signs callers' client certificates (PEM file); callers must present one.
     tls_ca: str = ""
     #: Client certificate common names allowed to speak for a caller via `x-caller-id`.
     trusted_proxies: tuple[str, ...] = ("router",)
@@ -85,6 +94,7 @@ class ShardSettings:
     trace_statements: bool = True
     #: Log format: "json" or "text".
     log_format: str = "json"
+    #: Log level: DEBUG, INFO, WARNING or ERROR.
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
