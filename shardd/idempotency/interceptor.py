@@ -383,7 +383,9 @@ class _GuardedCall:
             mapped_database_errors(db.transient_retry_ms),
             db.connection() as conn,
         ):
-            with conn.transaction():
+            # Pipeline mode: statements whose results are not fetched (BEGIN, SAVEPOINT, inserts,
+            # the stored outcome, COMMIT) go out with the next fetched one (store.py's timeline).
+            with conn.pipeline(), conn.transaction():
                 claim = store.claim_key(
                     conn,
                     scope=scope,

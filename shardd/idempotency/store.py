@@ -12,6 +12,10 @@ Timeline of one key inside the claiming transaction:
         no rows  -> EXISTING: the twin committed just now; its record is read and replayed
     COMMIT   -- the record becomes visible together with the handler's writes, or not at all
 
+The interceptor runs the transaction in psycopg's pipeline mode: a statement whose result nobody
+fetches (BEGIN, SAVEPOINT, an INSERT without RETURNING, the outcome UPDATE, COMMIT) travels with the
+next one that is fetched, so a Deposit costs 5 round trips instead of 12.
+
 A replay of a completed key is therefore a plain read: it never waits for, nor takes, a lock, so any
 number of concurrent replays of one key all get the stored answer. The advisory lock answers an
 in-flight duplicate without waiting; the unique primary key is what actually decides the winner, and
@@ -124,11 +128,18 @@ def complete_key(
     key_time: datetime,
     outcome: StoredOutcome,
 ) -> None:
-    """Store the outcome of a claimed key, in the claiming transaction."""
-    result = conn.execute(
-        "UPDATE idempotency_record SET state = 'completed', status_code = %s, status_message = %s,"
-        " status_details = %s, response = %s, trailers = %s, completed_at = now()"
-        " WHERE scope = %s AND key = %s AND key_time = %s AND state = 'in_progress'",
+    """Store the outcome of a claimed key, in the claiming transaction.
+
+    Nothing is fetched, so in pipeline mode the statement travels with the COMMIT. If it does not
+    match exactly the one in-progress row, the statement fails (and with it the transaction) with a
+    message saying so, instead of a row count checked after a round trip.
+    """
+    conn.execute(
+        "WITH done AS (UPDATE idempotency_record SET state = 'completed', status_code = %s,"
+        " status_message = %s, status_details = %s, response = %s, trailers = %s, completed_at = now()"
+        " WHERE scope = %s AND key = %s AND key_time = %s AND state = 'in_progress' RETURNING 1)"
+        " SELECT CASE WHEN count(*) = 1 THEN 1"
+        " ELSE ('completing a claimed key matched ' || count(*) || ' in-progress rows')::int END FROM done",
         (
             outcome.code,
             outcome.message,
@@ -140,8 +151,6 @@ def complete_key(
             key_time,
         ),
     )
-    if result.rowcount != 1:
-        raise RuntimeError(f"completing key {key} in scope {scope!r} matched {result.rowcount} rows")
 
 
 def lookup_key(

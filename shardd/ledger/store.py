@@ -180,11 +180,13 @@ def read_transfer(conn: Connection, transfer_id: uuid.UUID, *, lock: bool = Fals
 
 def set_transfer_state(conn: Connection, transfer_id: uuid.UUID, *, expected: str, new: str) -> bool:
     """Move a transfer from `expected` to `new`; False if it was not in `expected`."""
-    result = conn.execute(
-        "UPDATE transfers SET state = %s, updated_at = now() WHERE id = %s AND state = %s",
+    # RETURNING and a fetch rather than rowcount: in pipeline mode (the guarded calls') the fetch is
+    # what waits for the statement's result.
+    row = conn.execute(
+        "UPDATE transfers SET state = %s, updated_at = now() WHERE id = %s AND state = %s RETURNING id",
         (new, transfer_id, expected),
-    )
-    return result.rowcount == 1
+    ).fetchone()
+    return row is not None
 
 
 def attempts_of(conn: Connection, transfer_id: uuid.UUID) -> list[AttemptRow]:

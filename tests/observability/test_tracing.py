@@ -70,7 +70,9 @@ def test_first_call_then_replay(traced: Traced, db) -> None:
     ]
     assert replay.attributes is not None
     assert replay.attributes["idempotency.first_trace_id"] == format(first.context.trace_id, "032x")
-    (stored,) = db.execute("SELECT first_traceparent FROM idempotency_record WHERE key = %s", (key,)).fetchone()
+    (stored,) = db.execute(
+        "SELECT first_traceparent FROM idempotency_record WHERE key = %s", (key,)
+    ).fetchone()
     flags = int(first.context.trace_flags)
     assert stored == f"00-{first.context.trace_id:032x}-{first.context.span_id:016x}-{flags:02x}"
     event = replay.events[0]
@@ -92,6 +94,7 @@ def test_first_call_then_replay(traced: Traced, db) -> None:
     assert len(db_spans) == 1
     assert db_spans[0].attributes is not None and db_spans[0].attributes["db.system"] == "postgresql"
     assert db_spans[0].status.status_code is StatusCode.UNSET
+
     # Statement spans from OpenTelemetry's psycopg instrumentation, under the transaction span: the SQL
     # text with its placeholders, never the values.
     def statements(transaction: ReadableSpan) -> list[str]:
@@ -104,7 +107,9 @@ def test_first_call_then_replay(traced: Traced, db) -> None:
     first_sql = statements(db_spans[0])
     assert any(q.startswith("INSERT INTO idempotency_record") for q in first_sql), first_sql
     assert any(q.startswith("INSERT INTO ledger_entries") for q in first_sql), first_sql
-    assert any(q.startswith("UPDATE idempotency_record SET state = 'completed'") for q in first_sql), first_sql
+    assert any(
+        q.startswith("WITH done AS (UPDATE idempotency_record SET state = 'completed'") for q in first_sql
+    ), first_sql
     assert all(q and key not in q for q in first_sql), first_sql
     # This process completed the key, so it replays from memory: no database transaction at all.
     assert replay.attributes["idempotency.record_source"] == "memory"
@@ -189,7 +194,9 @@ def test_replay_from_the_database_is_one_read_only_transaction(database: str) ->
         if s.name == "idempotency" and (s.attributes or {}).get("idempotency.outcome") == "replay"
     )
     assert replay.attributes is not None and replay.attributes["idempotency.record_source"] == "database"
-    (transaction,) = [s for s in spans if s.name == "db.transaction" and s.parent.span_id == replay.context.span_id]  # type: ignore[union-attr]
+    (transaction,) = [
+        s for s in spans if s.name == "db.transaction" and s.parent.span_id == replay.context.span_id
+    ]  # type: ignore[union-attr]
     sql = [
         str((s.attributes or {}).get("db.statement", ""))
         for s in spans
@@ -535,7 +542,9 @@ def test_caller_library_router_and_shard_in_one_trace_with_linked_retries(
         assert len({s.context.trace_id for s in chain}) == 1
         assert chain[2].attributes is not None and chain[2].attributes["shard.id"] == "shard-obs"
         for span in chain[1:]:
-            assert span.attributes is not None and span.attributes.get("idempotency.key", str(key)) == str(key)
+            assert span.attributes is not None and span.attributes.get("idempotency.key", str(key)) == str(
+                key
+            )
     # One trace per send: the conflict and its retry share the first operation span.
     first_send = {c[-1].context.span_id for c in chains[:-1]}
     assert len(first_send) == 1

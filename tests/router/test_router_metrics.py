@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import grpc
@@ -49,7 +50,15 @@ def test_router_counts_answers_by_method_and_code(shard, tmp_path) -> None:
             with pytest.raises(grpc.RpcError) as not_found:
                 stub.GetBalance(transfer_pb2.GetBalanceRequest(account_id="nobody"))
             assert not_found.value.code() is grpc.StatusCode.NOT_FOUND
+        # The router counts a call as its answer goes out, so the last one may land a moment after
+        # the caller has it.
+        deadline = time.monotonic() + 5
         text = _scrape(port)
+        while _value(text, 'router_requests_total{code="NOT_FOUND",method="GetBalance"}') < 1 and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+            text = _scrape(port)
     finally:
         router.stop(0.5)
     assert _value(text, 'router_requests_total{code="OK",method="Deposit"}') == 2.0, text
