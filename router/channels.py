@@ -1,8 +1,11 @@
-"""One `grpc.aio` channel per shard address, reused by every call and closed when the address leaves the map.
+"""`grpc.aio` channels per shard address, reused by every call and closed when the address leaves the map.
 
-A channel multiplexes all calls to its shard over one HTTP/2 connection and reconnects by itself;
+A channel multiplexes calls to its shard over one HTTP/2 connection and reconnects by itself;
 keepalive pings find a dead connection (a shard whose host vanished without a FIN) within seconds
-instead of at the next call's deadline.
+instead of at the next call's deadline. With `connections` > 1 each address gets that many channels,
+each on its own TCP connection, and calls take them in turn: a shard served by several processes on
+one port (SO_REUSEPORT) receives connections spread over its processes by the kernel, so one router
+does not pin a whole shard's traffic to one of them.
 
 The pool belongs to the router's event loop: every method is called on the loop's thread (the
 forwarder's coroutines, and the shard map listener, which hops onto the loop), so it needs no lock.
@@ -47,17 +50,24 @@ class ChannelPool:
         credentials: grpc.ChannelCredentials | None = None,
         max_message_bytes: int = 4 * 1024 * 1024,
         retire_after_s: float = 60.0,
+        connections: int = 1,
     ) -> None:
+        if connections < 1:
+            raise ValueError("connections must be at least 1")
         self._credentials = credentials
+        self._connections = connections
         self._options = [
             *CHANNEL_OPTIONS,
             ("grpc.max_send_message_length", max_message_bytes),
             # Responses (a transfer with its delivery history) may be larger than requests.
             ("grpc.max_receive_message_length", max(max_message_bytes, 4 * 1024 * 1024)),
+            # Without it, channels with equal arguments share one connection (grpc's global pool).
+            *((("grpc.use_local_subchannel_pool", 1),) if connections > 1 else ()),
         ]
         self._retire_after_s = retire_after_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._callables: dict[str, dict[str, BytesCallable]] = {}
+        self._channels: dict[str, tuple[grpc.aio.Channel, ...]] = {}
+        self._callables: dict[str, dict[str, tuple[BytesCallable, ...]]] = {}
+        self._turn = 0
         # Channels dropped from the map, each with the timer that will close it.
         self._retiring: dict[int, tuple[asyncio.TimerHandle, grpc.aio.Channel]] = {}
         # Closes in progress, referenced so that they are not garbage-collected half way.
@@ -65,24 +75,33 @@ class ChannelPool:
         self._closed = False
 
     def get(self, address: str) -> grpc.aio.Channel:
-        """The channel to `address`, created on first use."""
-        channel = self._channels.get(address)
-        if channel is None:
+        """The (first) channel to `address`, created on first use."""
+        return self.channels(address)[0]
+
+    def channels(self, address: str) -> tuple[grpc.aio.Channel, ...]:
+        """The `connections` channels to `address`, created on first use."""
+        channels = self._channels.get(address)
+        if channels is None:
             if self._closed:
                 raise RuntimeError("channel pool is closed")
-            channel = self._channels[address] = self._new_channel(address)
-            log.info("opened channel to %s", address)
-        return channel
+            channels = self._channels[address] = tuple(
+                self._new_channel(address) for _ in range(self._connections)
+            )
+            log.info("opened %d channel(s) to %s", len(channels), address)
+        return channels
 
     def unary_bytes(self, address: str, method: str) -> BytesCallable:
-        """A bytes-in, bytes-out callable for `method` on the channel to `address` (cached)."""
+        """A bytes-in, bytes-out callable for `method` to `address` (cached), on the channels in turn."""
         callables = self._callables.get(address)
-        callable_ = callables.get(method) if callables is not None else None
-        if callable_ is None:
+        choices = callables.get(method) if callables is not None else None
+        if choices is None:
             # No (de)serialisers: the router forwards the caller's bytes and returns the shard's.
-            callable_ = self.get(address).unary_unary(method, None, None)
-            self._callables.setdefault(address, {})[method] = callable_
-        return callable_
+            choices = tuple(channel.unary_unary(method, None, None) for channel in self.channels(address))
+            self._callables.setdefault(address, {})[method] = choices
+        if len(choices) == 1:
+            return choices[0]
+        self._turn += 1
+        return choices[self._turn % len(choices)]
 
     def addresses(self) -> frozenset[str]:
         """Addresses with an open channel."""
@@ -97,11 +116,11 @@ class ChannelPool:
         keep = set(addresses)
         loop = asyncio.get_running_loop()
         for address in [a for a in self._channels if a not in keep]:
-            channel = self._channels.pop(address)
             self._callables.pop(address, None)
-            timer = loop.call_later(self._retire_after_s, self._close_retired, address, channel)
-            self._retiring[id(channel)] = (timer, channel)
-            log.info("retiring channel to %s: no longer in the shard map", address)
+            for channel in self._channels.pop(address):
+                timer = loop.call_later(self._retire_after_s, self._close_retired, address, channel)
+                self._retiring[id(channel)] = (timer, channel)
+            log.info("retiring channels to %s: no longer in the shard map", address)
 
     def replace_credentials(self, credentials: grpc.ChannelCredentials) -> None:
         """Use `credentials` for every channel from now on (a rotated client certificate).
@@ -117,7 +136,7 @@ class ChannelPool:
     async def close(self) -> None:
         """Close every channel now, retiring ones included."""
         self._closed = True
-        channels = list(self._channels.values())
+        channels = [channel for group in self._channels.values() for channel in group]
         self._channels, self._callables = {}, {}
         for timer, channel in self._retiring.values():
             timer.cancel()

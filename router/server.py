@@ -110,6 +110,7 @@ async def start_router(
         max_message_bytes=settings.max_message_bytes,
         # In-flight calls on a channel dropped from the map may run until their (capped) deadline.
         retire_after_s=settings.max_deadline_s + 1,
+        connections=settings.shard_connections,
     )
 
     def on_change(_old: ShardMap, new: ShardMap) -> None:

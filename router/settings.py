@@ -54,6 +54,9 @@ class RouterSettings:
     #: Upper bound of the deadline given to a shard when the caller set none, or a longer one (s).
     #: Above the 30 s that GetTransfer may wait, so a legitimate long poll is never cut short.
     max_deadline_s: float = 60.0
+    #: Connections (channels) to each shard address, used in turn; more than one spreads a shard's
+    #: calls over its serving processes (`SHARDD_PROCESSES`, which share one port).
+    shard_connections: int = 4
     #: Extra attempts for a keyed call whose shard could not be reached (never for keyless calls).
     forward_retries: int = 2
     #: Seconds to finish in-flight calls on SIGTERM.
@@ -94,6 +97,8 @@ class RouterSettings:
             out.append("reload_interval_s must be positive")
         if self.max_calls < 1:
             out.append("max_calls must be at least 1")
+        if not 1 <= self.shard_connections <= 64:
+            out.append("shard_connections must be between 1 and 64")
         if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_ca and not self.tls_cert):
             out.append("tls_cert and tls_key go together, and tls_ca needs them")
         if bool(self.shard_tls_cert) != bool(self.shard_tls_key):

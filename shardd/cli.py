@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import psycopg
 
 from shardd import retention as retention_job
+from shardd.processes import ServingProcesses, port_is_free
 from shardd.server import MONTHS_AHEAD, prepare_database, start_shard
 from shardd.settings import ENV_PREFIX, ShardSettings, parse_settings
 from shardrouter import telemetry
@@ -74,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for problem in unknown_environment(ShardSettings, ENV_PREFIX):
         log.warning(problem)
     try:
+        if command == ("serve",) and settings.processes > 1 and settings.process_index == 0:
+            return _serve_processes(settings, args)
         return _run(settings, command, operands)
     except psycopg.OperationalError as exc:
         print(f"shardd: {database_unreachable(settings.dsn, exc)}", file=sys.stderr)
@@ -103,30 +106,60 @@ class _StopDuringStartUp(KeyboardInterrupt):
     statement it is waiting for (a long migration) and the transaction rolls back."""
 
 
-def _serve(settings: ShardSettings) -> int:
-    # Signals are caught before anything starts: one during migrations is a clean stop too.
-    stop = threading.Event()
-    starting = True
+class _TerminationSignals:
+    """SIGTERM and SIGINT, caught from now on: `stop` is set, and during start-up the main thread is
+    interrupted too (a migration waiting on the database is cancelled and rolled back)."""
 
-    def on_signal(signum: int, _frame: object) -> None:
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.starting = True
+        signal.signal(signal.SIGTERM, self._received)
+        signal.signal(signal.SIGINT, self._received)
+
+    def _received(self, signum: int, _frame: object) -> None:
         log.info("received %s, shutting down", signal.Signals(signum).name)
-        stop.set()
-        if starting:
+        self.stop.set()
+        if self.starting:
             raise _StopDuringStartUp
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+
+def _serve_processes(settings: ShardSettings, args: list[str]) -> int:
+    """The parent of `processes` serving processes on one port (shardd/processes.py)."""
+    signals = _TerminationSignals()
+    if settings.listen.rsplit(":", 1)[-1] == "0":
+        print("shardd: --processes above 1 needs a fixed --listen port (they share it)", file=sys.stderr)
+        return 2
+    if not port_is_free(settings.listen):
+        print(f"shardd: cannot listen on {settings.listen}: the address is in use", file=sys.stderr)
+        return 2
+    try:
+        prepare_database(settings.dsn, settings.retention)  # once, before the processes start
+    except _StopDuringStartUp:
+        log.info("stopped during start-up; nothing was left half done (each migration is one transaction)")
+        return 0
+    signals.starting = False
+    group = ServingProcesses(settings, args)
+    group.start()
+    group.supervise(signals.stop)
+    code = group.stop(settings.shutdown_grace_s)
+    log.info("stopped %d serving processes", settings.processes)
+    return code
+
+
+def _serve(settings: ShardSettings) -> int:
+    # Signals are caught before anything starts: one during migrations is a clean stop too.
+    signals = _TerminationSignals()
     # Off unless the OTEL_* environment asks for it (docs/tracing.md); before the server is built,
     # so the daemon sees the provider and adds its tracing interceptor.
     telemetry.configure_tracing(f"shardd/{settings.shard_id}")
     try:
         daemon = start_shard(settings)
-        starting = False
+        signals.starting = False
     except _StopDuringStartUp:
         log.info("stopped during start-up; nothing was left half done (each migration is one transaction)")
         telemetry.shutdown_tracing()
         return 0
-    stop.wait()
+    signals.stop.wait()
     daemon.stop()
     telemetry.shutdown_tracing()  # flush the spans still queued
     log.info("stopped")

@@ -128,6 +128,9 @@ def start_shard(
         raise SystemExit(f"shard map {settings.shard_map} has no shard {settings.shard_id!r}")
     locator = ShardLocator(settings.shard_id, (lambda a: shard_map.shard_for(a).id) if shard_map else None)
     metrics = ShardMetrics() if settings.metrics_port > 0 else None
+    # In a multi-process daemon only the first serving process runs the background work; the claim
+    # protocol needs none of it to be safe across processes.
+    runs_background = settings.process_index <= 1
     traced = telemetry.tracing_active(tracer_provider)
     database = Database(
         settings.dsn,
@@ -177,6 +180,7 @@ def start_shard(
             max_message_bytes=settings.max_message_bytes,
             max_metadata_bytes=settings.max_metadata_bytes,
             max_streams=settings.max_calls,
+            share_port=settings.processes > 1,
         ),
     )
     transfer_pb2_grpc.add_TransferServiceServicer_to_server(TransferServicer(database, locator), server)
@@ -198,18 +202,21 @@ def start_shard(
         raise
     daemon = ShardDaemon(settings, server, port, database, health_servicer, shard_map, metrics=metrics)
     # Keeps months ahead partitioned while the daemon runs, whether or not the retention CronJob does.
-    keeper = PartitionKeeper(settings.dsn, retention=settings.retention, months_ahead=MONTHS_AHEAD)
-    keeper.start()
-    daemon.background.append(keeper)
-    if metrics is not None:
+    if runs_background:
+        keeper = PartitionKeeper(settings.dsn, retention=settings.retention, months_ahead=MONTHS_AHEAD)
+        keeper.start()
+        daemon.background.append(keeper)
+    if metrics is not None and runs_background:
         collector = ShardStateCollector(database, retention=settings.retention, metrics=metrics)
         collector.start()
         daemon.background.append(collector)
+    if metrics is not None:
         host = metrics_host if metrics_host is not None else grpcserver.listen_host(settings.listen)
-        metrics_server = start_metrics_server(settings.metrics_port, metrics.registry, host=host)
+        metrics_port = settings.metrics_port + max(0, settings.process_index - 1)
+        metrics_server = start_metrics_server(metrics_port, metrics.registry, host=host)
         daemon.background.append(metrics_server)
         daemon.metrics_port = metrics_server.port
-    if shard_map is not None and settings.relay_workers > 0:
+    if shard_map is not None and settings.relay_workers > 0 and runs_background:
         from shardd.relay import OutboxRelay
 
         relay = OutboxRelay(settings, database, shard_map)
@@ -225,5 +232,14 @@ def start_shard(
         )
     if not settings.tls_enabled and not settings.dev_mode:
         log.warning("no TLS and not in dev mode: every call will be refused as unauthenticated")
-    log.info("shard %s serving on port %d", settings.shard_id, port)
+    if settings.process_index:
+        log.info(
+            "shard %s serving on port %d (process %d of %d)",
+            settings.shard_id,
+            port,
+            settings.process_index,
+            settings.processes,
+        )
+    else:
+        log.info("shard %s serving on port %d", settings.shard_id, port)
     return daemon

@@ -31,6 +31,13 @@ class ShardSettings:
     #: gRPC worker threads. Keep more than `max_in_flight + max_waiting`: the spare threads answer shed
     #: calls at once instead of letting them queue behind busy ones.
     workers: int = 64
+    #: Serving processes of this daemon, all on the one `listen` port (SO_REUSEPORT; the kernel spreads
+    #: connections among them). A Python process uses about one core: more processes use more cores.
+    #: The first one also runs the background work (relay, partition keeper) and serves /metrics on
+    #: metrics_port; process i serves its own /metrics on metrics_port + i - 1.
+    processes: int = 1
+    #: Set by a multi-process daemon for each of its serving processes (1..processes); leave at 0.
+    process_index: int = 0
     #: Calls open at once (running or queued for a thread), and the HTTP/2 streams one client
     #: connection may open; past it grpc answers RESOURCE_EXHAUSTED. Admission sheds long before.
     max_calls: int = 1024
@@ -117,6 +124,8 @@ class ShardSettings:
         out = []
         if self.workers < 1 or self.max_calls < 1:
             out.append("workers and max_calls must be at least 1")
+        if not 1 <= self.processes <= 64 or not 0 <= self.process_index <= self.processes:
+            out.append("processes must be between 1 and 64, process_index between 0 and processes")
 
         if not 1 <= self.pool_min <= self.pool_max:
             out.append("pool sizes must satisfy 1 <= pool_min <= pool_max")

@@ -65,12 +65,13 @@ def with_behaviour(handler: MethodHandler, behaviour: Callable[[Any, Any], Any])
 
 
 def server_options(
-    *, max_message_bytes: int, max_metadata_bytes: int, max_streams: int
+    *, max_message_bytes: int, max_metadata_bytes: int, max_streams: int, share_port: bool = False
 ) -> list[tuple[str, int]]:
-    """Channel arguments every server of ours uses."""
+    """Channel arguments every server of ours uses; `share_port`: one of several serving processes
+    of one daemon on one port (SO_REUSEPORT, the kernel spreads connections among them)."""
     return [
         # grpcio sets SO_REUSEPORT by default: a second server on a busy port would silently share it.
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", 1 if share_port else 0),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max(max_message_bytes, 4 * 1024 * 1024)),
         ("grpc.max_metadata_size", max_metadata_bytes),

@@ -1,0 +1,156 @@
+"""`shardd serve --processes 2`: two serving processes share one port, both take calls, one killed
+with SIGKILL is started again while the other keeps answering, and SIGTERM stops them all."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import psycopg
+import pytest
+
+from shardd.processes import port_is_free
+from shardrouter.devcluster.postgres import free_port
+from shardrouter.keys import new_key
+from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
+from tests.conftest import money
+from tests.processes import ServiceProcess, shardd_process
+
+
+def _metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def _deposits(address: str, connections: int, each: int) -> list[str]:
+    """`each` Deposits on each of `connections` separate connections; the error codes seen."""
+    errors: list[str] = []
+    for n in range(connections):
+        with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            stub = transfer_pb2_grpc.TransferServiceStub(channel)
+            for i in range(each):
+                try:
+                    stub.Deposit(
+                        transfer_pb2.DepositRequest(account_id=f"p-{n}-{i}", amount=money(1)),
+                        metadata=[("idempotency-key", str(new_key()))],
+                        timeout=10,
+                    )
+                except grpc.RpcError as err:
+                    errors.append(err.code().name)
+    return errors
+
+
+def _children(parent_pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent_pid:
+                found.append(int(entry.name))
+    return found
+
+
+def test_two_serving_processes_share_a_port_and_survive_a_kill(database: str, tmp_path: Path) -> None:
+    metrics = free_port()
+    process: ServiceProcess = shardd_process(
+        tmp_path,
+        shard_id="shard-0",
+        dsn=database,
+        extra_env={"SHARDD_PROCESSES": "2", "SHARDD_METRICS_PORT": str(metrics), "SHARDD_LOG_FORMAT": "json"},
+    )
+    process.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(_children(process.proc.pid)) < 2:  # type: ignore[union-attr]
+            time.sleep(0.1)
+        children = _children(process.proc.pid)  # type: ignore[union-attr]
+        assert len(children) == 2, process.log_text()
+        assert not port_is_free(process.address)
+        while time.monotonic() < deadline and "process 2 of 2" not in process.log_text():
+            time.sleep(0.1)
+
+        assert _deposits(process.address, connections=12, each=3) == []
+        served = [_metric(metrics + i, "shardd_requests_total") for i in range(2)]
+        assert sum(served) == 36 and all(s > 0 for s in served), f"calls per process: {served}"
+
+        # SIGKILL one serving process: the other keeps answering and the parent starts it again.
+        os.kill(children[0], 9)
+        assert _deposits(process.address, connections=4, each=2) == []
+        while time.monotonic() < deadline + 30 and "starting it again" not in process.log_text():
+            time.sleep(0.1)
+        assert "starting it again" in process.log_text()
+        while time.monotonic() < deadline + 30 and len(_children(process.proc.pid)) < 2:  # type: ignore[union-attr]
+            time.sleep(0.1)
+        assert _deposits(process.address, connections=6, each=1) == []
+        with psycopg.connect(database) as conn:
+            row = conn.execute(
+                "SELECT count(*), count(DISTINCT idempotency_key) FROM ledger_entries"
+            ).fetchone()
+        assert row == (50, 50), "every acknowledged deposit is there exactly once"
+
+        survivors = _children(process.proc.pid)  # type: ignore[union-attr]
+        assert len(survivors) == 2
+        assert process.terminate(timeout_s=30) == 0
+        assert all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in survivors)
+        lines = [json.loads(line) for line in process.log_text().splitlines() if line.startswith("{")]
+        assert any("stopped 2 serving processes" in line.get("msg", "") for line in lines)
+    finally:
+        process.kill()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_processes_need_a_fixed_port(database: str, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.processes import ROOT
+
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardd.cli",
+            "serve",
+            "--processes",
+            "2",
+            "--listen",
+            "127.0.0.1:0",
+            "--dsn",
+            database,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "needs a fixed --listen port" in result.stderr
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:{port}"])
+def test_port_is_free_sees_a_listener(listen: str) -> None:
+    port = free_port()
+    address = listen.format(port=port)
+    assert port_is_free(address)
+    import socket
+
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        assert not port_is_free(address)
