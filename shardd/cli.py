@@ -72,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE.split("\n\n", 1)[0] + "\n(shardd --help lists every command and flag)", file=sys.stderr)
         return 2
     configure_logging(f"shardd/{settings.shard_id}", level=settings.log_level, fmt=settings.log_format)
+    if not settings.log_calls:
+        logging.getLogger("shardd.calls").setLevel(logging.WARNING)
     for problem in unknown_environment(ShardSettings, ENV_PREFIX):
         log.warning(problem)
     try:

@@ -103,6 +103,9 @@ class ShardSettings:
     log_format: str = "json"
     #: Log level: DEBUG, INFO, WARNING or ERROR.
     log_level: str = "INFO"
+    #: One INFO line per guarded call (logger shardd.calls: key, outcome, code, duration); false keeps
+    #: only its warnings (failed calls) and saves a little CPU on every call.
+    log_calls: bool = True
 
     def __post_init__(self) -> None:
         problems = self.problems()

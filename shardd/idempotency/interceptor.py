@@ -147,9 +147,20 @@ class IdempotencyInterceptor(UnaryInterceptor):
 
     def _notify(self, outcome: CallOutcome) -> None:
         # One line per guarded call, inside its span (so with its trace and span ids): the key and
-        # the outcome, never the request or the stored response.
+        # the outcome, never the request or the stored response. Nothing is built when it is off.
+        level = logging.WARNING if outcome.outcome == "error" else logging.INFO
+        if _calls_log.isEnabledFor(level):
+            self._log_call(level, outcome)
+        for listener in self._listeners:
+            try:
+                listener(outcome)
+            except Exception:  # a broken metrics hook must never change an answer
+                log.exception("idempotency outcome listener failed")
+
+    @staticmethod
+    def _log_call(level: int, outcome: CallOutcome) -> None:
         _calls_log.log(
-            logging.WARNING if outcome.outcome == "error" else logging.INFO,
+            level,
             "%s %s: %s",
             outcome.method.rsplit("/", 1)[-1],
             outcome.outcome,
@@ -162,11 +173,6 @@ class IdempotencyInterceptor(UnaryInterceptor):
                 "duration_ms": round(outcome.duration_s * 1000, 3),
             },
         )
-        for listener in self._listeners:
-            try:
-                listener(outcome)
-            except Exception:  # a broken metrics hook must never change an answer
-                log.exception("idempotency outcome listener failed")
 
 
 class _GuardedCall:

@@ -96,3 +96,24 @@ def test_the_log_file_holds_no_password_no_request_body_and_no_stored_response(p
     assert password not in text
     assert body_marker not in text
     assert first.entry_id and first.entry_id not in text, "the stored response leaked into the log"
+
+
+def test_log_calls_false_keeps_only_failed_calls(postgres, tmp_path) -> None:
+    name = "logs_quiet"
+    postgres.create_database(name)
+    shard = shardd_process(
+        tmp_path, shard_id="shard-quiet", dsn=postgres.dsn_for(name), extra_env={"SHARDD_LOG_CALLS": "false"}
+    )
+    shard.start()
+    try:
+        with grpc.insecure_channel(shard.address) as channel:
+            stub = transfer_pb2_grpc.TransferServiceStub(channel)
+            md = key_metadata()
+            stub.Deposit(transfer_pb2.DepositRequest(account_id="alice", amount=money(5)), metadata=md)
+            stub.Deposit(transfer_pb2.DepositRequest(account_id="alice", amount=money(5)), metadata=md)
+        assert shard.terminate() == 0
+    finally:
+        shard.kill()
+    calls = [json.loads(line) for line in shard.log_text().splitlines() if '"logger": "shardd.calls"' in line]
+    assert calls == [], calls
+    assert "serving on port" in shard.log_text()  # the daemon's own log is still there
