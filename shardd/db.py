@@ -23,6 +23,7 @@ from opentelemetry.instrumentation.psycopg import PsycopgInstrumentor
 from opentelemetry.trace import TracerProvider
 from psycopg import errors
 
+from shardrouter import telemetry
 from shardrouter.errors import DeadlineExceeded, Internal, Reason, Unavailable
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,12 @@ class Database:
         if acquire_timeout_s <= 0:
             raise ValueError("acquire_timeout_s must be positive")
         self.acquire_timeout_s = acquire_timeout_s
+        #: Where this database's spans go (None: the global provider); background jobs that use the
+        #: pool (the outbox relay) open their job spans on the same provider.
+        self.tracer_provider = tracer_provider
+        self.traced = traced
         self.transient_retry_ms = transient_retry_ms
+        configure = functools.partial(_trace_statements, tracer_provider=tracer_provider) if traced else None
         self.pool: psycopg_pool.ConnectionPool[Connection] = psycopg_pool.ConnectionPool(
             dsn,
             min_size=min_size,
@@ -75,7 +81,7 @@ class Database:
             check=_check_connection if check_connections else None,
             kwargs={"autocommit": False, "application_name": "shardd"},
             reconnect_timeout=3600,
-            configure=functools.partial(_trace_statements, tracer_provider=tracer_provider) if traced else None,
+            configure=configure,
         )
 
     def open(self, wait_s: float = 30.0) -> None:
@@ -125,6 +131,18 @@ def _check_connection(conn: Connection) -> None:
 def _trace_statements(conn: Connection, *, tracer_provider: TracerProvider | None) -> None:
     # Swaps the connection's cursor factory for a traced one; it sends nothing to the server.
     PsycopgInstrumentor.instrument_connection(conn, tracer_provider=tracer_provider)
+
+
+def trace_connection(conn: Connection, *, tracer_provider: TracerProvider | None = None) -> bool:
+    """Statement spans for a connection outside the pool (the partition keeper's, the retention
+    job's), when tracing is on (`tracer_provider` given, or an SDK provider installed globally).
+
+    True if the connection is now traced. Pooled connections get theirs from `Database(traced=True)`.
+    """
+    if not telemetry.tracing_active(tracer_provider):
+        return False
+    _trace_statements(conn, tracer_provider=tracer_provider)
+    return True
 
 
 @contextmanager

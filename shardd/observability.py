@@ -6,7 +6,7 @@ Each daemon has its own `MeterProvider` and Prometheus registry (`shardrouter.me
 
 - `shardd_requests_total{method,outcome}` and `shardd_handler_duration_seconds{method,outcome}`:
   every guarded call; `outcome` is new | replay | in_progress_conflict | key_reused | expired |
-  invalid | error; `method` the short name ("Transfer"). Replay and conflict rates derive from these.
+  invalid | shed | error; `method` the short name ("Transfer"). Replay and conflict rates derive from these.
 - `shardd_key_reuse_total`: calls that reused a key for a different request (a caller bug).
 - `shardd_idempotency_records{partition}`, `shardd_idempotency_partition_bytes{partition}`: planner
   row estimate and on-disk size of each monthly partition (`idempotency_record_YYYY_MM`).
@@ -20,7 +20,7 @@ Each daemon has its own `MeterProvider` and Prometheus registry (`shardrouter.me
 
 The database gauges are observable gauges whose callbacks read the snapshot a background thread
 refreshes (every 15 s by default) with short read-only queries on the daemon's own pool; a scrape
-never touches the database.
+never touches the database. The refresh is never traced (`telemetry.untraced()`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from shardd import partitions
 from shardd.db import Database
 from shardd.idempotency.interceptor import CallOutcome
 from shardd.ledger import store as ledger_store
+from shardrouter import telemetry
 from shardrouter.metrics import new_metrics_pipeline
 
 log = logging.getLogger(__name__)
@@ -203,7 +204,10 @@ class ShardStateCollector:
     def refresh(self) -> bool:
         """Read the database now; False (and the old snapshot kept) if that failed."""
         try:
-            self._state = read_state(self._db)
+            # A metrics refresh is bookkeeping, not work: traced, it would make a root span per
+            # statement every interval, in every daemon.
+            with telemetry.untraced():
+                self._state = read_state(self._db)
         except Exception as exc:
             log.warning("metrics: reading the shard's state failed: %s", exc)
             if self._metrics is not None:

@@ -11,6 +11,9 @@ It reuses `partitions.ensure_partitions`, so the DDL, its short lock waits and t
 serializes concurrent creators (other replicas, the retention job) are the same as everywhere else.
 It uses its own short-lived autocommit connection rather than the request pool: DDL needs autocommit,
 and an hourly connect is cheaper than holding a pooled connection away from calls.
+
+Tracing (when on): the hourly check of which months exist runs untraced; only a tick that has a
+month to create makes a span, `partitions.ensure`, with its DDL statements beneath it.
 """
 
 from __future__ import annotations
@@ -21,8 +24,11 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import psycopg
+from opentelemetry.trace import TracerProvider
 
 from shardd import partitions
+from shardd.db import trace_connection
+from shardrouter import telemetry
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +58,9 @@ class PartitionKeeper:
         months_ahead: int,
         interval_s: float = DEFAULT_INTERVAL_S,
         clock: Clock = utc_now,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
+        """`tracer_provider`: where a creating tick's span goes (default: the global provider)."""
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
         if months_ahead < 0:
@@ -62,6 +70,7 @@ class PartitionKeeper:
         self._months_ahead = months_ahead
         self._interval_s = interval_s
         self._clock = clock
+        self._tracer_provider = tracer_provider
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         #: Ticks that succeeded / failed so far (for tests and debugging; written by one thread only).
@@ -118,15 +127,26 @@ class PartitionKeeper:
             self.tick()
 
     def _ensure(self) -> list[partitions.Month]:
+        now = self._clock()
+        needed = partitions.months_to_keep(now, self._retention, self._months_ahead)
         with psycopg.connect(
             self._dsn,
             autocommit=True,
             application_name="shardd-partition-keeper",
             connect_timeout=CONNECT_TIMEOUT_S,
         ) as conn:
-            return partitions.ensure_partitions(
-                conn,
-                now=self._clock(),
-                retention=self._retention,
-                months_ahead=self._months_ahead,
-            )
+            trace_connection(conn, tracer_provider=self._tracer_provider)
+            with telemetry.untraced():  # the usual tick finds every month there: no span for that
+                missing = partitions.first_missing_month(conn, needed)
+            if missing is None:
+                return []
+            with telemetry.background_job_span(
+                "partitions.ensure",
+                tracer_provider=self._tracer_provider,
+                attributes={"partitions.first_missing": missing.table},
+            ) as span:
+                created = partitions.ensure_partitions(
+                    conn, now=now, retention=self._retention, months_ahead=self._months_ahead
+                )
+                span.set_attribute("partitions.created", [m.table for m in created])
+            return created

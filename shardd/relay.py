@@ -9,10 +9,15 @@ A credit that fails for good (unknown or closed account, currency mismatch) or t
 `relay_max_age_s` goes to `dead_letters` and is compensated by `RefundTransfer` on this shard, keyed
 by the transfer's refund key. Before giving up on age, the relay fences the credit with `VoidCredit`
 under the credit's key, so a slow credit can never land after the refund.
+
+Tracing: the polls run untraced, so an idle relay leaves no spans. A poll that finds work runs it
+in one job span, `outbox.deliver` or `outbox.refund`, whose children are the job's statements and,
+through the `traceparent` it sends, the destination shard's spans of the calls it makes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -21,12 +26,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import grpc
+from opentelemetry import trace
 
 from shardd.db import Database, mapped_database_errors
 from shardd.ledger import store
 from shardd.ledger.service import refund_key
 from shardd.settings import ShardSettings
-from shardrouter import grpcserver
+from shardrouter import grpcserver, telemetry
 from shardrouter.errors import ShardRouterError
 from shardrouter.internal.v1 import ledger_pb2
 from shardrouter.keys import KEY_METADATA
@@ -69,7 +75,11 @@ class ShardClients:
         """Send raw request bytes to a shard's internal method; the status and message it answered."""
         channel = self._channel(shard_id)
         rpc = channel.unary_unary(f"{_INTERNAL}/{method}", None, None)
-        metadata = ((KEY_METADATA, str(key)), ("x-caller-id", f"relay:{self._settings.shard_id}"))
+        metadata = tuple(
+            telemetry.inject_trace_context(
+                [(KEY_METADATA, str(key)), ("x-caller-id", f"relay:{self._settings.shard_id}")]
+            )
+        )  # with a current job span, the callee's spans join its trace
         try:
             rpc(payload, timeout=timeout_s, metadata=metadata)
         except grpc.RpcError as err:
@@ -114,6 +124,7 @@ class OutboxRelay:
         self._settings = settings
         self._db = database
         self._clients = ShardClients(settings, shard_map)
+        self._tracer_provider = database.tracer_provider
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -139,12 +150,22 @@ class OutboxRelay:
 
     def refund_owed(self, transfer_id: uuid.UUID | None = None) -> int:
         """Send RefundTransfer for dead letters not yet refunded (or for one, even if refunded)."""
-        with mapped_database_errors(250), self._db.connection() as conn, conn.transaction():
-            if transfer_id is None:
-                letters = store.list_dead_letters(conn, unrefunded_only=True)
-            else:
-                one = store.read_dead_letter(conn, transfer_id)
-                letters = [one] if one else []
+        # Polled after every batch: looking costs no span, only refunding does.
+        with telemetry.untraced(), mapped_database_errors(250), self._db.connection() as conn:
+            with conn.transaction():
+                if transfer_id is None:
+                    letters = store.list_dead_letters(conn, unrefunded_only=True)
+                else:
+                    one = store.read_dead_letter(conn, transfer_id)
+                    letters = [one] if one else []
+        if not letters:
+            return 0
+        with self._job_span("outbox.refund", [letter.transfer_id for letter in letters]) as span:
+            done = self._refund(letters)
+            span.set_attribute("outbox.refunded", done)
+        return done
+
+    def _refund(self, letters: list[store.DeadLetterRow]) -> int:
         done = 0
         for letter in letters:
             request = ledger_pb2.RefundTransferRequest(
@@ -176,36 +197,69 @@ class OutboxRelay:
             if stats.delivered + stats.postponed + stats.dead_lettered == 0:
                 self._stop.wait(_IDLE_S)
 
+    def _job_span(
+        self, name: str, transfer_ids: list[uuid.UUID]
+    ) -> contextlib.AbstractContextManager[trace.Span]:
+        """One span for one job of this relay, naming the transfers it handles."""
+        return telemetry.background_job_span(
+            name,
+            tracer_provider=self._tracer_provider,
+            attributes={
+                "shard.id": self._settings.shard_id,
+                "outbox.batch_size": len(transfer_ids),
+                "outbox.transfer_ids": [str(t) for t in transfer_ids],
+            },
+        )
+
     def _deliver_batch(self) -> RelayStats:
-        delivered = postponed = dead = 0
-        with mapped_database_errors(250), self._db.connection() as conn, conn.transaction():
-            for row in store.claim_due_outbox(conn, self._settings.relay_batch):
-                if self._stop.is_set():
-                    break
-                code, message = self._clients.call(
-                    row.destination_shard_id,
-                    "CreditTransfer",
-                    row.payload,
-                    row.idempotency_key,
-                    self._settings.relay_call_timeout_s,
+        # Outermost, so that the job span (entered only once the claim found rows) covers the commit.
+        with contextlib.ExitStack() as job:
+            with mapped_database_errors(250), self._db.connection() as conn, conn.transaction():
+                with telemetry.untraced():  # the poll: an idle relay leaves no span
+                    rows = store.claim_due_outbox(conn, self._settings.relay_batch)
+                if not rows:
+                    return RelayStats()
+                span = job.enter_context(self._job_span("outbox.deliver", [r.transfer_id for r in rows]))
+                delivered, postponed, dead = self._deliver(conn, rows)
+                span.set_attributes(
+                    {
+                        "outbox.delivered": delivered,
+                        "outbox.postponed": postponed,
+                        "outbox.dead_lettered": dead,
+                    }
                 )
-                store.record_attempt(conn, row.transfer_id, code.name, message)
-                if code is grpc.StatusCode.OK:
-                    store.mark_delivered(conn, row.id)
-                    store.set_transfer_state(conn, row.transfer_id, expected="pending", new="completed")
-                    delivered += 1
-                elif code in _PERMANENT:
-                    self._dead_letter(conn, row, f"{code.name}: {message}")
-                    dead += 1
-                elif self._too_old(row) and self._fence(row):
-                    self._dead_letter(
-                        conn, row, f"undelivered after {self._settings.relay_max_age_s} s: {code.name}"
-                    )
-                    dead += 1
-                else:
-                    store.postpone(conn, row.id, _backoff(row.attempts), f"{code.name}: {message}")
-                    postponed += 1
         return RelayStats(delivered, postponed, dead)
+
+    def _deliver(self, conn: store.Connection, rows: list[store.OutboxRow]) -> tuple[int, int, int]:
+        """Send each claimed credit and record its outcome in the claiming transaction."""
+        delivered = postponed = dead = 0
+        for row in rows:
+            if self._stop.is_set():
+                break
+            code, message = self._clients.call(
+                row.destination_shard_id,
+                "CreditTransfer",
+                row.payload,
+                row.idempotency_key,
+                self._settings.relay_call_timeout_s,
+            )
+            store.record_attempt(conn, row.transfer_id, code.name, message)
+            if code is grpc.StatusCode.OK:
+                store.mark_delivered(conn, row.id)
+                store.set_transfer_state(conn, row.transfer_id, expected="pending", new="completed")
+                delivered += 1
+            elif code in _PERMANENT:
+                self._dead_letter(conn, row, f"{code.name}: {message}")
+                dead += 1
+            elif self._too_old(row) and self._fence(row):
+                self._dead_letter(
+                    conn, row, f"undelivered after {self._settings.relay_max_age_s} s: {code.name}"
+                )
+                dead += 1
+            else:
+                store.postpone(conn, row.id, _backoff(row.attempts), f"{code.name}: {message}")
+                postponed += 1
+        return delivered, postponed, dead
 
     def _too_old(self, row: store.OutboxRow) -> bool:
         return (datetime.now(UTC) - row.created_at).total_seconds() > self._settings.relay_max_age_s

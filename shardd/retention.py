@@ -2,6 +2,8 @@
 
 Never a row-by-row DELETE. Two runs at once are safe: a session advisory lock lets one work and the
 other return at once. Each run is recorded in `retention_runs`, which the metrics read for lag.
+
+With tracing on, a run is one `retention.run` span with its statements beneath it.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import psycopg
+from opentelemetry.trace import TracerProvider
 
 from shardd import partitions
+from shardd.db import trace_connection
+from shardrouter import telemetry
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +36,40 @@ class RetentionResult:
 
 
 def run_retention(
-    dsn: str, *, retention: timedelta, months_ahead: int, now: datetime | None = None
+    dsn: str,
+    *,
+    retention: timedelta,
+    months_ahead: int,
+    now: datetime | None = None,
+    tracer_provider: TracerProvider | None = None,
 ) -> RetentionResult:
-    """Drop partitions wholly older than `retention`; create the next `months_ahead` months."""
+    """Drop partitions wholly older than `retention`; create the next `months_ahead` months.
+
+    `tracer_provider`: where the run's span goes (default: the global provider; none while off).
+    """
+    with telemetry.background_job_span("retention.run", tracer_provider=tracer_provider) as span:
+        result = _run(dsn, retention, months_ahead, now, tracer_provider)
+        span.set_attributes(
+            {
+                "retention.ran": result.ran,
+                "retention.dropped": list(result.dropped),
+                "retention.created": list(result.created),
+            }
+        )
+    return result
+
+
+def _run(
+    dsn: str,
+    retention: timedelta,
+    months_ahead: int,
+    now: datetime | None,
+    tracer_provider: TracerProvider | None,
+) -> RetentionResult:
     started = datetime.now(UTC)
     moment = now or started
     with psycopg.connect(dsn, autocommit=True, application_name="shardd-retention") as conn:
+        trace_connection(conn, tracer_provider=tracer_provider)
         got = conn.execute("SELECT pg_try_advisory_lock(%s)", (_RETENTION_LOCK,)).fetchone()
         if not got or not got[0]:
             log.info("another retention run holds the lock; nothing to do")

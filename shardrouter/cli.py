@@ -16,6 +16,13 @@ $XDG_DATA_HOME/shard-router/operations.db or ~/.local/share/shard-router/operati
 Every transfer and deposit is first stored in the operation store with a new UUIDv7 idempotency
 key, then sent; if the command dies or gives up, `resume` finishes it without applying it twice.
 
+Each transfer or deposit is named by its operation id and its idempotency key (made here, before
+sending) and, once the service answered, by the server's id (the transfer id, or the deposit's ledger
+entry id); the output labels each one, in text and in --json (`operation_id`, `idempotency_key`,
+`transfer_id`, `entry_id`, null until known).
+
+An unknown flag is refused with exit 2, naming the closest valid one.
+
 Exit codes: 0 ok; 1 refused by the service (insufficient funds, unknown account, ...); 2 usage error
 or invalid argument; 3 unavailable: no answer within the retry budget (the operation stays pending:
 run `resume`); 4 needs reconciliation (the key expired before an answer was recorded).
@@ -24,6 +31,7 @@ run `resume`); 4 needs reconciliation (the key expired before an answer was reco
 from __future__ import annotations
 
 import argparse
+import difflib
 import enum
 import json
 import os
@@ -43,7 +51,7 @@ from shardclient.wire import InvalidOperation, message_to_dict
 from shardrouter import telemetry
 from shardrouter.v1 import transfer_pb2
 
-__all__ = ["ExitCode", "build_parser", "default_store_path", "main"]
+__all__ = ["ExitCode", "build_parser", "check_flags", "default_store_path", "main"]
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -139,12 +147,66 @@ def _add_global_options(parser: argparse.ArgumentParser, env: Mapping[str, str],
     )
 
 
+# argparse keeps its option and subcommand tables in underscored attributes; typeshed types them.
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def check_flags(parser: argparse.ArgumentParser, args: Sequence[str]) -> str | None:
+    """The message refusing the first unknown `--flag` in `args` (with the closest valid one), or None.
+
+    argparse alone would report a misspelt required flag (`--form` for `--from`) as the missing
+    `--from`, and a misspelt optional one only as "unrecognized arguments"; Python 3.11's argparse
+    has no suggestions. The flags valid for a command are the global ones and the command's own;
+    a unique prefix of one is accepted, as argparse accepts it.
+    """
+    valid = dict(parser._option_string_actions)
+    commands = _subcommands(parser)
+    command: str | None = None
+    unknown: str | None = None
+    takes_value = False
+    for arg in args:
+        if arg == "--":
+            break
+        if takes_value:  # the value of the option before, whatever it looks like
+            takes_value = False
+            continue
+        if arg.startswith("--"):
+            name = arg.split("=", 1)[0]
+            matches = [option for option in valid if option.startswith(name)]
+            if not matches:
+                unknown = unknown or name
+                continue
+            action = valid[name] if name in valid else valid[matches[0]]
+            takes_value = "=" not in arg and action.nargs != 0
+        elif command is None and arg in commands:
+            command = arg
+            if command == "dev":  # the rest is the dev cluster's own command line
+                break
+            valid.update(commands[command]._option_string_actions)
+    if unknown is None:
+        return None
+    # Matched against the flags of the command named anywhere on the line, not only those before it.
+    close = difflib.get_close_matches(unknown, [o for o in valid if o.startswith("--")], n=1)
+    usage = f"{parser.prog} {command}" if command else parser.prog
+    hint = f"did you mean {close[0]}?" if close else f"see '{usage} --help'"
+    return f"{parser.prog}: unknown flag {unknown} ({hint})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `shard-router`; returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["dev"]:
         return _dev(args[1:])
-    ns = build_parser().parse_args(args)  # usage errors exit with 2
+    parser = build_parser()
+    refused = check_flags(parser, args)
+    if refused is not None:
+        print(refused, file=sys.stderr)
+        return int(ExitCode.USAGE)
+    ns = parser.parse_args(args)  # other usage errors exit with 2
     if ns.command == "dev":
         return _dev(ns.rest)
     out = _Output(json_mode=ns.json)
@@ -297,7 +359,7 @@ class _Output:
         for op in operations:
             last = op.attempts[-1].code if op.attempts else "never sent"
             print(
-                f"{op.id} {op.kind} {op.state.value}: {describe(op)}, key {op.idempotency_key}, "
+                f"{operation_ids(op)} {op.kind} {op.state.value}: {describe(op)}, "
                 f"{len(op.attempts)} attempt{'s' if len(op.attempts) != 1 else ''}, last {last}",
                 file=self.stdout,
             )
@@ -321,8 +383,24 @@ class _Output:
         return self._emit(ExitCode.OK, line, data)
 
 
+def operation_ids(op: Operation) -> str:
+    """The local names of an operation, labelled: `operation <id> (key <idempotency key>)`."""
+    return f"operation {op.id} (key {op.idempotency_key})"
+
+
+def _server_ids(result: SendResult) -> dict[str, str | None]:
+    """The ids the service gave (None until it answered OK): a transfer's id, a deposit's entry id."""
+    response = result.response if result.ok else None
+    transfer = response.transfer.transfer_id if isinstance(response, transfer_pb2.TransferResponse) else None
+    entry = response.entry_id if isinstance(response, transfer_pb2.DepositResponse) else None
+    return {"transfer_id": transfer or None, "entry_id": entry or None}
+
+
 def _summary(result: SendResult) -> str:
+    """One line; every line names the operation and its key, so the ids a user sees never change:
+    the server's id (`transfer <id>`, `deposit entry <id>`) is added once the service gave one."""
     op = result.operation
+    ids = operation_ids(op)
     replayed = " (replayed)" if result.replayed else ""
     response = result.response
     if result.state is OperationState.SUCCEEDED and result.ok:
@@ -331,31 +409,35 @@ def _summary(result: SendResult) -> str:
             return (
                 f"transfer {t.transfer_id} {_state_name(t.state)}: "
                 f"{_money(t.amount.amount_minor, t.amount.currency)} "
-                f"{t.source_account_id} -> {t.destination_account_id}{replayed}"
+                f"{t.source_account_id} -> {t.destination_account_id}{replayed}; {ids}"
             )
         if isinstance(response, transfer_pb2.DepositResponse):
             balance = _money(response.balance.amount_minor, response.balance.currency)
-            return f"deposit {response.entry_id} OK: {describe(op)}, balance {balance}{replayed}"
+            return f"deposit entry {response.entry_id} OK: {describe(op)}, balance {balance}{replayed}; {ids}"
     problem = f"{result.code.name}{f' ({result.reason})' if result.reason else ''}: {result.message}"
     if result.state is OperationState.PENDING:
         why = "retry budget exhausted" if result.budget_exhausted else "no definite answer"
         return (
-            f"{op.kind} {op.id} still pending ({why} after {result.attempts} attempts; last {problem}); "
+            f"{op.kind} {ids} still pending ({why} after {result.attempts} attempts; last {problem}); "
             f"{describe(op)}; run 'shard-router resume' to finish it with the same key"
         )
     if result.state is OperationState.NEEDS_RECONCILIATION:
-        return f"{op.kind} {op.id} needs reconciliation: {describe(op)}: {problem}"
+        return f"{op.kind} {ids} needs reconciliation: {describe(op)}: {problem}"
     if op.state is OperationState.SUCCEEDED:  # a re-send of a finished operation failed transiently
-        return f"{op.kind} {op.id} already succeeded; the re-send answered {problem}"
+        return f"{op.kind} {ids} already succeeded; the re-send answered {problem}"
     verb = "invalid" if result.code is grpc.StatusCode.INVALID_ARGUMENT else "refused"
     violations = "".join(f"; {f}: {d}" for f, d in (result.error.field_violations if result.error else ()))
-    return f"{op.kind} {verb}{replayed}: {describe(op)}: {problem}{violations}"
+    return f"{op.kind} {verb}{replayed}: {describe(op)}: {problem}{violations}; {ids}"
 
 
 def _result_data(result: SendResult) -> dict[str, Any]:
     error = result.error
     return {
         "command": result.operation.kind,
+        # Every id, always present (null until known), so scripts need not guess which one they got.
+        "operation_id": result.operation.id,
+        "idempotency_key": result.operation.idempotency_key,
+        **_server_ids(result),
         "operation": result.operation.to_dict(),
         "result": {
             "code": result.code.name,

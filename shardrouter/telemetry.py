@@ -20,6 +20,10 @@ Propagation is W3C trace context (`traceparent`, `tracestate`) in gRPC metadata:
 `server_interceptor()` extracts it and opens the SERVER span of each call; `client_interceptor()`,
 `inject_trace_context()` and `router_span()` put it on outgoing calls.
 
+Background loops (the shard's outbox relay, metrics refresh, partition keeper) poll in `untraced()`,
+so an idle poll leaves no span; a poll that finds work runs the job in one `background_job_span()`
+(an INTERNAL root span) with its statements and calls beneath it.
+
 Metrics are in `shardrouter.metrics` (OpenTelemetry instruments read by the Prometheus reader).
 """
 
@@ -36,6 +40,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
+from opentelemetry.instrumentation.utils import suppress_instrumentation
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import (
@@ -47,6 +52,7 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.sampling import Sampler
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
 
 from shardrouter.grpcserver import MethodHandler, UnaryInterceptor, with_behaviour
 
@@ -209,6 +215,36 @@ def set_rpc_status(span: trace.Span, code: grpc.StatusCode, *, server: bool, mes
         return
     if not server or code in SERVER_ERROR_CODES:
         span.set_status(Status(StatusCode.ERROR, message or code.name))
+
+
+@contextmanager
+def untraced() -> Iterator[None]:
+    """Run the block with instrumentation suppressed: no psycopg statement spans inside it.
+
+    For the idle polls of background loops (the outbox relay, the metrics refresh, the partition
+    keeper): a poll that finds nothing to do must not leave a root span per statement, which would
+    bury the traces of real calls. Spans started explicitly with a tracer are not affected.
+    """
+    with suppress_instrumentation():
+        yield
+
+
+@contextmanager
+def background_job_span(
+    name: str,
+    *,
+    tracer_provider: trace.TracerProvider | None = None,
+    attributes: Mapping[str, AttributeValue] | None = None,
+) -> Iterator[trace.Span]:
+    """The one INTERNAL span of a background job that found work (a delivery, a partition creation).
+
+    Current while the block runs, so the job's statement spans and the calls it makes (with
+    `inject_trace_context`) are its children. An exception escaping the block marks it ERROR.
+    """
+    with get_tracer(tracer_provider).start_as_current_span(
+        name, kind=SpanKind.INTERNAL, attributes=attributes
+    ) as span:
+        yield span
 
 
 def _rpc_attributes(full_method: str) -> dict[str, str]:
@@ -526,6 +562,7 @@ __all__ = [
     "TracingClientInterceptor",
     "TracingServerInterceptor",
     "aio_server_interceptor",
+    "background_job_span",
     "client_interceptor",
     "configure_tracing",
     "exporters_from_env",
@@ -542,4 +579,5 @@ __all__ = [
     "span_context_of_traceparent",
     "traceparent_of",
     "tracing_active",
+    "untraced",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-# grpc's C core prints INFO lines ("Got goaway [2] err=UNAVAILABLE:Cancelling all calls", when a
+# grpc's C core prints INFO lines ("Got goaway [2] ... Cancelling all calls", when a
 # server stops under a channel) straight to file descriptor 2, so one written between pytest's
 # captured phases lands among the progress dots. It reads GRPC_VERBOSITY when it initialises: set
 # before anything imports grpc. Processes the tests start inherit it; errors are still printed.

@@ -65,7 +65,10 @@ def test_killed_after_the_shard_applied_it_then_resumed_replays(
 
     resumed = cli(tmp_path, "--target", target, "resume", store=store)
     assert resumed.code == 0, resumed.output
-    assert resumed.stdout.strip().endswith("COMPLETED: 25.00 EUR alice -> bob (replayed)")
+    # The line names the operation and key the crashed run printed, beside the server's transfer id.
+    assert resumed.stdout.strip().endswith(
+        f"COMPLETED: 25.00 EUR alice -> bob (replayed); operation {op_id} (key {key})"
+    ), resumed.stdout
     assert ledger_count(database, key) == 2
     assert balance_of(database, "alice") == 7_500 and balance_of(database, "bob") == 2_501
     with SqliteOperationStore(store) as s:
