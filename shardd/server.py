@@ -82,6 +82,16 @@ def prepare_database(dsn: str, retention: timedelta) -> None:
         )
 
 
+def _prepare(settings: ShardSettings, database: Database) -> None:
+    """Schema and partitions ready, the pool open; on failure the pool is closed again."""
+    try:
+        prepare_database(settings.dsn, settings.retention)
+        database.open()
+    except BaseException:
+        database.close()
+        raise
+
+
 @dataclass
 class ShardDaemon:
     """A running shard daemon (what `start_shard` returns)."""
@@ -191,15 +201,20 @@ def start_shard(
         if settings.tls_enabled
         else None
     )
-    port = grpcserver.bind(server, settings.listen, credentials)
-    server.start()  # health answers NOT_SERVING while the schema is prepared
-    try:
-        prepare_database(settings.dsn, settings.retention)
-        database.open()
-    except BaseException:  # database unreachable, or SIGTERM during a migration: leave nothing running
-        server.stop(0)
-        database.close()
-        raise
+    if settings.processes > 1:
+        # One of several processes on a shared port: the kernel hands it connections as soon as it
+        # listens, so it listens only once it can serve (its parent already migrated the schema).
+        _prepare(settings, database)
+        port = grpcserver.bind(server, settings.listen, credentials)
+        server.start()
+    else:
+        port = grpcserver.bind(server, settings.listen, credentials)
+        server.start()  # health answers NOT_SERVING while the schema is prepared
+        try:
+            _prepare(settings, database)
+        except BaseException:  # database unreachable, or SIGTERM during a migration: leave nothing running
+            server.stop(0)
+            raise
     daemon = ShardDaemon(settings, server, port, database, health_servicer, shard_map, metrics=metrics)
     # Keeps months ahead partitioned while the daemon runs, whether or not the retention CronJob does.
     if runs_background:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -120,10 +122,9 @@ def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.Ph
             )
             if phoenix is not None and demo.replay_key:
                 _show_replay_span(phoenix, demo.replay_key)
-        print(f"\nTry: shard-router --target {target} balance alice")
-        print(
-            f"     shard-router --target {target} transfer --from alice --to bob --amount 1.50 --currency EUR"
-        )
+        command = _own_command()
+        print(f"\nTry: {command} --target {target} balance alice")
+        print(f"     {command} --target {target} transfer --from alice --to bob --amount 1.50 --currency EUR")
         if args.exit_after_demo:
             return 0
         print("\nCluster running. Ctrl-C stops it (data stays unless you pass --wipe next time).", flush=True)
@@ -145,3 +146,16 @@ def _show_replay_span(phoenix: tracing_ui.PhoenixProcess, key: str, timeout_s: f
         print(f"  (spans of every attempt: search the attribute idempotency.key = {key})", flush=True)
         return
     print(f"\nThe replay span has not reached the tracing UI yet; search idempotency.key = {key}")
+
+
+def _own_command() -> str:
+    """How to type this very `shard-router` again: its bare name if that is what PATH finds, else
+    its path (relative to the working directory when inside it), so a pasted "Try:" line works."""
+    own = Path(sys.argv[0]).resolve()
+    found = shutil.which("shard-router")
+    if found and Path(found).resolve() == own:
+        return "shard-router"
+    try:
+        return shlex.quote(str(own.relative_to(Path.cwd())))
+    except ValueError:
+        return shlex.quote(str(own))
