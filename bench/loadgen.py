@@ -1,0 +1,176 @@
+"""Runs the Node.js load generator (bench/loadgen/loadgen.js) for one cell and reads its summary.
+
+The servers' CPU is sampled when the generator says its measured window opens and closes (it prints
+"window-start" / "window-end" on stderr), so warm-up and connection set-up are not charged to the
+operations. The generator's own CPU comes from its summary (process.cpuUsage over the window), its
+peak RSS from wait4's rusage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.procstat import Tracked, sample
+from bench.results import CellResult
+
+LOADGEN_DIR = Path(__file__).resolve().parent / "loadgen"
+
+
+def ensure_installed() -> str:
+    """The node binary, after a quiet `npm install` into bench/loadgen/node_modules on first use."""
+    node = shutil.which("node")
+    npm = shutil.which("npm")
+    if node is None or npm is None:
+        raise SystemExit("bench needs node and npm on PATH for its load generator")
+    if not (LOADGEN_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
+        print(
+            "bench: installing the load generator's npm packages into bench/loadgen/node_modules ...",
+            flush=True,
+        )
+        result = subprocess.run(
+            [npm, "install", "--no-audit", "--no-fund", "--loglevel=error"],
+            cwd=LOADGEN_DIR,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise SystemExit(f"npm install failed:\n{result.stderr[-3000:]}")
+    return node
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What the generator sends (see loadgen.js for the meaning of each option)."""
+
+    target: str
+    method: str = "deposit"
+    keys: str = "new"
+    accounts: Path | None = None
+    dst_accounts: Path | None = None
+    amount: int = 0
+    record: Path | None = None
+    max_ops: int = 0
+    deadline_ms: int = 10_000
+    wait_ms: int = 10_000
+    expect: str = "OK"
+
+    def args(self, concurrency: int, duration_s: float, warmup_s: float) -> list[str]:
+        """Command-line options of loadgen.js."""
+        out = [
+            "--target",
+            self.target,
+            "--method",
+            self.method,
+            "--concurrency",
+            str(concurrency),
+            "--duration",
+            str(duration_s),
+            "--warmup",
+            str(warmup_s),
+            "--keys",
+            self.keys,
+            "--amount",
+            str(self.amount),
+            "--max-ops",
+            str(self.max_ops),
+            "--deadline-ms",
+            str(self.deadline_ms),
+            "--wait-ms",
+            str(self.wait_ms),
+            "--expect",
+            self.expect,
+        ]
+        if self.accounts:
+            out += ["--accounts", str(self.accounts)]
+        if self.dst_accounts:
+            out += ["--dst-accounts", str(self.dst_accounts)]
+        if self.record:
+            out += ["--record", str(self.record)]
+        return out
+
+
+def run_load(
+    node: str,
+    spec: LoadSpec,
+    *,
+    scenario: str,
+    concurrency: int,
+    duration_s: float,
+    warmup_s: float,
+    tracked: list[Tracked],
+) -> CellResult:
+    """One cell: the generator runs; the tracked processes are sampled over its window."""
+    for t in tracked:
+        t.reset_peak()
+    cmd = [node, str(LOADGEN_DIR / "loadgen.js"), *spec.args(concurrency, duration_s, warmup_s)]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        cwd=LOADGEN_DIR,
+    )
+    samples: dict[str, dict[str, float]] = {}
+    stderr_lines: list[str] = []
+
+    def watch_stderr() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # ends when the generator exits
+            marker = line.strip()
+            if marker in ("window-start", "window-end") and marker not in samples:
+                samples[marker] = sample(tracked)
+            else:
+                stderr_lines.append(line)
+
+    watcher = threading.Thread(target=watch_stderr, daemon=True)
+    watcher.start()
+    timeout_s = warmup_s + duration_s + spec.deadline_ms / 1000 + spec.wait_ms / 1000 + 30
+    stdout = ""
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pid, status, rusage = os.wait4(proc.pid, os.WNOHANG)
+            if pid == proc.pid:
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the load generator did not finish in {timeout_s:.0f} s")
+            time.sleep(0.02)
+        stdout = proc.stdout.read()
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    watcher.join(5)
+    if proc.returncode != 0 or not stdout.strip():
+        raise RuntimeError(f"load generator failed ({proc.returncode}): {''.join(stderr_lines)[-2000:]}")
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    start = samples.get("window-start")
+    end = samples.get("window-end") or sample(tracked)
+    cpu = {name: end[name] - start[name] for name in end} if start else {}
+    cpu["client"] = float(summary["cpu_s"])
+    extra = {k: summary[k] for k in ("credit_lag", "transfer_latency") if k in summary}
+    return CellResult(
+        scenario=scenario,
+        concurrency=concurrency,
+        ok=int(summary["ok"]),
+        errors={str(k): int(v) for k, v in summary["errors"].items()},
+        throughput=float(summary["throughput"]),
+        latency={k: float(v) for k, v in summary["latency"].items()},
+        window_s=float(summary["window_s"]),
+        cpu_s=cpu,
+        peak_rss_kb={t.name: t.peak_kb() for t in tracked} | {"client": int(rusage.ru_maxrss)},
+        extra=extra,
+    )

@@ -1,0 +1,118 @@
+"""The "no idempotency" baseline: the shard's real `TransferServicer` without the idempotency interceptor.
+
+Everything else is as in `shardd.server.start_shard`: the same sync gRPC thread-pool server and options,
+the same `Database` pool (with its checkout probe), admission, domain error mapping, and the same
+settings (read from the SHARDD_* environment). The only difference is that a mutating call runs the
+handler in a transaction of its own, published with `shardd.db.bind_transaction` as the interceptor
+does, with no key claim, no savepoint and no stored outcome. So "shard directly" minus this row is the
+price of idempotency, and nothing else.
+
+Run as `python -m bench.noidem_server` (the harness starts it; SIGTERM stops it).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from shardd import server as shard_server
+from shardd.admission import Admission, AdmissionInterceptor, AdmissionLimits
+from shardd.db import Database, bind_transaction, mapped_database_errors
+from shardd.ledger.service import ShardLocator, TransferServicer
+from shardd.settings import parse_settings
+from shardrouter import grpcserver
+from shardrouter.error_interceptor import DomainErrorInterceptor
+from shardrouter.keys import KEY_METADATA, parse_key
+from shardrouter.logs import configure_logging
+from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
+
+log = logging.getLogger("bench.noidem")
+
+
+class PlainTransferServicer(TransferServicer):
+    """The real handlers, each mutating one in its own transaction (what the interceptor would open)."""
+
+    def __init__(self, database: Database, locator: ShardLocator) -> None:
+        super().__init__(database, locator)
+        self._database = database
+
+    def _in_transaction(
+        self, handler: Callable[[Any, grpc.ServicerContext], Any], request: Any, context: grpc.ServicerContext
+    ) -> Any:
+        # The handlers write the key into ledger rows, so it is still read (but never stored as a claim).
+        key = next((parse_key(str(v)) for k, v in context.invocation_metadata() if k == KEY_METADATA), None)
+        with (
+            mapped_database_errors(self._database.transient_retry_ms),
+            self._database.connection() as conn,
+            conn.transaction(),
+            bind_transaction(conn, key or uuid.uuid4()),
+        ):
+            return handler(request, context)
+
+    def Deposit(
+        self, request: transfer_pb2.DepositRequest, context: grpc.ServicerContext
+    ) -> transfer_pb2.DepositResponse:
+        """The real Deposit handler in a plain transaction."""
+        result: transfer_pb2.DepositResponse = self._in_transaction(super().Deposit, request, context)
+        return result
+
+    def Transfer(
+        self, request: transfer_pb2.TransferRequest, context: grpc.ServicerContext
+    ) -> transfer_pb2.TransferResponse:
+        """The real Transfer handler in a plain transaction."""
+        result: transfer_pb2.TransferResponse = self._in_transaction(super().Transfer, request, context)
+        return result
+
+
+def main() -> int:
+    """Serve until SIGTERM/SIGINT."""
+    settings = parse_settings([])
+    configure_logging("bench/noidem", level=settings.log_level, fmt=settings.log_format)
+    stop = grpcserver.install_termination_handlers()
+    database = Database(
+        settings.dsn,
+        min_size=settings.pool_min,
+        max_size=settings.pool_max,
+        acquire_timeout_s=settings.pool_timeout_s,
+        transient_retry_ms=settings.transient_retry_ms,
+    )
+    admission = Admission(
+        AdmissionLimits(
+            max_in_flight=settings.max_in_flight,
+            max_waiting=settings.max_waiting,
+            retry_after_ms=settings.in_flight_retry_ms,
+        ),
+        frozenset(settings.trusted_proxies),
+    )
+    server = grpcserver.new_server(
+        workers=settings.workers,
+        max_calls=settings.max_calls,
+        interceptors=[AdmissionInterceptor(admission), DomainErrorInterceptor()],
+        options=grpcserver.server_options(
+            max_message_bytes=settings.max_message_bytes,
+            max_metadata_bytes=settings.max_metadata_bytes,
+            max_streams=settings.max_calls,
+        ),
+    )
+    transfer_pb2_grpc.add_TransferServiceServicer_to_server(
+        PlainTransferServicer(database, ShardLocator(settings.shard_id)), server
+    )
+    health = grpcserver.add_health_and_reflection(server, [shard_server.PUBLIC_SERVICE])
+    grpcserver.bind(server, settings.listen, None)
+    server.start()
+    shard_server.prepare_database(settings.dsn, settings.retention)  # the real migrations and partitions
+    database.open()
+    grpcserver.mark_serving(health, [shard_server.PUBLIC_SERVICE])
+    log.info("no-idempotency twin serving on %s", settings.listen)
+    stop.wait()
+    grpcserver.graceful_stop(server, health, settings.shutdown_grace_s)
+    database.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,311 @@
+"""The run's table (plain text for the terminal, Markdown for a file), the issue's targets, and JSON.
+
+CPU per operation is grouped by role: client (the load generator or pgbench), router, shard (every
+shard-like daemon: shard-a, shard-b, the cache-off twin and the no-idempotency twin; idle ones only
+add their background polls), pg (the postmaster and all its backends). Peak RSS is per process; for
+pg the largest single backend (shared buffers count in each backend that touched them).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.results import CellResult
+from bench.run import RunResult
+
+ROLES: dict[str, list[str]] = {
+    "client": ["client"],
+    "router": ["router"],
+    "shard": ["shard-a", "shard-b", "shard-a-nocache", "shard-a-holder", "noidem", "capture"],
+    "pg": ["postgres"],
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """One of the issue's targets, evaluated on a run."""
+
+    name: str
+    figure: str
+    required: str
+    passed: bool | None  # None: not measured in this run
+
+
+def best(result: RunResult, scenario: str) -> CellResult | None:
+    """The cell of `scenario` with the highest throughput."""
+    cells = [c for c in result.cells if c.scenario == scenario and c.ok > 0]
+    return max(cells, key=lambda c: c.throughput) if cells else None
+
+
+def targets(result: RunResult) -> list[Target]:
+    """The issue's five targets (replay counted twice: from memory and from the database)."""
+    out: list[Target] = []
+
+    def ratio(name: str, num: str, den: str, required: str, test: Callable[[float], bool], fmt: str) -> None:
+        a, b = best(result, num), best(result, den)
+        if a is None or b is None or b.throughput == 0:
+            out.append(Target(name, "not measured", required, None))
+            return
+        value = a.throughput / b.throughput
+        figure = (
+            fmt.format(value=value)
+            + f" ({a.throughput:.0f} @c{a.concurrency} / {b.throughput:.0f} @c{b.concurrency})"
+        )
+        out.append(Target(name, figure, required, test(value)))
+
+    ratio(
+        "shard directly vs the one-statement limit",
+        "shard-deposit",
+        "pgbench-limit",
+        ">= 30%",
+        lambda v: v >= 0.30,
+        "{value:.0%}",
+    )
+    ratio(
+        "through the router vs the limit",
+        "router-deposit",
+        "pgbench-limit",
+        ">= 20%",
+        lambda v: v >= 0.20,
+        "{value:.0%}",
+    )
+    ratio(
+        "replay (memory) vs first apply",
+        "replay-memory",
+        "shard-deposit",
+        ">= 2x",
+        lambda v: v >= 2.0,
+        "{value:.2f}x",
+    )
+    ratio(
+        "replay (database) vs first apply",
+        "replay-db",
+        "shard-deposit",
+        ">= 2x",
+        lambda v: v >= 2.0,
+        "{value:.2f}x",
+    )
+    a, b = best(result, "shard-deposit"), best(result, "noidem-deposit")
+    if a and b and b.throughput:
+        overhead = 1 - a.throughput / b.throughput
+        out.append(
+            Target(
+                "interceptor overhead vs the same handler without idempotency",
+                f"{overhead:.0%} ({a.throughput:.0f} vs {b.throughput:.0f} ops/s at best)",
+                "<= 15%",
+                overhead <= 0.15,
+            )
+        )
+    else:
+        out.append(
+            Target(
+                "interceptor overhead vs the same handler without idempotency", "not measured", "<= 15%", None
+            )
+        )
+    growth = sorted(result.growth, key=lambda g: g["size"])
+    if len(growth) >= 2 and growth[0]["throughput"]:
+        first, last = growth[0], growth[-1]
+        change = last["throughput"] / first["throughput"] - 1
+        p99_change = last["p99_ms"] / first["p99_ms"] - 1 if first["p99_ms"] else 0.0
+        out.append(
+            Target(
+                f"flat from {first['size']:,} to {last['size']:,} keys",
+                f"throughput {change:+.0%}, p99 {p99_change:+.0%}",
+                "within 10%",
+                abs(change) <= 0.10,
+            )
+        )
+    else:
+        out.append(Target("flat from an empty key table to 10M rows", "not measured", "within 10%", None))
+    return out
+
+
+def _status(passed: bool | None) -> str:
+    return "n/a" if passed is None else ("PASS" if passed else "MISS")
+
+
+def _stand(result: RunResult, cell: CellResult) -> str:
+    """Where a row stands against its target (on the best row of its scenario only)."""
+    top = best(result, cell.scenario)
+    if top is None or top is not cell:
+        return ""
+    limit = best(result, "pgbench-limit")
+    first = best(result, "shard-deposit")
+    if cell.scenario == "shard-deposit" and limit:
+        share = cell.throughput / limit.throughput
+        return f"best; {share:.0%} of limit (>=30%: {_status(share >= 0.3)})"
+    if cell.scenario == "router-deposit" and limit:
+        share = cell.throughput / limit.throughput
+        return f"best; {share:.0%} of limit (>=20%: {_status(share >= 0.2)})"
+    if cell.scenario in ("replay-memory", "replay-db") and first:
+        times = cell.throughput / first.throughput
+        return f"best; {times:.2f}x first apply (>=2x: {_status(times >= 2)})"
+    if cell.scenario == "noidem-deposit" and first:
+        overhead = 1 - first.throughput / cell.throughput
+        return f"best; interceptor costs {overhead:.0%} (<=15%: {_status(overhead <= 0.15)})"
+    if cell.scenario == "pgbench-deposit" and first:
+        return f"best; shard reaches {first.throughput / cell.throughput:.0%} of it"
+    if cell.scenario == "conflict":
+        return "best; ops = ABORTED answers"
+    if cell.scenario == "cross-shard":
+        lag = cell.extra.get("credit_lag", {})
+        return f"best; latency = until credit landed; lag after OK p50 {lag.get('p50_ms', 0):.0f} ms"
+    return "best"
+
+
+HEADER = [
+    "scenario",
+    "conc",
+    "ops/s",
+    "p50 ms",
+    "p99 ms",
+    "p99.9 ms",
+    "errors",
+    "cpu us/op client",
+    "router",
+    "shard",
+    "pg",
+    "peak MB client",
+    "router",
+    "shard",
+    "pg",
+    "stands",
+]
+
+
+def rows(result: RunResult) -> list[list[str]]:
+    """One row per cell."""
+    out = []
+    for cell in result.cells:
+        cpu = [cell.cpu_us_per_op(ROLES[r]) for r in ROLES]
+        rss = [max((cell.peak_rss_kb.get(n, 0) for n in ROLES[r]), default=0) / 1024 for r in ROLES]
+        errors = ", ".join(f"{k}:{v}" for k, v in sorted(cell.errors.items())) or "0"
+        out.append(
+            [
+                cell.scenario,
+                str(cell.concurrency),
+                f"{cell.throughput:.0f}",
+                f"{cell.latency['p50_ms']:.2f}",
+                f"{cell.latency['p99_ms']:.2f}",
+                f"{cell.latency['p999_ms']:.2f}",
+                errors,
+                *(f"{v:.0f}" if v else "-" for v in cpu),
+                *(f"{v:.0f}" if v else "-" for v in rss),
+                _stand(result, cell),
+            ]
+        )
+    return out
+
+
+def growth_rows(result: RunResult) -> list[list[str]]:
+    """One row per key-table size."""
+    growth = sorted(result.growth, key=lambda g: g["size"])
+    base = growth[0]["throughput"] if growth else 0
+    return [
+        [
+            f"{g['rows']:,}",
+            f"{g['table_mb']:.0f}",
+            str(g["concurrency"]),
+            f"{g['throughput']:.0f}",
+            f"{g['p50_ms']:.2f}",
+            f"{g['p99_ms']:.2f}",
+            f"{g['throughput'] / base - 1:+.0%}" if base else "-",
+            f"{g['retention_s']:.3f}",
+            f"{g['load_s']:.0f}",
+        ]
+        for g in growth
+    ]
+
+
+GROWTH_HEADER = [
+    "key rows",
+    "table MB",
+    "conc",
+    "ops/s",
+    "p50 ms",
+    "p99 ms",
+    "vs empty",
+    "retention s",
+    "load s",
+]
+TARGET_HEADER = ["target", "figure", "required", "status"]
+
+
+def _text_table(header: list[str], body: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+
+    def line(r: list[str]) -> str:
+        # Numbers right-aligned; the first (name) and last (note) columns left-aligned.
+        return "  ".join(
+            v.rjust(w) if i and i < len(r) - 1 else v.ljust(w)
+            for i, (v, w) in enumerate(zip(r, widths, strict=True))
+        )
+
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in body)])
+
+
+def _md_table(header: list[str], body: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(v.replace("|", "\\|") for v in r) + " |" for r in body]
+    return "\n".join(out)
+
+
+def _target_rows(result: RunResult) -> list[list[str]]:
+    return [[t.name, t.figure, t.required, _status(t.passed)] for t in targets(result)]
+
+
+def _machine_line(result: RunResult) -> str:
+    m = result.machine
+    settings = ", ".join(f"{k}={v}" for k, v in m.get("postgresql_settings", {}).items())
+    return (
+        f"machine: {m.get('nproc')} CPUs ({m.get('cpu')}), {m.get('memory_gib')} GiB; "
+        f"PostgreSQL {m.get('postgresql')} ({settings}); "
+        f"{result.options.get('duration_s')} s per cell after {result.options.get('warmup_s')} s warm-up"
+    )
+
+
+def text_report(result: RunResult) -> str:
+    """The terminal table."""
+    parts = [_machine_line(result), "", _text_table(HEADER, rows(result))]
+    if result.growth:
+        parts += [
+            "",
+            "growth (shard-deposit with a pre-loaded key table):",
+            _text_table(GROWTH_HEADER, growth_rows(result)),
+        ]
+    parts += ["", "targets:", _text_table(TARGET_HEADER, _target_rows(result))]
+    parts += [f"note: {n}" for n in result.notes]
+    return "\n".join(parts)
+
+
+def markdown_report(result: RunResult) -> str:
+    """The same as Markdown, with the captured statements."""
+    parts = [_machine_line(result), "", _md_table(HEADER, rows(result))]
+    if result.growth:
+        parts += [
+            "",
+            "Growth (shard-deposit with a pre-loaded key table):",
+            "",
+            _md_table(GROWTH_HEADER, growth_rows(result)),
+        ]
+    parts += ["", "Targets:", "", _md_table(TARGET_HEADER, _target_rows(result))]
+    parts += [f"\nNote: {n}" for n in result.notes]
+    for name, statements in result.captured.items():
+        if name.endswith("script"):
+            continue
+        parts += ["", f"Statements of one {name}, as captured (log_statement=all):", "", "```sql"]
+        parts += [s if s else "-- (empty query: the pool's checkout probe)" for s in statements]
+        parts += ["```"]
+    return "\n".join(parts) + "\n"
+
+
+def write_reports(result: RunResult, *, json_path: Path | None, markdown_path: Path | None) -> None:
+    """Write the requested files."""
+    if json_path:
+        data = result.as_dict() | {"targets": [t.__dict__ for t in targets(result)]}
+        json_path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    if markdown_path:
+        markdown_path.write_text(markdown_report(result))

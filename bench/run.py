@@ -1,0 +1,488 @@
+"""One benchmark run: start the system, run every selected scenario at every concurrency, then growth.
+
+Scenarios (rows of the table; `python -m bench --list` prints this):
+
+  pgbench-deposit   pgbench sending exactly the statements one Deposit sends today (captured)
+  pgbench-transfer  the same for a same-shard Transfer
+  pgbench-limit     one Deposit's writes folded into one CTE statement: the limit
+  shard-deposit     Deposit with new keys, straight to the shard daemon
+  shard-transfer    same-shard Transfer with new keys, straight to the shard daemon
+  noidem-deposit    the same Deposit handler without the idempotency interceptor (bench/noidem_server.py)
+  router-deposit    Deposit with new keys through the router
+  replay-memory     resending distinct completed keys; the shard answers from its in-memory cache
+  replay-db         the same against a second daemon on the same database with the cache off
+  conflict          one key held in flight; every call resends it: ABORTED answers per second
+  cross-shard       Transfer through the router to another shard's account, until the credit lands
+
+Growth: shard-deposit at one concurrency with the key table bulk-loaded to each size, and the time of a
+retention run at that size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psycopg
+
+from bench import pgbench
+from bench.loadgen import LoadSpec, ensure_installed, run_load
+from bench.results import CellResult
+from bench.services import CURRENCY, BenchSystem, bench_system
+from shardrouter.keys import new_key
+from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SCENARIOS = (
+    "pgbench-deposit",
+    "pgbench-transfer",
+    "pgbench-limit",
+    "shard-deposit",
+    "shard-transfer",
+    "noidem-deposit",
+    "router-deposit",
+    "replay-memory",
+    "replay-db",
+    "conflict",
+    "cross-shard",
+)
+DEPOSIT_SCOPE = "/shardrouter.v1.TransferService/Deposit|bench"
+DEPOSIT_METHOD = "/shardrouter.v1.TransferService/Deposit"
+RETENTION = timedelta(days=30)
+#: Bulk-loaded keys are spread over this many days before now: inside partitions that exist, and
+#: inside the retention window, like the keys of a busy month.
+GROWTH_SPAN_DAYS = 20
+GROWTH_CHUNK = 1_000_000
+
+
+@dataclass
+class RunOptions:
+    """What `python -m bench` was asked to do."""
+
+    duration_s: float = 5.0
+    warmup_s: float = 1.0
+    concurrencies: tuple[int, ...] = (1, 8, 32, 128)
+    scenarios: tuple[str, ...] = SCENARIOS
+    growth: tuple[int, ...] = (0, 1_000_000)
+    growth_concurrency: int = 0  # 0: the best concurrency of shard-deposit (else 32)
+    accounts: int = 1000
+    replay_keys: int = 5000
+    shard_env: dict[str, str] = field(default_factory=dict)
+    keep: bool = False
+
+
+@dataclass
+class RunResult:
+    """Everything a run measured, plus what the report says about the machine."""
+
+    cells: list[CellResult] = field(default_factory=list)
+    growth: list[dict[str, Any]] = field(default_factory=list)
+    machine: dict[str, Any] = field(default_factory=dict)
+    captured: dict[str, list[str]] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data for the JSON report."""
+        return {
+            "machine": self.machine,
+            "options": self.options,
+            "cells": [c.as_dict() for c in self.cells],
+            "growth": self.growth,
+            "captured_statements": self.captured,
+            "notes": self.notes,
+        }
+
+
+def run(options: RunOptions, progress: Callable[[str], None] = print) -> RunResult:
+    """The whole run; every process and the temp dir are gone when it returns or raises."""
+    node = ensure_installed()
+    result = RunResult(options={k: v for k, v in options.__dict__.items()})
+    wanted = set(options.scenarios)
+    with bench_system(options.accounts, options.shard_env, keep=options.keep) as system:
+        progress("bench: starting PostgreSQL (durable: fsync on, synchronous_commit on) ...")
+        system.start_postgres()
+        system.plan_shards()
+        result.machine = _machine(system)
+        cells = _Cells(system, options, node, result, progress)
+        if wanted & {"pgbench-deposit", "pgbench-transfer", "pgbench-limit"}:
+            cells.pgbench_rows(wanted)
+        progress("bench: starting the shard daemons, the router and the baseline ...")
+        cells.start_services(wanted, bool(options.growth))
+        for scenario in [s for s in SCENARIOS if s in wanted and not s.startswith("pgbench")]:
+            cells.grpc_rows(scenario)
+        if options.growth:
+            cells.growth_rows()
+    return result
+
+
+def _machine(system: BenchSystem) -> dict[str, Any]:
+    import os
+    import platform
+
+    mem_kb = next(
+        (
+            int(line.split()[1])
+            for line in Path("/proc/meminfo").read_text().splitlines()
+            if line.startswith("MemTotal")
+        ),
+        0,
+    )
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "memory_gib": round(mem_kb / 1024 / 1024, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "postgresql": system.server_version(),
+        "postgresql_settings": system.settings_in_force(),
+        "pgbench": pgbench.pgbench_binary(),
+    }
+
+
+class _Cells:
+    """The scenario runners; they share the system, the options and the result being filled."""
+
+    def __init__(
+        self,
+        system: BenchSystem,
+        options: RunOptions,
+        node: str,
+        result: RunResult,
+        progress: Callable[[str], None],
+    ) -> None:
+        self.system, self.options, self.node, self.result, self.progress = (
+            system,
+            options,
+            node,
+            result,
+            progress,
+        )
+
+    # --- helpers -----------------------------------------------------------------------------------
+
+    def _record(self, cell: CellResult) -> CellResult:
+        self.result.cells.append(cell)
+        lat = cell.latency
+        errors = f" errors={cell.errors}" if cell.errors else ""
+        self.progress(
+            f"  {cell.scenario:17s} c={cell.concurrency:<4d} {cell.throughput:9.1f} ops/s"
+            f"  p50 {lat['p50_ms']:7.2f}  p99 {lat['p99_ms']:7.2f}  p99.9 {lat['p999_ms']:7.2f} ms{errors}"
+        )
+        return cell
+
+    def _load(self, scenario: str, spec: LoadSpec, concurrency: int) -> CellResult:
+        return self._record(
+            run_load(
+                self.node,
+                spec,
+                scenario=scenario,
+                concurrency=concurrency,
+                duration_s=self.options.duration_s,
+                warmup_s=self.options.warmup_s,
+                tracked=self.system.tracked(),
+            )
+        )
+
+    def _address(self, name: str) -> str:
+        return self.system.daemons[name].address
+
+    # --- pgbench -------------------------------------------------------------------------------------
+
+    def pgbench_rows(self, wanted: set[str]) -> None:
+        """Capture one Deposit and one Transfer on a throw-away daemon, then the pgbench cells."""
+        system = self.system
+        self.progress(
+            "bench: capturing the statements of one Deposit and one Transfer (log_statement=all) ..."
+        )
+        capture_daemon = system.start_shard(
+            "capture",
+            shard_id="shard-0",
+            database="pgb",
+            extra={"SHARDD_SHARD_MAP": "", "SHARDD_RELAY_WORKERS": "0"},
+        )
+        try:
+            captured = pgbench.capture(system, capture_daemon.address, "pgb")
+        finally:
+            capture_daemon.stop()
+            del system.daemons["capture"]
+        by_name = {c.name: c for c in captured}
+        self.result.captured = {c.name: [s.sql for s in c.statements] for c in captured}
+        system.seed_accounts("pgb", [str(i) for i in range(1, self.options.accounts + 1)])
+        pgbench.install_helpers(system, "pgb")
+        scripts = {
+            "pgbench-deposit": pgbench.script_from_capture(by_name["deposit"]),
+            "pgbench-transfer": pgbench.script_from_capture(by_name["transfer"]),
+            "pgbench-limit": pgbench.limit_script(by_name["deposit"]),
+        }
+        for scenario, text in scripts.items():
+            if scenario not in wanted:
+                continue
+            path = system.workdir / f"{scenario}.sql"
+            path.write_text(text)
+            self.result.captured[f"{scenario} script"] = text.splitlines()
+            for c in self.options.concurrencies:
+                self._record(
+                    pgbench.run_pgbench(
+                        system,
+                        scenario=scenario,
+                        script=path,
+                        database="pgb",
+                        concurrency=c,
+                        duration_s=self.options.duration_s,
+                        warmup_s=self.options.warmup_s,
+                        naccounts=self.options.accounts,
+                        tracked=system.tracked(),
+                    )
+                )
+
+    # --- services ------------------------------------------------------------------------------------
+
+    def start_services(self, wanted: set[str], growth: bool) -> None:
+        """The processes the selected scenarios need, with their accounts opened."""
+        system = self.system
+        grpc_rows = {s for s in wanted if not s.startswith("pgbench")}
+        if not grpc_rows and not growth:
+            return
+        system.start_shard("shard-a", shard_id="shard-a", database="shard_a")
+        system.seed_accounts("shard_a", [*system.accounts_a, system.hot_account])
+        if grpc_rows & {"router-deposit", "cross-shard"}:
+            system.start_shard("shard-b", shard_id="shard-b", database="shard_b")
+            system.seed_accounts("shard_b", system.accounts_b)
+            system.start_router()
+        if "noidem-deposit" in grpc_rows:
+            system.start_noidem()
+            system.seed_accounts("noidem", system.accounts_a)
+        if "conflict" in grpc_rows:
+            # Holds the in-flight attempt: its handler may wait for the locked row far longer than
+            # the shipped 2 s, so the key stays in flight for the whole scenario without gaps.
+            system.start_shard(
+                "shard-a-holder",
+                shard_id="shard-a",
+                database="shard_a",
+                extra={"SHARDD_HANDLER_LOCK_TIMEOUT_MS": "600000", "SHARDD_RELAY_WORKERS": "0"},
+            )
+        if "replay-db" in grpc_rows:
+            system.start_shard(
+                "shard-a-nocache",
+                shard_id="shard-a",
+                database="shard_a",
+                extra={"SHARDD_REPLAY_CACHE_ENTRIES": "0", "SHARDD_RELAY_WORKERS": "0"},
+            )
+
+    # --- gRPC rows -----------------------------------------------------------------------------------
+
+    def grpc_rows(self, scenario: str) -> None:
+        """Every concurrency of one gRPC scenario."""
+        system = self.system
+        accounts = system.accounts_file("a")
+        concurrencies = self.options.concurrencies
+        if scenario == "shard-deposit":
+            spec = LoadSpec(self._address("shard-a"), accounts=accounts)
+        elif scenario == "shard-transfer":
+            spec = LoadSpec(self._address("shard-a"), method="transfer", accounts=accounts, amount=1)
+        elif scenario == "noidem-deposit":
+            spec = LoadSpec(self._address("noidem"), accounts=accounts)
+        elif scenario == "router-deposit":
+            spec = LoadSpec(self._address("router"), accounts=accounts)
+        elif scenario in ("replay-memory", "replay-db"):
+            target = "shard-a" if scenario == "replay-memory" else "shard-a-nocache"
+            spec = LoadSpec(self._address(target), keys=f"list:{self._replay_list()}")
+        elif scenario == "cross-shard":
+            spec = LoadSpec(
+                self._address("router"),
+                method="transfer_e2e",
+                accounts=accounts,
+                dst_accounts=system.accounts_file("b"),
+                amount=1,
+            )
+        elif scenario == "conflict":
+            with self._key_in_flight() as key:
+                hot = system.workdir / "hot.json"
+                hot.write_text(json.dumps([system.hot_account]))
+                spec = LoadSpec(
+                    self._address("shard-a"), keys=f"fixed:{key}", accounts=hot, amount=1, expect="ABORTED"
+                )
+                for c in concurrencies:
+                    self._load(scenario, spec, c)
+            return
+        else:
+            raise ValueError(f"unknown scenario {scenario}")
+        for c in concurrencies:
+            self._load(scenario, spec, c)
+
+    def _replay_list(self) -> Path:
+        """Pre-create distinct completed keys once (Deposits through the real API), recording them."""
+        path = self.system.workdir / "replay-keys.jsonl"
+        if path.exists():
+            return path
+        n = self.options.replay_keys
+        self.progress(f"bench: pre-creating {n} completed keys for the replay rows ...")
+        spec = LoadSpec(
+            self._address("shard-a"), accounts=self.system.accounts_file("a"), record=path, max_ops=n
+        )
+        cell = run_load(
+            self.node, spec, scenario="replay-setup", concurrency=32, duration_s=300, warmup_s=0, tracked=[]
+        )
+        if cell.ok == 0:
+            raise RuntimeError("no key could be pre-created for the replay rows")
+        self.result.notes.append(f"replay rows cycle through {cell.ok} distinct completed Deposit keys")
+        return path
+
+    @contextlib.contextmanager
+    def _key_in_flight(self) -> Iterator[str]:
+        """A Deposit whose key stays in flight: its account row is locked by a transaction held here.
+
+        The attempt is sent to a second daemon of the same shard (same database) whose handlers may
+        wait for a row lock for minutes; the hammered daemon has no local flight for the key, so every
+        resend takes the database path: claim read, advisory lock refused, re-read, ABORTED.
+        """
+        system = self.system
+        key = str(new_key())
+        stop = threading.Event()
+        lock = psycopg.connect(system.dsn("shard_a"))
+        lock.execute("SELECT 1 FROM accounts WHERE id = %s FOR UPDATE", (system.hot_account,))
+        failures: list[str] = []
+
+        def hold() -> None:
+            request = transfer_pb2.DepositRequest(
+                account_id=system.hot_account, amount=transfer_pb2.Money(amount_minor=1, currency=CURRENCY)
+            )
+            metadata: tuple[tuple[str, str | bytes], ...] = (
+                ("idempotency-key", key),
+                ("x-caller-id", "bench"),
+            )
+            with grpc.insecure_channel(self._address("shard-a-holder")) as channel:
+                stub = transfer_pb2_grpc.TransferServiceStub(channel)
+                deadline = time.monotonic() + 3600  # bounded even if nobody sets `stop`
+                while not stop.is_set() and time.monotonic() < deadline:
+                    try:
+                        stub.Deposit(request, metadata=metadata, timeout=600)
+                        return  # the lock was released: the attempt applied
+                    except grpc.RpcError as error:
+                        failures.append(str(error.code()))
+                        stop.wait(0.05)
+
+        holder = threading.Thread(target=hold, name="bench-key-holder", daemon=True)
+        holder.start()
+        time.sleep(1.0)  # the attempt has claimed the key and waits for the row
+        try:
+            yield key
+        finally:
+            stop.set()
+            lock.rollback()  # the waiting attempt now completes (and the key with it)
+            lock.close()
+            holder.join(35)
+            if failures:
+                self.result.notes.append(
+                    f"conflict: the holding attempt was interrupted {len(failures)} times"
+                )
+
+    # --- growth --------------------------------------------------------------------------------------
+
+    def growth_rows(self) -> None:
+        """shard-deposit at each key-table size, and a retention run at that size."""
+        from shardd.retention import run_retention
+        from shardd.server import MONTHS_AHEAD
+
+        system = self.system
+        concurrency = self.options.growth_concurrency or self._best_concurrency("shard-deposit") or 32
+        spec = LoadSpec(self._address("shard-a"), accounts=system.accounts_file("a"))
+        response = transfer_pb2.DepositResponse(
+            entry_id=str(new_key()), balance=transfer_pb2.Money(amount_minor=123456, currency=CURRENCY)
+        ).SerializeToString()
+        with psycopg.connect(system.dsn("shard_a"), autocommit=True) as conn:
+            conn.execute("TRUNCATE idempotency_record")
+            loaded = 0
+            for size in sorted(self.options.growth):
+                self.progress(f"bench: growth: loading the key table to {size:,} rows ...")
+                started = time.monotonic()
+                while loaded < size:
+                    upto = min(size, loaded + GROWTH_CHUNK)
+                    conn.execute(
+                        _BULK_INSERT,
+                        {
+                            "scope": DEPOSIT_SCOPE,
+                            "method": DEPOSIT_METHOD,
+                            "response": response,
+                            "lo": loaded + 1,
+                            "hi": upto,
+                            "total": max(self.options.growth),
+                            "span": f"{GROWTH_SPAN_DAYS} days",
+                        },
+                    )
+                    loaded = upto
+                load_s = time.monotonic() - started
+                # Steady state before measuring: statistics, visibility map and a clean checkpoint,
+                # so the cell does not pay for the bulk load's dirty pages.
+                conn.execute("VACUUM ANALYZE idempotency_record")
+                conn.execute("CHECKPOINT")
+                rows = conn.execute("SELECT count(*) FROM idempotency_record").fetchone()
+                cell = self._load(f"growth-{_size_label(size)}", spec, concurrency)
+                retention_started = time.monotonic()
+                retention = run_retention(
+                    system.dsn("shard_a"), retention=RETENTION, months_ahead=MONTHS_AHEAD
+                )
+                retention_s = time.monotonic() - retention_started
+                table_bytes = conn.execute(
+                    "SELECT sum(pg_total_relation_size(inhrelid)) FROM pg_inherits"
+                    " WHERE inhparent = 'idempotency_record'::regclass"
+                ).fetchone()
+                self.result.growth.append(
+                    {
+                        "size": size,
+                        "rows": int(rows[0]) if rows else 0,
+                        "table_mb": round(int(table_bytes[0] or 0) / 1024 / 1024, 1) if table_bytes else 0,
+                        "load_s": round(load_s, 1),
+                        "concurrency": concurrency,
+                        "throughput": cell.throughput,
+                        "p99_ms": cell.latency["p99_ms"],
+                        "p50_ms": cell.latency["p50_ms"],
+                        "retention_s": retention_s,
+                        "retention_dropped": list(retention.dropped),
+                    }
+                )
+                self.progress(f"  retention run at {size:,} rows: {retention_s:.3f} s")
+
+    def _best_concurrency(self, scenario: str) -> int | None:
+        cells = [c for c in self.result.cells if c.scenario == scenario]
+        return max(cells, key=lambda c: c.throughput).concurrency if cells else None
+
+
+#: Completed Deposit records with key times ascending over the span before now (so the key index grows
+#: at its right edge as with live keys), in the live keys' scope: the index the claims search is the
+#: one that grows.
+_BULK_INSERT = """
+INSERT INTO idempotency_record
+    (scope, key, key_time, method, request_hash, state, status_code, status_message, response, trailers,
+     created_at, completed_at)
+SELECT %(scope)s, k, uuid_extract_timestamp(k), %(method)s, sha256(int8send(g)), 'completed', 0, '',
+       %(response)s, '[]'::jsonb, uuid_extract_timestamp(k), uuid_extract_timestamp(k)
+FROM (SELECT g, uuidv7(-(%(span)s::interval * ((%(total)s - g)::float8 / %(total)s) + interval '1 second')) AS k
+      FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS g) AS s
+"""
+
+
+def _size_label(size: int) -> str:
+    for unit, scale in (("M", 1_000_000), ("k", 1_000)):
+        if size >= scale and size % (scale // 10) == 0:
+            return f"{size / scale:g}{unit}"
+    return str(size)

@@ -1,0 +1,74 @@
+"""Smoke test of the benchmark harness (bench/): a tiny run end to end, figures non-zero.
+
+Not a performance test: it only proves that `python -m bench` starts its PostgreSQL and daemons,
+drives pgbench and the Node.js load generator, prints the table and writes the JSON, in well
+under a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("node") is None or shutil.which("npm") is None,
+    reason="the load generator needs node and npm",
+)
+
+
+def test_tiny_run_prints_a_table_with_non_zero_figures(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    temp_root = Path(tempfile.gettempdir())
+    before = set(temp_root.glob("shard-router-bench-*"))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--duration",
+            "1",
+            "--warmup",
+            "0.3",
+            "--concurrency",
+            "1,4",
+            "--scenarios",
+            "pgbench-limit,shard-deposit",
+            "--growth",
+            "none",
+            "--accounts",
+            "50",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = result.stdout
+    assert "shard-deposit" in table and "pgbench-limit" in table and "targets:" in table
+    cells = json.loads(out.read_text())["cells"]
+    assert {(c["scenario"], c["concurrency"]) for c in cells} == {
+        ("pgbench-limit", 1),
+        ("pgbench-limit", 4),
+        ("shard-deposit", 1),
+        ("shard-deposit", 4),
+    }
+    for cell in cells:
+        assert cell["ok"] > 0 and cell["throughput"] > 0, cell
+        assert cell["latency"]["p50_ms"] > 0 and cell["latency"]["p99_ms"] > 0, cell
+        assert cell["cpu_s"]["postgres"] > 0 and cell["cpu_s"]["client"] > 0, cell
+    shard_cells = [c for c in cells if c["scenario"] == "shard-deposit"]
+    assert all(c["cpu_s"]["shard-a"] > 0 and c["peak_rss_kb"]["shard-a"] > 0 for c in shard_cells)
+    # Nothing left behind: the harness removes its temp dirs.
+    assert set(temp_root.glob("shard-router-bench-*")) <= before
