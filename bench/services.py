@@ -23,8 +23,8 @@ import psycopg
 import yaml
 
 from bench.procstat import Tracked
-from shardrouter.devcluster.cluster import Daemon
-from shardrouter.devcluster.postgres import LocalPostgres, free_port
+from localcluster.cluster import Daemon
+from localcluster.postgres import LocalPostgres, free_port
 from shardrouter.shardmap import ShardMap, even_shard_map, shard_map_document
 
 log = logging.getLogger(__name__)

@@ -632,9 +632,9 @@ def _ledger_check(dsn: str, rows: Sequence[Row]) -> str:
 
 async def run(args: argparse.Namespace) -> int:
     """The whole benchmark."""
+    from localcluster.postgres import LocalPostgres
     from shardd.server import prepare_database, start_shard
     from shardd.settings import ShardSettings
-    from shardrouter.devcluster.postgres import LocalPostgres
 
     ctx = multiprocessing.get_context("spawn")
     data_dir = Path(tempfile.mkdtemp(prefix="bench-pg-")) / "data"

@@ -99,10 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=8, help="threads per load process")
     args = parser.parse_args(argv)
 
+    from localcluster.postgres import LocalPostgres
     from shardd.server import start_shard
     from shardd.settings import ShardSettings
     from shardrouter import telemetry
-    from shardrouter.devcluster.postgres import LocalPostgres
 
     with tempfile.TemporaryDirectory(prefix="bench-tracing-") as work:
         postgres = LocalPostgres(Path(work) / "pg")

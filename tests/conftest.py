@@ -21,10 +21,10 @@ import grpc
 import psycopg
 import pytest
 
+from localcluster.postgres import LocalPostgres
+from localcluster.tracing_ui import phoenix_installed
 from shardd.server import ShardDaemon, start_shard
 from shardd.settings import ShardSettings
-from shardrouter.devcluster.postgres import LocalPostgres
-from shardrouter.devcluster.tracing_ui import phoenix_installed
 from shardrouter.keys import new_key
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.processes import ServiceProcess, shardd_process

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shardrouter.devcluster.postgres import free_port
+from localcluster.postgres import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 #: A default the caller's environment overrides: grpc's C core logs only errors in the daemons too

@@ -17,12 +17,12 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from localcluster.postgres import free_port
 from router.settings import ENV_PREFIX as ROUTER_PREFIX
 from router.settings import RouterSettings
 from shardd.migrations import _MIGRATION_LOCK
 from shardd.settings import ENV_PREFIX as SHARDD_PREFIX
 from shardd.settings import ShardSettings
-from shardrouter.devcluster.postgres import free_port
 from shardrouter.settings_source import UsageError, parse_command, setting_docs, split_command_line
 from tests.processes import ROOT
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from shardrouter.devcluster.postgres import free_port
+from localcluster.postgres import free_port
 from shardrouter.shardmap import load_shard_map
 from tests.conftest import pg_data_dir
 from tests.processes import ROOT, wait_serving

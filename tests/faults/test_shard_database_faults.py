@@ -19,7 +19,7 @@ import grpc
 import psycopg
 import pytest
 
-from shardrouter.devcluster.postgres import LocalPostgres
+from localcluster.postgres import LocalPostgres
 from shardrouter.keys import new_key
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import pg_data_dir

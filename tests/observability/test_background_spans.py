@@ -23,12 +23,12 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from localcluster.postgres import LocalPostgres, free_port
 from shardd import retention
 from shardd.db import Database
 from shardd.observability import ShardStateCollector
 from shardd.partition_keeper import PartitionKeeper
 from shardd.server import MONTHS_AHEAD, ShardDaemon, prepare_database, start_shard
-from shardrouter.devcluster.postgres import LocalPostgres, free_port
 from shardrouter.shardmap import ShardMap, even_shard_map, shard_map_document
 from shardrouter.telemetry import new_tracer_provider
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc

@@ -18,6 +18,7 @@ from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricR
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from localcluster.postgres import free_port
 from shardd import partitions, retention
 from shardd.idempotency.interceptor import CallOutcome
 from shardd.observability import (
@@ -28,7 +29,6 @@ from shardd.observability import (
     retention_lag_s,
 )
 from shardd.server import MONTHS_AHEAD, ShardDaemon, start_shard
-from shardrouter.devcluster.postgres import free_port
 from shardrouter.grpcserver import listen_host
 from shardrouter.metrics import RouterMetrics, start_metrics_server
 from shardrouter.shardmap import even_shard_map, shard_map_document

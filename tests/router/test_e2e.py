@@ -25,7 +25,7 @@ import yaml
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from shardrouter.devcluster.postgres import LocalPostgres, free_port
+from localcluster.postgres import LocalPostgres, free_port
 from shardrouter.errors import Reason
 from shardrouter.keys import new_key
 from shardrouter.shardmap import ShardMap, even_shard_map, shard_map_document

@@ -434,7 +434,7 @@ def test_shard_map_reload_while_running(setup: Setup, fake: FakeShard) -> None:
 
 
 def test_unreachable_shard_is_the_routers_unavailable(setup: Setup, fake: FakeShard) -> None:
-    from shardrouter.devcluster.postgres import free_port
+    from localcluster.postgres import free_port
 
     dead = {
         "slots": 16384,

@@ -9,9 +9,9 @@ import grpc
 import pytest
 import yaml
 
+from localcluster.postgres import free_port
 from router.server import start_router_thread
 from router.settings import RouterSettings
-from shardrouter.devcluster.postgres import free_port
 from shardrouter.shardmap import even_shard_map, shard_map_document
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import key_metadata, money

@@ -48,8 +48,8 @@ import pytest
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 
+from localcluster.postgres import LocalPostgres
 from shardd.server import ShardDaemon, start_shard
-from shardrouter.devcluster.postgres import LocalPostgres
 from shardrouter.internal.v1 import ledger_pb2
 from shardrouter.keys import new_key
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc

@@ -17,10 +17,10 @@ import psycopg
 import pytest
 import yaml
 
+from localcluster.postgres import LocalPostgres, free_port
 from shardd.ledger.service import credit_key
 from shardd.relay import OutboxRelay
 from shardd.server import ShardDaemon, start_shard
-from shardrouter.devcluster.postgres import LocalPostgres, free_port
 from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
 from shardrouter.shardmap import ShardMap, even_shard_map, shard_map_document
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc

@@ -6,7 +6,7 @@
     shard-router get-transfer --from alice TRANSFER_ID [--wait-ms 5000]
     shard-router pending            # operations not finished (pending or needing reconciliation)
     shard-router resume             # send every pending operation again, with its original key
-    shard-router dev up ...         # local cluster (shardrouter.devcluster)
+    shard-router dev up ...         # local cluster (the `localcluster` package handles `dev`)
 
 Global flags (before or after the subcommand): --target (default $SHARD_ROUTER_TARGET or
 127.0.0.1:50051), --store (default $SHARD_ROUTER_STORE, else
@@ -199,8 +199,6 @@ def check_flags(parser: argparse.ArgumentParser, args: Sequence[str]) -> str | N
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `shard-router`; returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["dev"]:
-        return _dev(args[1:])
     parser = build_parser()
     refused = check_flags(parser, args)
     if refused is not None:
@@ -208,7 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(ExitCode.USAGE)
     ns = parser.parse_args(args)  # other usage errors exit with 2
     if ns.command == "dev":
-        return _dev(ns.rest)
+        # `shard-router` (localcluster.command) hands `dev` to the local cluster before this runs.
+        print(f"{parser.prog}: 'dev' is served by the shard-router command, not this module", file=sys.stderr)
+        return int(ExitCode.USAGE)
     out = _Output(json_mode=ns.json)
     # Off unless OTEL_* asks for it; then each operation and attempt is a span (shardclient.tracing).
     telemetry.configure_tracing("shard-router-cli")
@@ -225,12 +225,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     finally:
         telemetry.shutdown_tracing()  # export what is queued before the process ends
-
-
-def _dev(rest: Sequence[str]) -> int:
-    from shardrouter.devcluster import cli as devcluster_cli  # lazy: the CLI works without it
-
-    return int(devcluster_cli.main(list(rest)) or 0)
 
 
 def _operations(

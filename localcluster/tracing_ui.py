@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardrouter.devcluster.postgres import free_port
+from localcluster.postgres import free_port
 
 #: Environment for Phoenix: loopback only, nothing phoning home, no agent features.
 PHOENIX_ENV = {

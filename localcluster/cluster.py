@@ -18,7 +18,7 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shardrouter.devcluster.postgres import LocalPostgres, free_port
+from localcluster.postgres import LocalPostgres, free_port
 from shardrouter.shardmap import even_shard_map, shard_map_document
 
 log = logging.getLogger(__name__)
@@ -160,9 +160,7 @@ class LocalCluster:
         return str(self.metrics_ports.get(name, 0))  # 0: no /metrics
 
     def _env(self) -> dict[str, str]:
-        root = str(Path(__file__).resolve().parents[2])
-        path = os.environ.get("PYTHONPATH", "")
-        return {**os.environ, "PYTHONPATH": f"{root}:{path}" if path else root, **self.extra_env}
+        return {**os.environ, **self.extra_env}
 
     def _shardd(self, shard_id: str, port: int, db: LocalPostgres) -> Daemon:
         env = {
@@ -177,7 +175,7 @@ class LocalCluster:
         }
         return Daemon(
             shard_id,
-            [sys.executable, "-m", "shardd.cli", "serve"],
+            [*installed_command("shardd"), "serve"],
             env,
             port,
             self.data_dir / "logs" / f"{shard_id}.log",
@@ -194,8 +192,20 @@ class LocalCluster:
         }
         return Daemon(
             "router",
-            [sys.executable, "-m", "router.cli", "serve"],
+            [*installed_command("router"), "serve"],
             env,
             self.router_port,
             self.data_dir / "logs" / "router.log",
         )
+
+
+def installed_command(name: str) -> list[str]:
+    """The installed console script `name` beside this interpreter (the virtualenv's `bin/`), else
+    the one on PATH: the daemons start as a user starts them, never from a source path."""
+    beside = Path(sys.executable).with_name(name)
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return [str(beside)]
+    found = shutil.which(name)
+    if found is None:
+        raise RuntimeError(f"the {name!r} command is not installed (pip install the shard-router package)")
+    return [found]

@@ -12,9 +12,9 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from localcluster import tracing_ui
+from localcluster.cluster import LocalCluster, default_data_dir
 from shardrouter import telemetry
-from shardrouter.devcluster import tracing_ui
-from shardrouter.devcluster.cluster import LocalCluster, default_data_dir
 from shardrouter.shardmap import load_shard_map
 
 
@@ -115,7 +115,7 @@ def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.Ph
             print(f"  spans go to {cluster.otlp_endpoint}")
         if not args.no_demo:
             print()
-            from shardrouter.devcluster.demo import run_demo
+            from localcluster.demo import run_demo
 
             demo = run_demo(
                 target, load_shard_map(cluster.shard_map_path), lambda line: print(line, flush=True)
