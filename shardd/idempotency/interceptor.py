@@ -86,6 +86,23 @@ class MutatingMethod:
 
 
 @dataclass(frozen=True)
+class KeyedRequest:
+    """A validated call of a guarded method: whose key, for what request."""
+
+    scope: str
+    key: uuid.UUID
+    key_time: datetime
+    request: Message
+    #: SHA-256 of the method name and the request's deterministic serialisation.
+    request_hash: bytes
+
+    @property
+    def scoped_key(self) -> ScopedKey:
+        """(scope, key text): how this process's memory knows the key."""
+        return (self.scope, str(self.key))
+
+
+@dataclass(frozen=True)
 class CallOutcome:
     """What happened to one guarded call, for metrics and traces."""
 
@@ -223,7 +240,8 @@ class _GuardedCall:
                 method.encode() + b"\x00" + request.SerializeToString(deterministic=True)
             ).digest()
             try:
-                outcome, kind = self._answer(context, scope, key, moment, request, request_hash, span)
+                call = KeyedRequest(scope, key, moment, request, request_hash)
+                outcome, kind = self._answer(context, call, span)
             except ShardRouterError:
                 raise
             except Exception as exc:
@@ -286,28 +304,21 @@ class _GuardedCall:
             ) from exc
 
     def _answer(
-        self,
-        context: grpc.ServicerContext,
-        scope: str,
-        key: uuid.UUID,
-        moment: datetime,
-        request: Message,
-        request_hash: bytes,
-        span: trace.Span,
+        self, context: grpc.ServicerContext, call: KeyedRequest, span: trace.Span
     ) -> tuple[StoredOutcome, str]:
         """The call's outcome and kind: from memory when this process knows the key, else the database."""
         owner = self._owner
-        scoped: ScopedKey = (scope, str(key))
+        scoped = call.scoped_key
         cached = owner._completed.get(scoped)
         if cached is not None:
-            return self._replay(cached, request_hash, span, source="memory"), "replay"
+            return self._replay(cached, call.request_hash, span, source="memory"), "replay"
         flight, leads = owner._flights.join(scoped)
         if not leads:
-            return self._follow(flight, request_hash, span)
+            return self._follow(flight, call.request_hash, span)
         record: IdempotencyRecord | None = None
         try:
             with owner._admitted(context):
-                record, made = self._execute(context, scope, key, moment, request, request_hash, span, flight)
+                record, made = self._execute(context, call, span, flight)
         finally:
             if record is not None:
                 owner._completed.put(scoped, record)
@@ -315,7 +326,7 @@ class _GuardedCall:
         assert record is not None and record.outcome is not None
         if made:
             return record.outcome, "new"
-        return self._replay(record, request_hash, span, source="database"), "replay"
+        return self._replay(record, call.request_hash, span, source="database"), "replay"
 
     def _follow(self, flight: KeyFlight, request_hash: bytes, span: trace.Span) -> tuple[StoredOutcome, str]:
         """A duplicate of a key another thread here works on: its record, or in flight."""
@@ -370,15 +381,7 @@ class _GuardedCall:
         return record.outcome
 
     def _execute(
-        self,
-        context: grpc.ServicerContext,
-        scope: str,
-        key: uuid.UUID,
-        moment: datetime,
-        request: Message,
-        request_hash: bytes,
-        span: trace.Span,
-        flight: KeyFlight,
+        self, context: grpc.ServicerContext, call: KeyedRequest, span: trace.Span, flight: KeyFlight
     ) -> tuple[IdempotencyRecord, bool]:
         """The key's completed record from the database, and whether this call made it (ran the handler)."""
         config = self._owner._config
@@ -394,11 +397,11 @@ class _GuardedCall:
             with conn.pipeline(), conn.transaction():
                 claim = store.claim_key(
                     conn,
-                    scope=scope,
-                    key=key,
-                    key_time=moment,
+                    scope=call.scope,
+                    key=call.key,
+                    key_time=call.key_time,
                     method=self._method.full_name,
-                    request_hash=request_hash,
+                    request_hash=call.request_hash,
                     claim_lock_timeout_ms=config.claim_lock_timeout_ms,
                     handler_lock_timeout_ms=config.handler_lock_timeout_ms,
                     statement_timeout_ms=_statement_timeout_ms(context),
@@ -410,15 +413,17 @@ class _GuardedCall:
                     assert claim.existing is not None and claim.existing.outcome is not None
                     return claim.existing, False
                 flight.mark_claimed()
-                outcome = self._run_handler(conn, key, context, request)
-                store.complete_key(conn, scope=scope, key=key, key_time=moment, outcome=outcome)
+                outcome = self._run_handler(conn, call.key, context, call.request)
+                store.complete_key(
+                    conn, scope=call.scope, key=call.key, key_time=call.key_time, outcome=outcome
+                )
         assert claim.created_at is not None
         record = IdempotencyRecord(
-            scope=scope,
-            key=key,
-            key_time=moment,
+            scope=call.scope,
+            key=call.key,
+            key_time=call.key_time,
             method=self._method.full_name,
-            request_hash=request_hash,
+            request_hash=call.request_hash,
             state=RecordState.COMPLETED,
             outcome=outcome,
             created_at=claim.created_at,
