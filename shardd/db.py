@@ -11,7 +11,9 @@ import contextlib
 import contextvars
 import functools
 import logging
+import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -71,14 +73,17 @@ class Database:
         self.traced = traced
         self.transient_retry_ms = transient_retry_ms
         configure = functools.partial(_trace_statements, tracer_provider=tracer_provider) if traced else None
+        self.checks = ConnectionChecks()
         self.pool: psycopg_pool.ConnectionPool[Connection] = psycopg_pool.ConnectionPool(
             dsn,
             min_size=min_size,
             max_size=max_size,
             open=False,
             name="shardd",
-            # A checkout after a database restart gets a fresh connection instead of a dead one.
-            check=_check_connection if check_connections else None,
+            # A checkout after a database restart gets a fresh connection instead of a dead one; a
+            # connection back from a call a moment ago is not probed again (one round trip saved).
+            check=self.checks.check if check_connections else None,
+            reset=self.checks.returned if check_connections else None,
             kwargs={"autocommit": False, "application_name": "shardd"},
             reconnect_timeout=3600,
             configure=configure,
@@ -113,6 +118,33 @@ class Database:
             with conn.transaction():
                 conn.execute("SET TRANSACTION READ ONLY")
                 yield conn
+
+
+class ConnectionChecks:
+    """The pool's liveness probe, only for connections idle in the pool for a while.
+
+    A connection that came back from a call less than `idle_s` ago was alive then; probing it again
+    costs a round trip on every call. One idle longer (across a database restart, say) is probed,
+    so a dead one is replaced before a call gets it. A connection that breaks during a call is
+    discarded by the pool when it is returned.
+    """
+
+    def __init__(self, idle_s: float = 1.0) -> None:
+        self.idle_s = idle_s
+        self.probes = 0  # how many probes ran (for tests and curiosity)
+        self._returned: weakref.WeakKeyDictionary[Connection, float] = weakref.WeakKeyDictionary()
+
+    def returned(self, conn: Connection) -> None:
+        """psycopg_pool's `reset` callback: the connection is back in the pool, alive."""
+        self._returned[conn] = time.monotonic()
+
+    def check(self, conn: Connection) -> None:
+        """psycopg_pool's `check` callback: probe unless the connection was in use a moment ago."""
+        back = self._returned.get(conn)
+        if back is not None and time.monotonic() - back < self.idle_s:
+            return
+        self.probes += 1
+        _check_connection(conn)
 
 
 def _check_connection(conn: Connection) -> None:

@@ -1,0 +1,50 @@
+"""The pool probes a connection only after it sat idle, and still replaces one that died meanwhile."""
+
+from __future__ import annotations
+
+import time
+
+from localcluster.postgres import LocalPostgres
+from shardd.db import Database
+
+
+def test_a_connection_back_a_moment_ago_is_not_probed_again(database: str) -> None:
+    db = Database(database, min_size=1, max_size=1)
+    db.checks.idle_s = 0.3
+    db.open()
+    try:
+        with db.connection() as conn:  # first checkout of a new connection: probed
+            conn.execute("SELECT 1")
+            conn.commit()
+        probed = db.checks.probes
+        for _ in range(5):  # straight back out: no probe, no round trip
+            with db.connection() as conn:
+                conn.execute("SELECT 1")
+                conn.commit()
+        assert db.checks.probes == probed
+        time.sleep(0.4)  # idle longer than idle_s: probed again
+        with db.connection() as conn:
+            conn.execute("SELECT 1")
+            conn.commit()
+        assert db.checks.probes == probed + 1
+    finally:
+        db.close()
+
+
+def test_a_connection_that_died_while_idle_is_replaced_before_a_call_gets_it(
+    postgres: LocalPostgres, database: str
+) -> None:
+    db = Database(database, min_size=1, max_size=1)
+    db.checks.idle_s = 0.2
+    db.open()
+    try:
+        with db.connection() as conn:
+            conn.execute("SELECT 1")
+            conn.commit()
+        postgres.restart()
+        time.sleep(0.3)
+        with db.connection() as conn:  # the dead connection failed its probe; this one is new
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+            conn.commit()
+    finally:
+        db.close()
