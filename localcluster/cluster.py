@@ -85,7 +85,6 @@ class LocalCluster:
     data_dir: Path
     shards: int = 2
     router_port: int = 50051
-    extra_env: dict[str, str] = field(default_factory=dict)
     #: Serve /metrics of every process on a free loopback port (see `metrics_urls`).
     metrics: bool = False
     #: OTLP/gRPC endpoint every process sends its spans to ("" = tracing off).
@@ -160,7 +159,7 @@ class LocalCluster:
         return str(self.metrics_ports.get(name, 0))  # 0: no /metrics
 
     def _env(self) -> dict[str, str]:
-        return {**os.environ, **self.extra_env}
+        return dict(os.environ)
 
     def _shardd(self, shard_id: str, port: int, db: LocalPostgres) -> Daemon:
         env = {

@@ -44,7 +44,6 @@ class Reason:
     RATE_LIMITED = "RATE_LIMITED"
     SHARD_SATURATED = "SHARD_SATURATED"
     UNAUTHENTICATED = "UNAUTHENTICATED"
-    PERMISSION_DENIED = "PERMISSION_DENIED"
     INTERNAL = "INTERNAL"
 
 
@@ -130,12 +129,6 @@ class Unauthenticated(ShardRouterError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
-class PermissionDenied(ShardRouterError):
-    """The verified caller may not do this."""
-
-    code = grpc.StatusCode.PERMISSION_DENIED
-
-
 class Internal(ShardRouterError):
     """A bug or an unexpected state; nothing was applied."""
 
@@ -195,6 +188,5 @@ _RPC_CODES: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: code_pb2.DEADLINE_EXCEEDED,
     grpc.StatusCode.RESOURCE_EXHAUSTED: code_pb2.RESOURCE_EXHAUSTED,
     grpc.StatusCode.UNAUTHENTICATED: code_pb2.UNAUTHENTICATED,
-    grpc.StatusCode.PERMISSION_DENIED: code_pb2.PERMISSION_DENIED,
     grpc.StatusCode.INTERNAL: code_pb2.INTERNAL,
 }

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -31,7 +31,6 @@ class ServiceProcess:
     port: int
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
-    extra: dict[str, object] = field(default_factory=dict)
 
     @property
     def address(self) -> str:

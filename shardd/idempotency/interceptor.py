@@ -46,6 +46,7 @@ from shardrouter.errors import (
     InvalidArgument,
     Reason,
     ShardRouterError,
+    status_code_from_int,
     to_grpc_status,
     to_status_proto,
 )
@@ -517,11 +518,8 @@ class _ReplayStatus(grpc.Status):
     trailing_metadata: tuple[Trailer, ...]
 
 
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
-
-
 def _code(value: int) -> grpc.StatusCode:
-    return _CODES[value]
+    return status_code_from_int(value)
 
 
 def _trace_outcome(span: trace.Span, kind: str, code: grpc.StatusCode, message: str) -> None:

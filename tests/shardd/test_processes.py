@@ -85,7 +85,9 @@ def test_two_serving_processes_share_a_port_and_survive_a_kill(database: str, tm
         children = _children(process.proc.pid)  # type: ignore[union-attr]
         assert len(children) == 2, process.log_text()
         assert not port_is_free(process.address)
-        while time.monotonic() < deadline and "process 2 of 2" not in process.log_text():
+        while time.monotonic() < deadline and not all(
+            f"process {i} of 2" in process.log_text() for i in (1, 2)
+        ):  # each says so once it serves calls and /metrics
             time.sleep(0.1)
 
         assert _deposits(process.address, connections=12, each=3) == []
