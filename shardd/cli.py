@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import psycopg
 
 from shardd import retention as retention_job
-from shardd.processes import ServingProcesses, port_is_free
+from shardd.processes import ServingProcesses, port_is_free, stop_with_parent
 from shardd.server import MONTHS_AHEAD, prepare_database, start_shard
 from shardd.settings import ENV_PREFIX, ShardSettings, parse_settings
 from shardrouter import telemetry
@@ -151,6 +151,8 @@ def _serve_processes(settings: ShardSettings, args: list[str]) -> int:
 def _serve(settings: ShardSettings) -> int:
     # Signals are caught before anything starts: one during migrations is a clean stop too.
     signals = _TerminationSignals()
+    if settings.process_index:
+        stop_with_parent(signals.stop)
     # Off unless the OTEL_* environment asks for it (docs/tracing.md); before the server is built,
     # so the daemon sees the provider and adds its tracing interceptor.
     telemetry.configure_tracing(f"shardd/{settings.shard_id}")

@@ -24,7 +24,7 @@ from shardd.settings import ShardSettings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ServingProcesses", "port_is_free"]
+__all__ = ["ServingProcesses", "port_is_free", "stop_with_parent"]
 
 #: A process that dies sooner than this after its start is restarted only after a pause, so a
 #: process that cannot start (a bad certificate, say) is not restarted in a tight loop.
@@ -115,3 +115,23 @@ class ServingProcesses:
         process = subprocess.Popen([sys.executable, "-m", "shardd.cli", *args], env=os.environ.copy())
         self._processes[index] = (process, time.monotonic())
         log.info("started serving process %d of %d (pid %d)", index, self._settings.processes, process.pid)
+
+
+def stop_with_parent(stop: threading.Event, poll_s: float = 0.5) -> threading.Thread:
+    """In a serving process: set `stop` (a graceful stop) once the parent is gone.
+
+    A parent killed with SIGKILL cannot forward a SIGTERM; its serving processes would live on,
+    holding the port, with nobody to restart or stop them.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while not stop.wait(poll_s):
+            if os.getppid() != parent:
+                log.warning("the parent process %d is gone; stopping", parent)
+                stop.set()
+                return
+
+    watcher = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    watcher.start()
+    return watcher

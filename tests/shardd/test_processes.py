@@ -119,6 +119,30 @@ def test_two_serving_processes_share_a_port_and_survive_a_kill(database: str, tm
         process.kill()
 
 
+def test_serving_processes_stop_when_their_parent_is_killed(database: str, tmp_path: Path) -> None:
+    """SIGKILL of the parent (an OOM kill, say): its serving processes stop by themselves."""
+    process = shardd_process(tmp_path, shard_id="shard-0", dsn=database, extra_env={"SHARDD_PROCESSES": "2"})
+    process.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(_children(process.proc.pid)) < 2:  # type: ignore[union-attr]
+            time.sleep(0.1)
+        children = _children(process.proc.pid)  # type: ignore[union-attr]
+        assert len(children) == 2
+    finally:
+        process.kill()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(
+        Path(f"/proc/{pid}").exists() and not _zombie(pid) for pid in children
+    ):
+        time.sleep(0.1)
+    alive = [pid for pid in children if Path(f"/proc/{pid}").exists() and not _zombie(pid)]
+    for pid in alive:  # leave nothing behind, whatever the outcome
+        os.kill(pid, 9)
+    assert not alive, "serving processes outlived their killed parent"
+    assert port_is_free(process.address)
+
+
 def _zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
