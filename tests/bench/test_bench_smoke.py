@@ -67,8 +67,11 @@ def test_tiny_run_prints_a_table_with_non_zero_figures(tmp_path: Path) -> None:
     for cell in cells:
         assert cell["ok"] > 0 and cell["throughput"] > 0, cell
         assert cell["latency"]["p50_ms"] > 0 and cell["latency"]["p99_ms"] > 0, cell
-        assert cell["cpu_s"]["postgres"] > 0 and cell["cpu_s"]["client"] > 0, cell
+    # CPU is read from /proc in 10 ms ticks: a 1 s pgbench cell can round to nothing (and pgbench may
+    # have exited before its last reading), so only the longer-lived processes' figures are required.
     shard_cells = [c for c in cells if c["scenario"] == "shard-deposit"]
-    assert all(c["cpu_s"]["shard-a"] > 0 and c["peak_rss_kb"]["shard-a"] > 0 for c in shard_cells)
+    for cell in shard_cells:
+        assert cell["cpu_s"]["postgres"] > 0 and cell["cpu_s"]["client"] > 0, cell
+        assert cell["cpu_s"]["shard-a"] > 0 and cell["peak_rss_kb"]["shard-a"] > 0, cell
     # Nothing left behind: the harness removes its temp dirs.
     assert set(temp_root.glob("shard-router-bench-*")) <= before
