@@ -16,13 +16,7 @@ from router.server import ListenError, start_router
 from router.settings import ENV_PREFIX, RouterSettings, parse_settings
 from shardrouter import telemetry
 from shardrouter.logs import configure_logging
-from shardrouter.settings_source import (
-    UsageError,
-    help_text,
-    parse_command,
-    split_command_line,
-    unknown_environment,
-)
+from shardrouter.settings_source import read_command_line, unknown_environment
 from shardrouter.shardmap import ShardMapError
 
 log = logging.getLogger("router")
@@ -39,19 +33,18 @@ Flags go before or after the command; each one is also a ROUTER_* environment va
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `router` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        line = split_command_line(args, RouterSettings)
-        if line.help or line.words[:1] == ["help"]:
-            print(help_text(RouterSettings, ENV_PREFIX, USAGE))
-            return 0
-        if not line.words:
-            raise UsageError("no command given")
-        parse_command(line.words, {("serve",): 0})
-        settings = parse_settings(args)
-    except ValueError as exc:
-        print(f"router: {exc}", file=sys.stderr)
-        print(USAGE.split("\n\n", 1)[0] + "\n(router --help lists every flag)", file=sys.stderr)
-        return 2
+    read = read_command_line(
+        args,
+        RouterSettings,
+        prog="router",
+        prefix=ENV_PREFIX,
+        usage=USAGE,
+        commands={("serve",): 0},
+        parse=parse_settings,
+    )
+    if isinstance(read, int):
+        return read
+    settings = read[0]
     configure_logging("router", level=settings.log_level, fmt=settings.log_format)
     for problem in unknown_environment(RouterSettings, ENV_PREFIX):
         log.warning(problem)

@@ -19,13 +19,7 @@ from shardd.settings import ENV_PREFIX, ShardSettings, parse_settings
 from shardrouter import telemetry
 from shardrouter.keys import key_time
 from shardrouter.logs import configure_logging
-from shardrouter.settings_source import (
-    UsageError,
-    help_text,
-    parse_command,
-    split_command_line,
-    unknown_environment,
-)
+from shardrouter.settings_source import read_command_line, unknown_environment
 
 log = logging.getLogger("shardd")
 
@@ -58,19 +52,18 @@ COMMANDS: dict[tuple[str, ...], int] = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `shardd` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        line = split_command_line(args, ShardSettings)
-        if line.help or line.words[:1] == ["help"]:
-            print(help_text(ShardSettings, ENV_PREFIX, USAGE))
-            return 0
-        if not line.words:
-            raise UsageError("no command given")
-        command, operands = parse_command(line.words, COMMANDS)
-        settings = parse_settings(args)
-    except ValueError as exc:
-        print(f"shardd: {exc}", file=sys.stderr)
-        print(USAGE.split("\n\n", 1)[0] + "\n(shardd --help lists every command and flag)", file=sys.stderr)
-        return 2
+    read = read_command_line(
+        args,
+        ShardSettings,
+        prog="shardd",
+        prefix=ENV_PREFIX,
+        usage=USAGE,
+        commands=COMMANDS,
+        parse=parse_settings,
+    )
+    if isinstance(read, int):
+        return read
+    settings, command, operands = read
     configure_logging(f"shardd/{settings.shard_id}", level=settings.log_level, fmt=settings.log_format)
     if not settings.log_calls:
         logging.getLogger("shardd.calls").setLevel(logging.WARNING)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 
 from shardd.settings import ShardSettings
+from shardrouter import grpcserver
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,7 @@ def port_is_free(listen: str) -> bool:
 
     The serving processes share their port; this check keeps them from sharing it with a stranger.
     """
-    host, _, port = listen.rpartition(":")
-    host = host.strip("[]") or "0.0.0.0"  # noqa: S104 - an empty host means every interface
+    host, port = grpcserver.listen_host(listen), listen.rpartition(":")[2]
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         try:

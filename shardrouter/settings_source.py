@@ -15,9 +15,12 @@ import difflib
 import inspect
 import os
 import re
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, Field, dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
+
+_Settings = TypeVar("_Settings")
 
 __all__ = [
     "CommandLine",
@@ -28,6 +31,7 @@ __all__ = [
     "env_names",
     "help_text",
     "parse_command",
+    "read_command_line",
     "setting_docs",
     "settings_reference",
     "settings_values",
@@ -120,6 +124,34 @@ def parse_command(
     suggestion = closest(words[0], firsts) if words else None
     hint = f" (did you mean '{suggestion}'?)" if suggestion else ""
     raise UsageError(f"unknown command '{spelled}'{hint}; commands: {', '.join(known)}")
+
+
+def read_command_line(
+    args: Sequence[str],
+    cls: type[Any],
+    *,
+    prog: str,
+    prefix: str,
+    usage: str,
+    commands: Mapping[tuple[str, ...], int],
+    parse: Callable[[Sequence[str]], _Settings],
+) -> tuple[_Settings, tuple[str, ...], list[str]] | int:
+    """A daemon's command line read whole: (settings, command, operands), or the exit status when there
+    is nothing to run (`--help`: printed, 0; a usage error or a bad setting: printed, 2)."""
+    try:
+        line = split_command_line(args, cls)
+        if line.help or line.words[:1] == ["help"]:
+            print(help_text(cls, prefix, usage))
+            return 0
+        if not line.words:
+            raise UsageError("no command given")
+        command, operands = parse_command(line.words, commands)
+        settings = parse(args)
+    except ValueError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        print(usage.split("\n\n", 1)[0] + f"\n({prog} --help lists every command and flag)", file=sys.stderr)
+        return 2
+    return settings, command, operands
 
 
 def settings_values(
