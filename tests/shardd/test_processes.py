@@ -80,9 +80,7 @@ def test_two_serving_processes_share_a_port_and_survive_a_kill(database: str, tm
     process.start()
     try:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and len(_children(process.proc.pid)) < 2:  # type: ignore[union-attr]
-            time.sleep(0.1)
-        children = _children(process.proc.pid)  # type: ignore[union-attr]
+        children = _serving_processes(process, 2, timeout_s=30)
         assert len(children) == 2, process.log_text()
         assert not port_is_free(process.address)
         while time.monotonic() < deadline and not all(
@@ -100,8 +98,7 @@ def test_two_serving_processes_share_a_port_and_survive_a_kill(database: str, tm
         while time.monotonic() < deadline + 30 and "starting it again" not in process.log_text():
             time.sleep(0.1)
         assert "starting it again" in process.log_text()
-        while time.monotonic() < deadline + 30 and len(_children(process.proc.pid)) < 2:  # type: ignore[union-attr]
-            time.sleep(0.1)
+        _serving_processes(process, 2, timeout_s=30)
         assert _deposits(process.address, connections=6, each=1) == []
         with psycopg.connect(database) as conn:
             row = conn.execute(
@@ -124,10 +121,7 @@ def test_serving_processes_stop_when_their_parent_is_killed(database: str, tmp_p
     process = shardd_process(tmp_path, shard_id="shard-0", dsn=database, extra_env={"SHARDD_PROCESSES": "2"})
     process.start()
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and len(_children(process.proc.pid)) < 2:  # type: ignore[union-attr]
-            time.sleep(0.1)
-        children = _children(process.proc.pid)  # type: ignore[union-attr]
+        children = _serving_processes(process, 2, timeout_s=30)
         assert len(children) == 2
     finally:
         process.kill()
@@ -141,6 +135,15 @@ def test_serving_processes_stop_when_their_parent_is_killed(database: str, tmp_p
         os.kill(pid, 9)
     assert not alive, "serving processes outlived their killed parent"
     assert port_is_free(process.address)
+
+
+def _serving_processes(process: ServiceProcess, count: int, timeout_s: float) -> list[int]:
+    """The parent's child processes, once there are `count` of them (or what there is at the time-out)."""
+    assert process.proc is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and len(_children(process.proc.pid)) < count:
+        time.sleep(0.1)
+    return _children(process.proc.pid)
 
 
 def _zombie(pid: int) -> bool:
