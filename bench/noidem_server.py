@@ -28,6 +28,7 @@ from shardrouter import grpcserver
 from shardrouter.error_interceptor import DomainErrorInterceptor
 from shardrouter.keys import KEY_METADATA, parse_key
 from shardrouter.logs import configure_logging
+from shardrouter.termination import TerminationSignals
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 
 log = logging.getLogger("bench.noidem")
@@ -72,7 +73,7 @@ def main() -> int:
     """Serve until SIGTERM/SIGINT."""
     settings = parse_settings([])
     configure_logging("bench/noidem", level=settings.log_level, fmt=settings.log_format)
-    stop = grpcserver.install_termination_handlers()
+    stop = TerminationSignals(starting=False).stop
     database = Database(
         settings.dsn,
         min_size=settings.pool_min,

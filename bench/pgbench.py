@@ -37,7 +37,8 @@ import psycopg
 from bench.procstat import Tracked, sample
 from bench.results import CellResult, latency_summary
 from bench.services import CURRENCY, BenchSystem
-from shardrouter.keys import key_time, new_key
+from shardrouter.callers import CALLER_METADATA
+from shardrouter.keys import KEY_METADATA, key_time, new_key
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 
 #: A UUIDv7 for the transaction's time with 74 bits from pgbench's random(): now() is the transaction's
@@ -91,7 +92,7 @@ def capture(system: BenchSystem, address: str, database: str) -> list[Captured]:
     stub = transfer_pb2_grpc.TransferServiceStub(channel)
 
     def md(key: uuid.UUID) -> tuple[tuple[str, str | bytes], ...]:
-        return (("idempotency-key", str(key)), ("x-caller-id", "bench"))
+        return ((KEY_METADATA, str(key)), (CALLER_METADATA, "bench"))
 
     def money(amount: int) -> transfer_pb2.Money:
         return transfer_pb2.Money(amount_minor=amount, currency=CURRENCY)

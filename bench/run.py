@@ -38,7 +38,8 @@ from bench import pgbench
 from bench.loadgen import LoadSpec, ensure_installed, run_load
 from bench.results import CellResult
 from bench.services import CURRENCY, BenchSystem, bench_system
-from shardrouter.keys import new_key
+from shardrouter.callers import CALLER_METADATA
+from shardrouter.keys import KEY_METADATA, new_key
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -367,8 +368,8 @@ class _Cells:
                 account_id=system.hot_account, amount=transfer_pb2.Money(amount_minor=1, currency=CURRENCY)
             )
             metadata: tuple[tuple[str, str | bytes], ...] = (
-                ("idempotency-key", key),
-                ("x-caller-id", "bench"),
+                (KEY_METADATA, key),
+                (CALLER_METADATA, "bench"),
             )
             with grpc.insecure_channel(self._address("shard-a-holder")) as channel:
                 stub = transfer_pb2_grpc.TransferServiceStub(channel)

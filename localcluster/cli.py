@@ -14,7 +14,7 @@ from pathlib import Path
 
 from localcluster import tracing_ui
 from localcluster.cluster import LocalCluster, default_data_dir
-from shardrouter import telemetry
+from shardrouter import tracing
 from shardrouter.shardmap import load_shard_map
 
 
@@ -78,11 +78,11 @@ def main(argv: Sequence[str]) -> int:
         os.environ.update(
             {"OTEL_EXPORTER_OTLP_ENDPOINT": cluster.otlp_endpoint, "OTEL_BSP_SCHEDULE_DELAY": "500"}
         )
-        telemetry.configure_tracing("shard-router-demo")
+        tracing.configure_tracing("shard-router-demo")
     try:
         return _run(args, cluster, phoenix)
     finally:
-        telemetry.shutdown_tracing()
+        tracing.shutdown_tracing()
         if phoenix is not None:
             phoenix.stop()
 
@@ -107,7 +107,7 @@ def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.Ph
         for name, url in cluster.metrics_urls.items():
             print(f"  metrics of {name}: {url}")
         if phoenix is not None:
-            print(f"  tracing UI: {phoenix.ui_url} (project {telemetry.TRACE_PROJECT})")
+            print(f"  tracing UI: {phoenix.ui_url} (project {tracing.TRACE_PROJECT})")
             print(
                 f"  your own callers can trace there too: OTEL_EXPORTER_OTLP_ENDPOINT={phoenix.otlp_endpoint}"
             )
@@ -138,8 +138,8 @@ def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.Ph
 
 def _show_replay_span(phoenix: tracing_ui.PhoenixProcess, key: str, timeout_s: float = 20.0) -> None:
     """Print a link to the demo's replay span once Phoenix has it (the exporters batch for 0.5 s)."""
-    telemetry.force_flush()
-    spans = tracing_ui.replay_spans(phoenix.ui_url, telemetry.TRACE_PROJECT, key, timeout_s=timeout_s)
+    tracing.force_flush()
+    spans = tracing_ui.replay_spans(phoenix.ui_url, tracing.TRACE_PROJECT, key, timeout_s=timeout_s)
     if spans:
         span_id = spans[0]["context"]["span_id"]
         print(f"\nThe replay of step 2 in the tracing UI: {tracing_ui.span_url(phoenix.ui_url, span_id)}")

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from shardrouter import telemetry
-from shardrouter.keys import new_key
+from shardrouter import tracing
+from shardrouter.keys import KEY_METADATA, new_key
 from shardrouter.shardmap import ShardMap
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 
@@ -32,7 +32,7 @@ def seed_accounts(stub: transfer_pb2_grpc.TransferServiceStub, say: Callable[[st
                 amount=transfer_pb2.Money(amount_minor=100_00, currency="EUR"),
                 reference="demo seed",
             ),
-            metadata=(("idempotency-key", str(new_key())),),
+            metadata=((KEY_METADATA, str(new_key())),),
             timeout=10,
         )
         say(f"  deposit 100.00 EUR -> {account}: balance {_eur(reply.balance.amount_minor)}")
@@ -52,9 +52,7 @@ def run_demo(target: str, shard_map: ShardMap, say: Callable[[str], None] = prin
     counts = result.counts
     with grpc.insecure_channel(target) as plain:
         channel = (
-            grpc.intercept_channel(plain, telemetry.client_interceptor())
-            if telemetry.tracing_active()
-            else plain
+            grpc.intercept_channel(plain, tracing.client_interceptor()) if tracing.tracing_active() else plain
         )
         stub = transfer_pb2_grpc.TransferServiceStub(channel)
         say("Seeding demo accounts:")
@@ -70,7 +68,7 @@ def run_demo(target: str, shard_map: ShardMap, say: Callable[[str], None] = prin
             amount=transfer_pb2.Money(amount_minor=25_00, currency="EUR"),
             reference="demo",
         )
-        first, call = stub.Transfer.with_call(request, metadata=(("idempotency-key", key),), timeout=10)
+        first, call = stub.Transfer.with_call(request, metadata=((KEY_METADATA, key),), timeout=10)
         counts["applied"] += 1
         say(
             f"   idempotency-key {key}\n   -> transfer {first.transfer.transfer_id} "
@@ -78,7 +76,7 @@ def run_demo(target: str, shard_map: ShardMap, say: Callable[[str], None] = prin
         )
 
         say("\n2. The caller retries with the same key (say its first answer was lost):")
-        again, call = stub.Transfer.with_call(request, metadata=(("idempotency-key", key),), timeout=10)
+        again, call = stub.Transfer.with_call(request, metadata=((KEY_METADATA, key),), timeout=10)
         result.replay_key = key
         trailers = dict(call.trailing_metadata())
         if trailers.get("idempotency-replayed") == "true":
@@ -97,7 +95,7 @@ def run_demo(target: str, shard_map: ShardMap, say: Callable[[str], None] = prin
         def attempt() -> None:
             barrier.wait()
             try:
-                _, c = stub.Transfer.with_call(request, metadata=(("idempotency-key", key),), timeout=10)
+                _, c = stub.Transfer.with_call(request, metadata=((KEY_METADATA, key),), timeout=10)
                 replayed = dict(c.trailing_metadata()).get("idempotency-replayed") == "true"
                 outcomes.append("replay" if replayed else "applied")
             except grpc.RpcError as err:
@@ -126,7 +124,7 @@ def run_demo(target: str, shard_map: ShardMap, say: Callable[[str], None] = prin
                     amount=transfer_pb2.Money(amount_minor=10_00, currency="EUR"),
                     reference="demo cross",
                 ),
-                metadata=(("idempotency-key", str(new_key())),),
+                metadata=((KEY_METADATA, str(new_key())),),
                 timeout=10,
             )
             say(

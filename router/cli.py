@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 
-from router.server import ListenError, start_router
+from router.server import start_router
 from router.settings import ENV_PREFIX, RouterSettings, parse_settings
-from shardrouter import telemetry
+from shardrouter import tracing
+from shardrouter.grpcserver import ListenError
 from shardrouter.logs import configure_logging
 from shardrouter.settings_source import read_command_line, unknown_environment
 from shardrouter.shardmap import ShardMapError
+from shardrouter.termination import aio_termination_event
 
 log = logging.getLogger("router")
 
@@ -49,16 +50,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for problem in unknown_environment(RouterSettings, ENV_PREFIX):
         log.warning(problem)
     # Off unless the OTEL_* environment asks for it (docs/tracing.md).
-    telemetry.configure_tracing("router")
+    tracing.configure_tracing("router")
     try:
         return asyncio.run(serve(settings))
     finally:
-        telemetry.shutdown_tracing()  # flush the spans still queued
+        tracing.shutdown_tracing()  # flush the spans still queued
 
 
 async def serve(settings: RouterSettings) -> int:
     """Serve until SIGTERM or SIGINT, then stop gracefully; the exit code."""
-    stop = _termination_signal()  # before start-up: a signal during it stops the router right after
+    stop = aio_termination_event()  # before start-up: a signal during it stops the router right after
     try:
         router = await start_router(settings)
     except ShardMapError as exc:
@@ -75,21 +76,6 @@ async def serve(settings: RouterSettings) -> int:
     await router.stop()
     log.info("stopped")
     return 0
-
-
-def _termination_signal() -> asyncio.Event:
-    """An event set on SIGTERM or SIGINT, received on the running loop."""
-    loop = asyncio.get_running_loop()
-    received = asyncio.Event()
-
-    def on_signal(signum: signal.Signals) -> None:
-        log.info("received %s, shutting down", signum.name)
-        received.set()
-
-    # Left installed while the router drains: a second signal must not kill it half way.
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
-    return received
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from opentelemetry import trace
 from router.channels import ChannelPool
 from router.metadata import CallerPolicy, MetadataEntry, forwardable
 from router.routing import METHODS_BY_PATH, RoutedMethod, ShardMapHolder, routing_account
-from shardrouter import telemetry
+from router.tracing import record_forwarded_status, router_span
 from shardrouter.errors import ERROR_DOMAIN, Internal, Reason, ShardRouterError, Unavailable, to_grpc_status
 from shardrouter.keys import KEY_METADATA
 from shardrouter.metrics import RouterMetrics
@@ -173,14 +173,14 @@ class Forwarder(_GenericHandler):
     ) -> Outcome:
         if not self._traced:
             return await self._send(shard, method, raw, metadata, context)
-        with telemetry.router_span(
+        with router_span(
             method.full_name, metadata, tracer_provider=self._tracer_provider, shard_id=shard.id
         ) as traced_metadata:
             outcome = await self._send(shard, method, raw, tuple(traced_metadata), context)
             span = trace.get_current_span()
             if unreached(outcome.code, outcome.trailing_metadata):
                 span.set_attribute("router.shard_unreached", True)
-            telemetry.record_forwarded_status(outcome.code, outcome.details)
+            record_forwarded_status(outcome.code, outcome.details)
             return outcome
 
     async def _send(

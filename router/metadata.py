@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 import grpc.aio
 
+from shardrouter.callers import CALLER_METADATA, peer_common_name
 from shardrouter.errors import Reason, Unauthenticated
 
 if TYPE_CHECKING:  # grpc's classes are generic only in the type stubs
     ServicerContext = grpc.aio.ServicerContext[bytes, bytes]
 
-CALLER_METADATA = "x-caller-id"
 MetadataEntry = tuple[str, str | bytes]
 
 # Connection-level headers: gRPC sets its own on the router's outgoing call (a deadline travels as
@@ -78,11 +78,3 @@ class CallerPolicy:
             "the shards who is calling; configure ROUTER_TLS_CA, or ROUTER_DEV_MODE for local runs",
             reason=Reason.UNAUTHENTICATED,
         )
-
-
-def peer_common_name(context: ServicerContext) -> str | None:
-    """The common name of the caller's verified client certificate, if any."""
-    names = list(context.auth_context().get("x509_common_name") or ())
-    if not names:
-        return None
-    return names[0].decode("utf-8", "replace")

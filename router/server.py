@@ -18,15 +18,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import grpc.aio
-from grpc_health.v1 import _async as health_aio  # = grpc_health.v1.health.aio; not in the type stubs
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
 from router.channels import ChannelPool
@@ -34,17 +30,11 @@ from router.forwarding import Forwarder
 from router.metadata import CallerPolicy
 from router.routing import SERVICE, ShardMapHolder
 from router.settings import RouterSettings
-from shardrouter import grpcserver, telemetry
+from shardrouter import grpcserver, tls, tracing
 from shardrouter.metrics import MetricsServer, RouterMetrics, start_metrics_server
 from shardrouter.shardmap import ShardMap
 
 log = logging.getLogger(__name__)
-
-HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-
-
-class ListenError(RuntimeError):
-    """The listen address cannot be bound (in use, or invalid)."""
 
 
 @dataclass
@@ -91,17 +81,15 @@ async def start_router(
     """Load the shard map (ShardMapError if it is unusable), then serve on the running event loop.
 
     Tracing: spans go to `tracer_provider` when given (tests), else to the global provider that
-    `telemetry.configure_tracing` installed; with neither, no tracing interceptor or span is made.
+    `tracing.configure_tracing` installed; with neither, no tracing interceptor or span is made.
 
-    Raises ListenError if the listen address cannot be bound, OSError if a TLS file cannot be read.
+    Raises grpcserver.ListenError if the listen address cannot be bound, OSError if a TLS file cannot be read.
     """
     loop = asyncio.get_running_loop()
-    traced = telemetry.tracing_active(tracer_provider)
+    traced = tracing.tracing_active(tracer_provider)
     metrics = RouterMetrics() if settings.metrics_port > 0 else None
     shard_certificates = (
-        grpcserver.ClientCertificateFiles(
-            settings.shard_tls_cert, settings.shard_tls_key, settings.shard_tls_ca
-        )
+        tls.ClientCertificateFiles(settings.shard_tls_cert, settings.shard_tls_key, settings.shard_tls_ca)
         if settings.shard_tls_enabled
         else None
     )
@@ -132,7 +120,7 @@ async def start_router(
         metrics=metrics,
     )
     server = grpc.aio.server(
-        interceptors=[telemetry.aio_server_interceptor(tracer_provider)] if traced else [],
+        interceptors=[tracing.aio_server_interceptor(tracer_provider)] if traced else [],
         options=grpcserver.server_options(
             max_message_bytes=settings.max_message_bytes,
             max_metadata_bytes=settings.max_metadata_bytes,
@@ -141,16 +129,16 @@ async def start_router(
         maximum_concurrent_rpcs=settings.max_calls,
     )
     server.add_generic_rpc_handlers((forwarder,))
-    health_servicer = await add_health_and_reflection(server, [SERVICE])
+    health_servicer = await grpcserver.add_aio_health_and_reflection(server, [SERVICE])
     credentials = (
-        grpcserver.server_credentials(settings.tls_cert, settings.tls_key, settings.tls_ca)
+        tls.server_credentials(settings.tls_cert, settings.tls_key, settings.tls_ca)
         if settings.tls_enabled
         else None
     )
-    port = bind(server, settings.listen, credentials)
+    port = grpcserver.bind(server, settings.listen, credentials)
     await server.start()
     shard_maps.start()
-    await mark_serving(health_servicer, [SERVICE])
+    await grpcserver.aio_mark_serving(health_servicer, [SERVICE])
     if not settings.verifies_callers and not settings.dev_mode:
         log.warning(
             "callers are not verified (no ROUTER_TLS_CA) and not in dev mode: every call will be refused"
@@ -176,48 +164,13 @@ async def start_router(
     return router
 
 
-async def _follow_rotation(
-    files: grpcserver.ClientCertificateFiles, pool: ChannelPool, interval_s: float
-) -> None:
+async def _follow_rotation(files: tls.ClientCertificateFiles, pool: ChannelPool, interval_s: float) -> None:
     """Poll the router's client certificate files; on a rotation, new channels use the new ones."""
     while True:
         await asyncio.sleep(interval_s)
         credentials = await asyncio.to_thread(files.changed)
         if credentials is not None:
             pool.replace_credentials(credentials)
-
-
-def bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
-    """Bind `address` (ListenError if the port is taken or the address invalid); the bound port."""
-    try:
-        port = (
-            server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-        )
-    except RuntimeError as exc:  # grpcio >= 1.5x raises instead of returning port 0
-        raise ListenError(f"cannot listen on {address}: {exc}") from None
-    if port == 0:
-        raise ListenError(f"cannot listen on {address}: the address is in use or invalid")
-    return port
-
-
-async def add_health_and_reflection(server: grpc.aio.Server, service_names: Sequence[str]) -> Any:
-    """Register asyncio gRPC health (every service NOT_SERVING until `mark_serving`) and reflection.
-
-    The aio twin of `shardrouter.grpcserver.add_health_and_reflection`; returns the health servicer.
-    """
-    servicer = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    for name in ("", *service_names):
-        await servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    # enable_server_reflection registers its asyncio servicer on a grpc.aio server.
-    reflection.enable_server_reflection((*service_names, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
-    return servicer
-
-
-async def mark_serving(servicer: Any, service_names: Sequence[str]) -> None:
-    """Report every service SERVING."""
-    for name in ("", *service_names):
-        await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
 class RouterThread:

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from localcluster.postgres import LocalPostgres
     from shardd.server import start_shard
     from shardd.settings import ShardSettings
-    from shardrouter import telemetry
+    from shardrouter import tracing
 
     with tempfile.TemporaryDirectory(prefix="bench-tracing-") as work:
         postgres = LocalPostgres(Path(work) / "pg")
@@ -110,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         exporter = CountingExporter()
         providers = {
             "off": None,
-            "on": telemetry.new_tracer_provider("shardd/bench", [exporter]),
-            "on-no-sql": telemetry.new_tracer_provider("shardd/bench", [exporter]),
-            "sampled": telemetry.new_tracer_provider(
+            "on": tracing.new_tracer_provider("shardd/bench", [exporter]),
+            "on-no-sql": tracing.new_tracer_provider("shardd/bench", [exporter]),
+            "sampled": tracing.new_tracer_provider(
                 "shardd/bench", [exporter], sampler=ParentBased(TraceIdRatioBased(0.1))
             ),
         }

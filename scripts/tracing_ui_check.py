@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
 
 from localcluster import tracing_ui  # noqa: E402
 from localcluster.postgres import free_port  # noqa: E402
-from shardrouter import telemetry  # noqa: E402
+from shardrouter import tracing  # noqa: E402
 
 #: Debian's `chromium` and `chromium-driver` put these on PATH (in /usr/bin).
 CHROMIUM = "chromium"
@@ -137,7 +137,7 @@ def check(
     ui_url: str, key: str, shot: Path | None, browser: tuple[str, str] = (CHROMIUM, CHROMEDRIVER)
 ) -> int:
     """Find the replay span of `key` through the API, then see it in the browser."""
-    spans = tracing_ui.replay_spans(ui_url, telemetry.TRACE_PROJECT, key, timeout_s=30)
+    spans = tracing_ui.replay_spans(ui_url, tracing.TRACE_PROJECT, key, timeout_s=30)
     if not spans:
         print(f"Phoenix at {ui_url} has no replay span for idempotency.key={key}", file=sys.stderr)
         return 1
@@ -192,7 +192,7 @@ def _deposit_and_replay(port: int, otlp: str, store: Path) -> str:
 
     from shardclient import SqliteOperationStore, TransferClient
 
-    provider = telemetry.new_tracer_provider(
+    provider = tracing.new_tracer_provider(
         "browser-check-caller", [OTLPSpanExporter(endpoint=otlp, insecure=True)], batch=False
     )
     try:

@@ -48,7 +48,7 @@ from shardclient.operation import Operation, OperationState
 from shardclient.status import RpcFailure
 from shardclient.store import SqliteOperationStore
 from shardclient.wire import InvalidOperation, message_to_dict
-from shardrouter import telemetry
+from shardrouter import tracing
 from shardrouter.v1 import transfer_pb2
 
 __all__ = ["ExitCode", "build_parser", "check_flags", "default_store_path", "main"]
@@ -211,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(ExitCode.USAGE)
     out = _Output(json_mode=ns.json)
     # Off unless OTEL_* asks for it; then each operation and attempt is a span (shardclient.tracing).
-    telemetry.configure_tracing("shard-router-cli")
+    tracing.configure_tracing("shard-router-cli")
     try:
         if ns.command in ("balance", "get-transfer"):
             with TransferClient(ns.target, store=None, caller_id=ns.caller) as client:
@@ -224,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ExitCode.USAGE, f"{ns.command}: {error}", {"command": ns.command, "error": str(error)}
         )
     finally:
-        telemetry.shutdown_tracing()  # export what is queued before the process ends
+        tracing.shutdown_tracing()  # export what is queued before the process ends
 
 
 def _operations(

@@ -24,7 +24,6 @@ from opentelemetry import trace
 from shardclient.operation import Attempt, Operation, OperationState, Outcome, utc_now
 from shardclient.retry import RetryPolicy, Verdict, backoff_s, classify, server_delay_s
 from shardclient.status import (
-    CALLER_METADATA,
     ErrorDetails,
     RpcFailure,
     error_details,
@@ -41,6 +40,7 @@ from shardclient.wire import (
     transfer_arguments,
     validate,
 )
+from shardrouter.callers import CALLER_METADATA
 from shardrouter.keys import KEY_METADATA
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 

@@ -16,7 +16,6 @@ from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 
 __all__ = [
-    "CALLER_METADATA",
     "DETAILS_TRAILER",
     "REPLAYED_TRAILER",
     "RETRY_PUSHBACK_TRAILER",
@@ -31,7 +30,6 @@ __all__ = [
 DETAILS_TRAILER = "grpc-status-details-bin"
 RETRY_PUSHBACK_TRAILER = "grpc-retry-pushback-ms"
 REPLAYED_TRAILER = "idempotency-replayed"
-CALLER_METADATA = "x-caller-id"
 
 Trailers = Iterable[tuple[str, str | bytes]]
 

@@ -24,7 +24,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind
 
 from shardclient.operation import Operation
-from shardrouter import telemetry
+from shardrouter import tracing
 
 MetadataPairs = tuple[tuple[str, str], ...]
 
@@ -65,13 +65,13 @@ class AttemptSpans:
         ) as span:
             if self._first_attempt is None:
                 self._first_attempt = span.get_span_context()
-            sent = tuple((k, v) for k, v in telemetry.inject_trace_context(metadata) if isinstance(v, str))
+            sent = tuple((k, v) for k, v in tracing.inject_trace_context(metadata) if isinstance(v, str))
             yield sent, span
 
 
 def record_attempt(span: trace.Span, code: grpc.StatusCode, message: str, *, replayed: bool) -> None:
     """The attempt's answer on its span: status code, and whether the shard replayed a stored answer."""
-    telemetry.set_rpc_status(span, code, server=False, message=message)
+    tracing.set_rpc_status(span, code, server=False, message=message)
     span.set_attribute("idempotency.replayed", replayed)
     if replayed:
         span.add_event("idempotency.replay")
@@ -81,8 +81,8 @@ class OperationTracer:
     """Makes the spans of `send_with_retries`; a no-op while tracing is off."""
 
     def __init__(self, tracer_provider: trace.TracerProvider | None = None) -> None:
-        active = telemetry.tracing_active(tracer_provider)
-        self._tracer = telemetry.get_tracer(tracer_provider) if active else None
+        active = tracing.tracing_active(tracer_provider)
+        self._tracer = tracing.get_tracer(tracer_provider) if active else None
 
     @contextmanager
     def operation(self, operation: Operation, method: str) -> Iterator[AttemptSpans]:

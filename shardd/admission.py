@@ -30,13 +30,13 @@ from typing import Any
 
 import grpc
 
+from shardrouter.callers import CALLER_METADATA, peer_common_name
 from shardrouter.errors import Reason, ResourceExhausted, ShardRouterError, Unavailable, to_grpc_status
-from shardrouter.grpcserver import MethodHandler, UnaryInterceptor, with_behaviour
+from shardrouter.interceptors import MethodHandler, UnaryInterceptor, with_behaviour
 
 __all__ = ["Admission", "AdmissionInterceptor", "AdmissionLimits", "caller_bucket"]
 
 _EXEMPT_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
-CALLER_METADATA = "x-caller-id"
 
 
 class AdmissionLimits:
@@ -153,9 +153,7 @@ def caller_bucket(context: grpc.ServicerContext, trusted: frozenset[str]) -> str
         (v[:128] for k, v in context.invocation_metadata() if k == CALLER_METADATA and isinstance(v, str)),
         None,
     )
-    names = context.auth_context().get("x509_common_name")
-    if names:
-        first = names if isinstance(names, bytes) else next(iter(names))
-        verified = first.decode("utf-8", "replace")
+    verified = peer_common_name(context)
+    if verified is not None:
         return claimed if claimed and verified in trusted else verified
     return claimed or context.peer().rsplit(":", 1)[0]

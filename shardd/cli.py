@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import sys
-import threading
 import uuid
 from collections.abc import Sequence
 
@@ -16,10 +14,13 @@ from shardd import retention as retention_job
 from shardd.processes import ServingProcesses, port_is_free, stop_with_parent
 from shardd.server import MONTHS_AHEAD, prepare_database, start_shard
 from shardd.settings import ENV_PREFIX, ShardSettings, parse_settings
-from shardrouter import telemetry
+from shardrouter import tracing
+from shardrouter.grpcserver import ListenError
 from shardrouter.keys import key_time
 from shardrouter.logs import configure_logging
 from shardrouter.settings_source import read_command_line, unknown_environment
+from shardrouter.shardmap import ShardMapError
+from shardrouter.termination import StopDuringStartUp, TerminationSignals
 
 log = logging.getLogger("shardd")
 
@@ -76,6 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except psycopg.OperationalError as exc:
         print(f"shardd: {database_unreachable(settings.dsn, exc)}", file=sys.stderr)
         return 1
+    except (ShardMapError, ListenError) as exc:  # start-up configuration: one clear line, no traceback
+        print(f"shardd: cannot start: {exc}", file=sys.stderr)
+        return 2
 
 
 def _run(settings: ShardSettings, command: tuple[str, ...], operands: list[str]) -> int:
@@ -96,31 +100,9 @@ def _run(settings: ShardSettings, command: tuple[str, ...], operands: list[str])
     return _lookup_key(settings, operands[0])
 
 
-class _StopDuringStartUp(KeyboardInterrupt):
-    """SIGTERM or SIGINT before the daemon serves. A KeyboardInterrupt, so that psycopg cancels the
-    statement it is waiting for (a long migration) and the transaction rolls back."""
-
-
-class _TerminationSignals:
-    """SIGTERM and SIGINT, caught from now on: `stop` is set, and during start-up the main thread is
-    interrupted too (a migration waiting on the database is cancelled and rolled back)."""
-
-    def __init__(self) -> None:
-        self.stop = threading.Event()
-        self.starting = True
-        signal.signal(signal.SIGTERM, self._received)
-        signal.signal(signal.SIGINT, self._received)
-
-    def _received(self, signum: int, _frame: object) -> None:
-        log.info("received %s, shutting down", signal.Signals(signum).name)
-        self.stop.set()
-        if self.starting:
-            raise _StopDuringStartUp
-
-
 def _serve_processes(settings: ShardSettings, args: list[str]) -> int:
     """The parent of `processes` serving processes on one port (shardd/processes.py)."""
-    signals = _TerminationSignals()
+    signals = TerminationSignals()
     if settings.listen.rsplit(":", 1)[-1] == "0":
         print("shardd: --processes above 1 needs a fixed --listen port (they share it)", file=sys.stderr)
         return 2
@@ -129,7 +111,7 @@ def _serve_processes(settings: ShardSettings, args: list[str]) -> int:
         return 2
     try:
         prepare_database(settings.dsn, settings.retention)  # once, before the processes start
-    except _StopDuringStartUp:
+    except StopDuringStartUp:
         log.info("stopped during start-up; nothing was left half done (each migration is one transaction)")
         return 0
     signals.starting = False
@@ -143,22 +125,22 @@ def _serve_processes(settings: ShardSettings, args: list[str]) -> int:
 
 def _serve(settings: ShardSettings) -> int:
     # Signals are caught before anything starts: one during migrations is a clean stop too.
-    signals = _TerminationSignals()
+    signals = TerminationSignals()
     if settings.process_index:
         stop_with_parent(signals.stop)
     # Off unless the OTEL_* environment asks for it (docs/tracing.md); before the server is built,
     # so the daemon sees the provider and adds its tracing interceptor.
-    telemetry.configure_tracing(f"shardd/{settings.shard_id}")
+    tracing.configure_tracing(f"shardd/{settings.shard_id}")
     try:
         daemon = start_shard(settings)
         signals.starting = False
-    except _StopDuringStartUp:
+    except StopDuringStartUp:
         log.info("stopped during start-up; nothing was left half done (each migration is one transaction)")
-        telemetry.shutdown_tracing()
+        tracing.shutdown_tracing()
         return 0
     signals.stop.wait()
     daemon.stop()
-    telemetry.shutdown_tracing()  # flush the spans still queued
+    tracing.shutdown_tracing()  # flush the spans still queued
     log.info("stopped")
     return 0
 

@@ -25,7 +25,7 @@ from opentelemetry.instrumentation.psycopg import PsycopgInstrumentor
 from opentelemetry.trace import TracerProvider
 from psycopg import errors
 
-from shardrouter import telemetry
+from shardrouter import tracing
 from shardrouter.errors import DeadlineExceeded, Internal, Reason, Unavailable
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ def trace_connection(conn: Connection, *, tracer_provider: TracerProvider | None
 
     True if the connection is now traced. Pooled connections get theirs from `Database(traced=True)`.
     """
-    if not telemetry.tracing_active(tracer_provider):
+    if not tracing.tracing_active(tracer_provider):
         return False
     _trace_statements(conn, tracer_provider=tracer_provider)
     return True

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from shardrouter.callers import CALLER_METADATA, peer_common_name
 from shardrouter.errors import InvalidArgument, Reason, Unauthenticated
 
-CALLER_METADATA = "x-caller-id"
 ANONYMOUS = "anonymous"
 _CALLER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@/-]{0,127}")
 
@@ -30,7 +30,7 @@ class IdentityPolicy:
     def caller_of(self, context: grpc.ServicerContext, metadata: Iterable[tuple[str, str | bytes]]) -> str:
         """The caller identity for this call, or an error if none may be believed."""
         claimed = _claimed_caller(metadata)
-        peer = _peer_common_name(context)
+        peer = peer_common_name(context)
         if peer is not None:
             if claimed is not None and peer in self.trusted_proxies:
                 return claimed
@@ -59,11 +59,3 @@ def _claimed_caller(metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
             reason=Reason.INVALID_CALLER,
         )
     return value
-
-
-def _peer_common_name(context: grpc.ServicerContext) -> str | None:
-    names = context.auth_context().get("x509_common_name")
-    if not names:
-        return None
-    first = names if isinstance(names, bytes) else next(iter(names))
-    return first.decode("utf-8", "replace")

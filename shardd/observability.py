@@ -5,7 +5,7 @@ Each daemon has its own `MeterProvider` and Prometheus registry (`shardrouter.me
 /metrics. Exposed names (deploy manifests and alerts use them; docs/tracing.md has the PromQL):
 
 - `shardd_requests_total{method,outcome}` and `shardd_handler_duration_seconds{method,outcome}`:
-  every guarded call; `outcome` is new | replay | in_progress_conflict | key_reused | expired |
+  every guarded call; `outcome` is new | replay | in_flight | key_reused | expired |
   invalid | shed | error; `method` the short name ("Transfer"). Replay and conflict rates derive from these.
 - `shardd_key_reuse_total`: calls that reused a key for a different request (a caller bug).
 - `shardd_idempotency_records{partition}`, `shardd_idempotency_partition_bytes{partition}`: planner
@@ -20,7 +20,7 @@ Each daemon has its own `MeterProvider` and Prometheus registry (`shardrouter.me
 
 The database gauges are observable gauges whose callbacks read the snapshot a background thread
 refreshes (every 15 s by default) with short read-only queries on the daemon's own pool; a scrape
-never touches the database. The refresh is never traced (`telemetry.untraced()`).
+never touches the database. The refresh is never traced (`tracing.untraced()`).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from prometheus_client import CollectorRegistry
 
 from shardd import partitions
 from shardd.db import Database
-from shardd.idempotency.interceptor import CallOutcome
+from shardd.idempotency.outcomes import CallOutcome, OutcomeKind
 from shardd.ledger import store as ledger_store
-from shardrouter import telemetry
+from shardrouter import tracing
 from shardrouter.metrics import new_metrics_pipeline
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,10 @@ class ShardMetrics:
 
     def observe(self, outcome: CallOutcome) -> None:
         """Count one guarded call (an `OutcomeListener` for `start_shard(listeners=...)`)."""
-        labels = {"method": outcome.method.rsplit("/", 1)[-1], "outcome": outcome.outcome}
+        labels = {"method": outcome.method.rsplit("/", 1)[-1], "outcome": outcome.outcome.value}
         self.requests.add(1, labels)
         self.duration.record(outcome.duration_s, labels)
-        if outcome.outcome == "key_reused":
+        if outcome.outcome is OutcomeKind.KEY_REUSED:
             self.key_reuse.add(1)
 
     __call__ = observe
@@ -206,7 +206,7 @@ class ShardStateCollector:
         try:
             # A metrics refresh is bookkeeping, not work: traced, it would make a root span per
             # statement every interval, in every daemon.
-            with telemetry.untraced():
+            with tracing.untraced():
                 self._state = read_state(self._db)
         except Exception as exc:
             log.warning("metrics: reading the shard's state failed: %s", exc)

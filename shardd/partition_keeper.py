@@ -28,7 +28,7 @@ from opentelemetry.trace import TracerProvider
 
 from shardd import partitions
 from shardd.db import trace_connection
-from shardrouter import telemetry
+from shardrouter import tracing
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +136,11 @@ class PartitionKeeper:
             connect_timeout=CONNECT_TIMEOUT_S,
         ) as conn:
             trace_connection(conn, tracer_provider=self._tracer_provider)
-            with telemetry.untraced():  # the usual tick finds every month there: no span for that
+            with tracing.untraced():  # the usual tick finds every month there: no span for that
                 missing = partitions.first_missing_month(conn, needed)
             if missing is None:
                 return []
-            with telemetry.background_job_span(
+            with tracing.background_job_span(
                 "partitions.ensure",
                 tracer_provider=self._tracer_provider,
                 attributes={"partitions.first_missing": missing.table},

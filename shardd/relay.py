@@ -13,6 +13,12 @@ under the credit's key, so a slow credit can never land after the refund.
 Tracing: the polls run untraced, so an idle relay leaves no spans. A poll that finds work runs it
 in one job span, `outbox.deliver` or `outbox.refund`, whose children are the job's statements and,
 through the `traceparent` it sends, the destination shard's spans of the calls it makes.
+
+TLS: the relay's client certificate is the shard's own (`tls_cert`, `tls_key`, `tls_ca`) and follows
+its rotation as the router's does (`tls.ClientCertificateFiles`): polled at most once a
+second, when a call is about to be made; after a renewal new calls go out on new channels that
+present the new certificate, calls in flight finish on the old ones, and a half-written set is
+skipped (the last good certificate stays in use).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import contextlib
 import logging
 import random
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -32,7 +39,8 @@ from shardd.db import Database, mapped_database_errors
 from shardd.ledger import store
 from shardd.ledger.service import refund_key
 from shardd.settings import ShardSettings
-from shardrouter import grpcserver, telemetry
+from shardrouter import tls, tracing
+from shardrouter.callers import CALLER_METADATA
 from shardrouter.errors import ShardRouterError
 from shardrouter.internal.v1 import ledger_pb2
 from shardrouter.keys import KEY_METADATA
@@ -48,6 +56,8 @@ _PERMANENT = {
 _INTERNAL = "/shardrouter.internal.v1.ShardLedgerService"
 _IDLE_S = 0.2
 _MAX_BACKOFF_S = 60.0
+#: How often, at most, the client certificate files are checked for a rotation (s).
+_CERT_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -61,13 +71,26 @@ class RelayStats:
 
 
 class ShardClients:
-    """One channel per peer shard, with keepalive, reused by every worker."""
+    """One channel per peer shard, with keepalive, reused by every worker.
+
+    With TLS the channels are replaced when the client certificate is renewed; the replaced ones are
+    closed once every call that may still run on them has reached its deadline.
+    """
 
     def __init__(self, settings: ShardSettings, shard_map: ShardMap) -> None:
         self._settings = settings
         self._map = shard_map
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
+        # Start-up: an unreadable certificate file is an error here, as for the server's.
+        self._certificates = (
+            tls.ClientCertificateFiles(settings.tls_cert, settings.tls_key, settings.tls_ca)
+            if settings.tls_enabled
+            else None
+        )
+        self._next_poll = time.monotonic() + _CERT_POLL_S
+        # Channels replaced by a rotation, each with the time after which no call can still run on it.
+        self._retired: list[tuple[float, grpc.Channel]] = []
 
     def call(
         self, shard_id: str, method: str, payload: bytes, key: uuid.UUID, timeout_s: float
@@ -76,8 +99,8 @@ class ShardClients:
         channel = self._channel(shard_id)
         rpc = channel.unary_unary(f"{_INTERNAL}/{method}", None, None)
         metadata = tuple(
-            telemetry.inject_trace_context(
-                [(KEY_METADATA, str(key)), ("x-caller-id", f"relay:{self._settings.shard_id}")]
+            tracing.inject_trace_context(
+                [(KEY_METADATA, str(key)), (CALLER_METADATA, f"relay:{self._settings.shard_id}")]
             )
         )  # with a current job span, the callee's spans join its trace
         try:
@@ -89,12 +112,31 @@ class ShardClients:
     def close(self) -> None:
         """Close every channel."""
         with self._lock:
-            for channel in self._channels.values():
+            for channel in [*self._channels.values(), *(channel for _, channel in self._retired)]:
                 channel.close()
             self._channels.clear()
+            self._retired.clear()
+
+    def _follow_rotation(self) -> None:
+        """On a renewed client certificate, retire the channels (call with the lock held)."""
+        now = time.monotonic()
+        if self._certificates is None or now < self._next_poll:
+            return
+        self._next_poll = now + _CERT_POLL_S
+        for _, channel in [r for r in self._retired if r[0] <= now]:
+            channel.close()
+        self._retired = [r for r in self._retired if r[0] > now]
+        if self._certificates.changed() is None:  # unchanged, or a half-written set: keep the channels
+            return
+        # A call may still be running on a retired channel until its deadline: close it only after.
+        closes_at = now + self._settings.relay_call_timeout_s + 1
+        self._retired += [(closes_at, channel) for channel in self._channels.values()]
+        log.info("client certificate rotated: new channels to %d shard(s)", len(self._channels))
+        self._channels.clear()
 
     def _channel(self, shard_id: str) -> grpc.Channel:
         with self._lock:
+            self._follow_rotation()
             channel = self._channels.get(shard_id)
             if channel is None:
                 shard = self._map.shard_by_id(shard_id)
@@ -107,9 +149,8 @@ class ShardClients:
                     ("grpc.initial_reconnect_backoff_ms", 200),
                     ("grpc.max_reconnect_backoff_ms", 5_000),
                 ]
-                s = self._settings
-                if s.tls_enabled:
-                    creds = grpcserver.channel_credentials(s.tls_cert, s.tls_key, s.tls_ca)
+                if self._certificates is not None:
+                    creds = self._certificates.credentials
                     channel = grpc.secure_channel(shard.address, creds, options=options)
                 else:
                     channel = grpc.insecure_channel(shard.address, options=options)
@@ -151,7 +192,7 @@ class OutboxRelay:
     def refund_owed(self, transfer_id: uuid.UUID | None = None) -> int:
         """Send RefundTransfer for dead letters not yet refunded (or for one, even if refunded)."""
         # Polled after every batch: looking costs no span, only refunding does.
-        with telemetry.untraced(), mapped_database_errors(250), self._db.connection() as conn:
+        with tracing.untraced(), mapped_database_errors(250), self._db.connection() as conn:
             with conn.transaction():
                 if transfer_id is None:
                     letters = store.list_dead_letters(conn, unrefunded_only=True)
@@ -201,7 +242,7 @@ class OutboxRelay:
         self, name: str, transfer_ids: list[uuid.UUID]
     ) -> contextlib.AbstractContextManager[trace.Span]:
         """One span for one job of this relay, naming the transfers it handles."""
-        return telemetry.background_job_span(
+        return tracing.background_job_span(
             name,
             tracer_provider=self._tracer_provider,
             attributes={
@@ -215,7 +256,7 @@ class OutboxRelay:
         # Outermost, so that the job span (entered only once the claim found rows) covers the commit.
         with contextlib.ExitStack() as job:
             with mapped_database_errors(250), self._db.connection() as conn, conn.transaction():
-                with telemetry.untraced():  # the poll: an idle relay leaves no span
+                with tracing.untraced():  # the poll: an idle relay leaves no span
                     rows = store.claim_due_outbox(conn, self._settings.relay_batch)
                 if not rows:
                     return RelayStats()

@@ -17,7 +17,7 @@ from opentelemetry.trace import TracerProvider
 
 from shardd import partitions
 from shardd.db import trace_connection
-from shardrouter import telemetry
+from shardrouter import tracing
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def run_retention(
 
     `tracer_provider`: where the run's span goes (default: the global provider; none while off).
     """
-    with telemetry.background_job_span("retention.run", tracer_provider=tracer_provider) as span:
+    with tracing.background_job_span("retention.run", tracer_provider=tracer_provider) as span:
         result = _run(dsn, retention, months_ahead, now, tracer_provider)
         span.set_attributes(
             {

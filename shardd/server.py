@@ -16,7 +16,7 @@ from shardd import migrations, partitions
 from shardd.admission import Admission, AdmissionInterceptor, AdmissionLimits
 from shardd.db import Database
 from shardd.idempotency import IdempotencyConfig, IdempotencyInterceptor, MutatingMethod
-from shardd.idempotency.interceptor import OutcomeListener
+from shardd.idempotency.outcomes import OutcomeListener
 from shardd.idempotency.process_keys import CompletedKeys
 from shardd.identity import IdentityPolicy
 from shardd.ledger.service import (
@@ -29,11 +29,12 @@ from shardd.ledger.service import (
 from shardd.observability import ShardMetrics, ShardStateCollector
 from shardd.partition_keeper import PartitionKeeper
 from shardd.settings import ShardSettings
-from shardrouter import grpcserver, telemetry
+from shardrouter import grpcserver, tls, tracing
 from shardrouter.error_interceptor import DomainErrorInterceptor
+from shardrouter.interceptors import ServerInterceptorBase
 from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
 from shardrouter.metrics import start_metrics_server
-from shardrouter.shardmap import ShardMap, load_shard_map
+from shardrouter.shardmap import ShardMap, ShardMapError, load_shard_map
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from shardrouter.validation import validate_deposit, validate_transfer
 
@@ -129,19 +130,19 @@ def start_shard(
     """Migrate, then serve; health turns SERVING only when the schema is ready.
 
     Tracing: spans go to `tracer_provider` when given (tests), else to the global provider that
-    `telemetry.configure_tracing` installed; with neither, the tracing interceptor is left out.
+    `tracing.configure_tracing` installed; with neither, the tracing interceptor is left out.
     Metrics: with `settings.metrics_port > 0`, /metrics is served on `metrics_host` (default: the
     host of `settings.listen`, so a loopback daemon exposes its metrics on loopback only).
     """
     shard_map = load_shard_map(settings.shard_map) if settings.shard_map else None
     if shard_map is not None and shard_map.shard_by_id(settings.shard_id) is None:
-        raise SystemExit(f"shard map {settings.shard_map} has no shard {settings.shard_id!r}")
+        raise ShardMapError(f"shard map {settings.shard_map} has no shard {settings.shard_id!r}")
     locator = ShardLocator(settings.shard_id, (lambda a: shard_map.shard_for(a).id) if shard_map else None)
     metrics = ShardMetrics() if settings.metrics_port > 0 else None
     # In a multi-process daemon only the first serving process runs the background work; the claim
     # protocol needs none of it to be safe across processes.
     runs_background = settings.process_index <= 1
-    traced = telemetry.tracing_active(tracer_provider)
+    traced = tracing.tracing_active(tracer_provider)
     database = Database(
         settings.dsn,
         min_size=settings.pool_min,
@@ -170,16 +171,16 @@ def start_shard(
             dev_mode=settings.dev_mode, trusted_proxies=frozenset(settings.trusted_proxies)
         ),
         listeners=[*listeners, *([metrics.observe] if metrics else [])],
-        tracer=telemetry.get_tracer(tracer_provider) if traced else None,
+        tracer=tracing.get_tracer(tracer_provider) if traced else None,
         shard_id=settings.shard_id,
         admission=admission,
         completed=CompletedKeys(
             max_entries=settings.replay_cache_entries, max_bytes=settings.replay_cache_mb * 1024 * 1024
         ),
     )
-    interceptors: list[grpcserver.ServerInterceptorBase] = []
+    interceptors: list[ServerInterceptorBase] = []
     if traced:
-        interceptors.append(telemetry.server_interceptor(tracer_provider))  # first: the SERVER span
+        interceptors.append(tracing.server_interceptor(tracer_provider))  # first: the SERVER span
     interceptors.append(AdmissionInterceptor(admission, skip=guarded))
     interceptors += [DomainErrorInterceptor(skip=set(guarded)), interceptor]
     server = grpcserver.new_server(
@@ -197,7 +198,7 @@ def start_shard(
     ledger_pb2_grpc.add_ShardLedgerServiceServicer_to_server(ShardLedgerServicer(locator), server)
     health_servicer = grpcserver.add_health_and_reflection(server, [PUBLIC_SERVICE, INTERNAL_SERVICE])
     credentials = (
-        grpcserver.server_credentials(settings.tls_cert, settings.tls_key, settings.tls_ca)
+        tls.server_credentials(settings.tls_cert, settings.tls_key, settings.tls_ca)
         if settings.tls_enabled
         else None
     )

@@ -15,7 +15,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from shardrouter.errors import Internal, InvalidArgument, Reason, ShardRouterError, to_grpc_status
-from shardrouter.grpcserver import MethodHandler, UnaryInterceptor
+from shardrouter.interceptors import MethodHandler, UnaryInterceptor
 
 log = logging.getLogger(__name__)
 

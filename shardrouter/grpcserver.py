@@ -1,67 +1,31 @@
-"""gRPC server plumbing shared by the router and the shard daemons: options, health, reflection, TLS,
-and graceful shutdown on SIGTERM/SIGINT.
+"""What every gRPC server of ours does alike, for the thread-pool server (the shard daemon) and the
+asyncio server (the router): channel options, binding a port, health and reflection, graceful stop.
+
+The two concurrency models differ only where grpc's APIs do (the asyncio health servicer's methods
+are coroutines); everything else is one function used by both.
 """
 
 from __future__ import annotations
 
-import logging
-import signal
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent import futures
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 import grpc
+import grpc.aio
+from grpc_health.v1 import _async as health_aio  # = grpc_health.v1.health.aio; not in the type stubs
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-log = logging.getLogger(__name__)
+from shardrouter.interceptors import ServerInterceptorBase
 
-if TYPE_CHECKING:
-    # grpc-stubs makes these generic; at run time they are plain classes.
-    ServerInterceptorBase = grpc.ServerInterceptor[Any, Any]
-    MethodHandler = grpc.RpcMethodHandler[Any, Any]
-else:
-    ServerInterceptorBase = grpc.ServerInterceptor
-    MethodHandler = grpc.RpcMethodHandler
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-class UnaryInterceptor(ServerInterceptorBase):
-    """A server interceptor that wraps the unary-unary handlers of the methods it `applies_to`.
-
-    Subclasses give `wrap` (the new handler); streaming methods, unknown methods and methods it does
-    not apply to pass through untouched.
-    """
-
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], MethodHandler | None],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> MethodHandler | None:
-        """The wrapped handler, or the original one where this interceptor does not apply."""
-        handler = continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or handler.unary_unary is None or not self.applies_to(method):
-            return handler
-        return self.wrap(method, handler)
-
-    def applies_to(self, method: str) -> bool:
-        """Whether to wrap `method` (a full path such as /shardrouter.v1.TransferService/Transfer)."""
-        return True
-
-    def wrap(self, method: str, handler: MethodHandler) -> MethodHandler:
-        """The handler that replaces `handler` (a unary-unary handler of `method`)."""
-        raise NotImplementedError
-
-
-def with_behaviour(handler: MethodHandler, behaviour: Callable[[Any, Any], Any]) -> MethodHandler:
-    """`handler`'s request decoding and response encoding around a new unary behaviour."""
-    return grpc.unary_unary_rpc_method_handler(
-        behaviour,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
+class ListenError(RuntimeError):
+    """The listen address cannot be bound (in use, or invalid)."""
 
 
 def server_options(
@@ -83,130 +47,6 @@ def server_options(
     ]
 
 
-FilesStamp = tuple[tuple[int, int, int], ...]
-_T = TypeVar("_T")
-
-
-def files_stamp(paths: Sequence[Path]) -> FilesStamp:
-    """Identity of the files' current contents (inode, size, mtime); cheap enough for every handshake.
-
-    stat() follows the symlinks a Kubernetes Secret volume swaps on update.
-    """
-    return tuple((st.st_ino, st.st_size, st.st_mtime_ns) for st in (p.stat() for p in paths))
-
-
-class WatchedFiles:
-    """Files loaded together and loaded again when any of them changes (a certificate rotation).
-
-    A set that changed but does not load (half-written) is logged and skipped: whoever holds the last
-    good load keeps it until the new set loads.
-    """
-
-    def __init__(self, what: str, *paths: str) -> None:
-        self._what = what
-        self._paths = tuple(Path(p) for p in paths if p)
-        self._lock = threading.Lock()
-        self._stamp = files_stamp(self._paths)
-
-    def load_if_changed(self, load: Callable[[], _T]) -> _T | None:
-        """`load()` if the files changed since the last successful load, else None."""
-        with self._lock:
-            try:
-                stamp = files_stamp(self._paths)
-                if stamp == self._stamp:
-                    return None
-                loaded = load()
-            except (OSError, ValueError) as exc:
-                log.warning(
-                    "%s files changed but cannot be loaded yet (%s); keeping the current ones",
-                    self._what,
-                    exc,
-                )
-                return None
-            self._stamp = stamp
-            log.info("%s files reloaded", self._what, extra={"files": ",".join(map(str, self._paths))})
-            return loaded
-
-
-def _pem_pair(cert: str, key: str) -> tuple[bytes, bytes]:
-    """A certificate chain and its private key, checked to be PEM (a half-written file is not)."""
-    chain, private = Path(cert).read_bytes(), Path(key).read_bytes()
-    if b"CERTIFICATE" not in chain or b"PRIVATE KEY" not in private:
-        raise ValueError(f"{cert} or {key} is not a PEM certificate and key")
-    return chain, private
-
-
-class CertificateFiles:
-    """A server's certificate, key and client CA on disk, re-read when they change.
-
-    grpc asks `fetch` at every TLS handshake; it answers None (keep the current configuration) unless
-    the files changed since the last load, so a rotation (cert-manager renewing a Secret, which
-    Kubernetes swaps in atomically) reaches new connections without a restart.
-    """
-
-    def __init__(self, cert: str, key: str, ca: str) -> None:
-        self._cert, self._key, self._ca = cert, key, ca
-        self._files = WatchedFiles("TLS server certificate", cert, key, ca)
-        self.initial = self._configuration()  # start-up: an unreadable file is an error here
-
-    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
-        """The new configuration if the files changed, else None (grpc keeps the current one)."""
-        return self._files.load_if_changed(self._configuration)
-
-    def _configuration(self) -> grpc.ServerCertificateConfiguration:
-        chain, private = _pem_pair(self._cert, self._key)
-        roots = Path(self._ca).read_bytes() if self._ca else None
-        return grpc.ssl_server_certificate_configuration([(private, chain)], root_certificates=roots)
-
-
-class ClientCertificateFiles:
-    """A client's certificate, key and CA on disk: `changed()` gives new credentials after a rotation.
-
-    grpc's channel credentials are fixed when a channel is made, so the owner of the channels polls
-    this and replaces its channels when it returns credentials.
-    """
-
-    def __init__(self, cert: str, key: str, ca: str) -> None:
-        self._cert, self._key, self._ca = cert, key, ca
-        self._files = WatchedFiles("TLS client certificate", cert, key, ca)
-        self.credentials = self._credentials()
-
-    def changed(self) -> grpc.ChannelCredentials | None:
-        """New credentials if the files changed and load, else None (also while a set is half-written)."""
-        credentials = self._files.load_if_changed(self._credentials)
-        if credentials is not None:
-            self.credentials = credentials
-        return credentials
-
-    def _credentials(self) -> grpc.ChannelCredentials:
-        chain, private = _pem_pair(self._cert, self._key) if self._cert else (None, None)
-        return grpc.ssl_channel_credentials(
-            root_certificates=Path(self._ca).read_bytes() if self._ca else None,
-            private_key=private,
-            certificate_chain=chain,
-        )
-
-
-def server_credentials(cert: str, key: str, ca: str) -> grpc.ServerCredentials:
-    """TLS server credentials that follow certificate rotation; with a CA, client certificates are
-    required (mTLS)."""
-    files = CertificateFiles(cert, key, ca)
-    return grpc.dynamic_ssl_server_credentials(
-        files.initial,
-        files.fetch,  # type: ignore[arg-type]  # grpc documents None as "no change"; the stubs omit it
-        require_client_authentication=bool(ca),
-    )
-
-
-def channel_credentials(cert: str, key: str, ca: str) -> grpc.ChannelCredentials:
-    """TLS client credentials, with a client certificate when one is given."""
-    return grpc.ssl_channel_credentials(
-        root_certificates=Path(ca).read_bytes() if ca else None,
-        private_key=Path(key).read_bytes() if key else None,
-        certificate_chain=Path(cert).read_bytes() if cert else None,
-    )
-
-
 def new_server(
     *,
     workers: int,
@@ -214,7 +54,7 @@ def new_server(
     interceptors: Sequence[ServerInterceptorBase],
     options: list[tuple[str, int]],
 ) -> grpc.Server:
-    """A thread-pool gRPC server (see README: sync measured faster than asyncio here)."""
+    """A thread-pool gRPC server (see README: sync measured faster than asyncio for the shard)."""
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
         interceptors=list(interceptors),
@@ -223,63 +63,62 @@ def new_server(
     )
 
 
-def bind(server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
-    """Bind `address`; fails loudly if the port is taken. Returns the bound port."""
+def bind(
+    server: grpc.Server | grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None
+) -> int:
+    """Bind `address` on either kind of server; the bound port. ListenError if it cannot be bound."""
     try:
         port = (
             server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
         )
-    except RuntimeError as exc:  # recent grpcio raises instead of returning 0
-        raise SystemExit(f"cannot listen on {address}: the address is in use or invalid ({exc})") from None
+    except RuntimeError as exc:  # recent grpcio raises instead of returning port 0
+        raise ListenError(f"cannot listen on {address}: the address is in use or invalid ({exc})") from None
     if port == 0:
-        raise SystemExit(f"cannot listen on {address}: the address is in use or invalid")
+        raise ListenError(f"cannot listen on {address}: the address is in use or invalid")
     return port
 
 
+def _enable_reflection(server: grpc.Server | grpc.aio.Server, service_names: Sequence[str]) -> None:
+    # enable_server_reflection registers the asyncio servicer on a grpc.aio server by itself.
+    reflection.enable_server_reflection((*service_names, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+
+
 def add_health_and_reflection(server: grpc.Server, service_names: Sequence[str]) -> health.HealthServicer:
-    """Register gRPC health (all services NOT_SERVING until `mark_serving`) and reflection."""
+    """Register gRPC health (every service NOT_SERVING until `mark_serving`) and reflection."""
     servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     for name in ("", *service_names):
-        servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection(
-        (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server,
-    )
+        servicer.set(name, _NOT_SERVING)
+    _enable_reflection(server, service_names)
     return servicer
 
 
 def mark_serving(servicer: health.HealthServicer, service_names: Sequence[str]) -> None:
     """Report every service SERVING."""
     for name in ("", *service_names):
-        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-
-
-def install_termination_handlers() -> threading.Event:
-    """Catch SIGTERM and SIGINT from now on; the returned event is set when one arrives.
-
-    Install before the server starts, so a SIGTERM during start-up still leads to a clean stop.
-    """
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("received %s, shutting down", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    return stop
-
-
-def wait_for_termination_signal() -> None:
-    """Block until SIGTERM or SIGINT."""
-    install_termination_handlers().wait()
+        servicer.set(name, _SERVING)
 
 
 def graceful_stop(server: grpc.Server, servicer: health.HealthServicer, grace_s: float) -> None:
     """Stop accepting calls (health NOT_SERVING first), let in-flight calls finish within `grace_s`."""
     servicer.enter_graceful_shutdown()
     server.stop(grace_s).wait(grace_s + 1)
+
+
+async def add_aio_health_and_reflection(server: grpc.aio.Server, service_names: Sequence[str]) -> Any:
+    """`add_health_and_reflection` for a grpc.aio server; returns its asyncio health servicer."""
+    servicer = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ("", *service_names):
+        await servicer.set(name, _NOT_SERVING)
+    _enable_reflection(server, service_names)
+    return servicer
+
+
+async def aio_mark_serving(servicer: Any, service_names: Sequence[str]) -> None:
+    """`mark_serving` for the asyncio health servicer."""
+    for name in ("", *service_names):
+        await servicer.set(name, _SERVING)
 
 
 def listen_host(listen: str) -> str:
@@ -289,3 +128,18 @@ def listen_host(listen: str) -> str:
     """
     host = listen.rsplit(":", 1)[0] if ":" in listen else listen
     return host.strip("[]") or "0.0.0.0"  # noqa: S104 - an empty host means every interface
+
+
+__all__ = [
+    "HEALTH_SERVICE",
+    "ListenError",
+    "add_aio_health_and_reflection",
+    "add_health_and_reflection",
+    "aio_mark_serving",
+    "bind",
+    "graceful_stop",
+    "listen_host",
+    "mark_serving",
+    "new_server",
+    "server_options",
+]

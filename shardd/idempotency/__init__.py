@@ -1,7 +1,9 @@
 """Interceptor-enforced idempotency: claim the key, run the handler, store the outcome, one transaction.
 
 Modules: `record` (frozen record and outcome types), `store` (every SQL statement on the key table),
-`config` (settings of the mechanism), `interceptor` (the gRPC server interceptor that drives it).
+`config` (settings of the mechanism), `process_keys` (what one process remembers of keys), `outcomes`
+(what happened to each call, for metrics and the call log), `interceptor` (the gRPC server
+interceptor that drives it).
 """
 
 from shardd.idempotency.config import IdempotencyConfig

@@ -36,6 +36,7 @@ from shardd.admission import Admission
 from shardd.db import Database, bind_transaction, mapped_database_errors
 from shardd.idempotency import store
 from shardd.idempotency.config import IdempotencyConfig
+from shardd.idempotency.outcomes import CallOutcome, OutcomeKind, OutcomeListener, OutcomeReport
 from shardd.idempotency.process_keys import CompletedKeys, KeyFlight, KeyFlights, ScopedKey
 from shardd.idempotency.record import ClaimStatus, IdempotencyRecord, RecordState, StoredOutcome, Trailer
 from shardd.identity import IdentityPolicy
@@ -50,17 +51,15 @@ from shardrouter.errors import (
     to_grpc_status,
     to_status_proto,
 )
-from shardrouter.grpcserver import MethodHandler, UnaryInterceptor
+from shardrouter.interceptors import MethodHandler, UnaryInterceptor
 from shardrouter.keys import KEY_FORMAT_HINT, KEY_METADATA, key_time, parse_key
-from shardrouter.telemetry import (
+from shardrouter.tracing import (
     SERVER_ERROR_CODES,
     span_context_of_traceparent,
     traceparent_of,
 )
 
 log = logging.getLogger(__name__)
-#: The per-call log (one line per guarded call); its own name so it can be silenced or routed apart.
-_calls_log = logging.getLogger("shardd.calls")
 
 REPLAYED_TRAILER = ("idempotency-replayed", "true")
 EXPIRES_AT_TRAILER = "idempotency-expires-at"
@@ -68,7 +67,6 @@ OUTCOME_TRAILER = "idempotency-outcome"
 _DETAILS_TRAILER = "grpc-status-details-bin"
 
 Handler = Callable[[Any, grpc.ServicerContext], Any]
-OutcomeListener = Callable[["CallOutcome"], None]
 
 
 @dataclass(frozen=True)
@@ -104,16 +102,25 @@ class KeyedRequest:
 
 
 @dataclass(frozen=True)
-class CallOutcome:
-    """What happened to one guarded call, for metrics and traces."""
+class Collaborators:
+    """What every guarded call of one interceptor works with, passed in explicitly."""
 
-    method: str
-    scope: str
-    key: str
-    outcome: str  # new | replay | in_progress_conflict | key_reused | expired | invalid | shed | error
-    code: grpc.StatusCode
-    #: Seconds from the call reaching the interceptor to its outcome being known.
-    duration_s: float = 0.0
+    database: Database
+    config: IdempotencyConfig
+    identity: IdentityPolicy
+    clock: Callable[[], datetime]
+    report: OutcomeReport
+    #: Spans go here; None (tracing off): the calls skip even the no-op spans.
+    tracer: trace.Tracer | None
+    shard_id: str
+    #: Admission slots for the calls that reach the database; None: no limits.
+    admission: Admission | None
+    completed: CompletedKeys
+    flights: KeyFlights
+
+    def admitted(self, context: grpc.ServicerContext) -> AbstractContextManager[None]:
+        """An admission slot for the call (RESOURCE_EXHAUSTED/UNAVAILABLE when shed)."""
+        return nullcontext() if self.admission is None else self.admission.admitted(context)
 
 
 class IdempotencyInterceptor(UnaryInterceptor):
@@ -136,21 +143,23 @@ class IdempotencyInterceptor(UnaryInterceptor):
         #: Completed records kept in memory for replays (None: a default-sized cache).
         completed: CompletedKeys | None = None,
     ) -> None:
-        self._db = database
         self._methods: Mapping[str, MutatingMethod] = {m.full_name: m for m in methods}
-        self._config = config
-        self._identity = identity
-        self._clock = clock
-        self._listeners = tuple(listeners)
-        self._tracer = tracer
-        self._shard_id = shard_id
-        self._admission = admission
-        self._completed = (
-            completed
-            if completed is not None
-            else CompletedKeys(max_entries=10_000, max_bytes=16 * 1024 * 1024)
+        self._with = Collaborators(
+            database=database,
+            config=config,
+            identity=identity,
+            clock=clock,
+            report=OutcomeReport(listeners),
+            tracer=tracer,
+            shard_id=shard_id,
+            admission=admission,
+            completed=(
+                completed
+                if completed is not None
+                else CompletedKeys(max_entries=10_000, max_bytes=16 * 1024 * 1024)
+            ),
+            flights=KeyFlights(),
         )
-        self._flights = KeyFlights()
 
     def applies_to(self, method: str) -> bool:
         """Only the mutating methods are guarded."""
@@ -158,59 +167,27 @@ class IdempotencyInterceptor(UnaryInterceptor):
 
     def wrap(self, method: str, handler: MethodHandler) -> MethodHandler:
         """The guarded call: no (de)serialisers, it sees the request bytes and returns response bytes."""
-        return grpc.unary_unary_rpc_method_handler(_GuardedCall(self, self._methods[method], handler))
-
-    def _admitted(self, context: grpc.ServicerContext) -> AbstractContextManager[None]:
-        return nullcontext() if self._admission is None else self._admission.admitted(context)
-
-    def _notify(self, outcome: CallOutcome) -> None:
-        # One line per guarded call, inside its span (so with its trace and span ids): the key and
-        # the outcome, never the request or the stored response. Nothing is built when it is off.
-        level = logging.WARNING if outcome.outcome == "error" else logging.INFO
-        if _calls_log.isEnabledFor(level):
-            self._log_call(level, outcome)
-        for listener in self._listeners:
-            try:
-                listener(outcome)
-            except Exception:  # a broken metrics hook must never change an answer
-                log.exception("idempotency outcome listener failed")
-
-    @staticmethod
-    def _log_call(level: int, outcome: CallOutcome) -> None:
-        _calls_log.log(
-            level,
-            "%s %s: %s",
-            outcome.method.rsplit("/", 1)[-1],
-            outcome.outcome,
-            outcome.code.name,
-            extra={
-                "key": outcome.key,
-                "scope": outcome.scope,
-                "outcome": outcome.outcome,
-                "code": outcome.code.name,
-                "duration_ms": round(outcome.duration_s * 1000, 3),
-            },
-        )
+        return grpc.unary_unary_rpc_method_handler(_GuardedCall(self._with, self._methods[method], handler))
 
 
 class _GuardedCall:
     """One guarded method's behaviour: bytes in, bytes out."""
 
-    def __init__(self, owner: IdempotencyInterceptor, method: MutatingMethod, handler: MethodHandler):
-        self._owner = owner
+    def __init__(self, collaborators: Collaborators, method: MutatingMethod, handler: MethodHandler):
+        self._with = collaborators
         self._method = method
         self._handler = handler
 
     def __call__(self, raw: bytes, context: grpc.ServicerContext) -> bytes | None:
-        owner = self._owner
-        if owner._tracer is None:
+        tracer = self._with.tracer
+        if tracer is None:
             return self._guarded(raw, context, trace.INVALID_SPAN)
         attributes = {"rpc.method": self._method.full_name}
-        if owner._shard_id:
-            attributes["shard.id"] = owner._shard_id
+        if self._with.shard_id:
+            attributes["shard.id"] = self._with.shard_id
         # The abort that answers a refused call raises through this block: the status is set in
         # `_trace_outcome`, never from the exception.
-        with owner._tracer.start_as_current_span(
+        with tracer.start_as_current_span(
             "idempotency",
             kind=SpanKind.INTERNAL,
             attributes=attributes,
@@ -220,7 +197,7 @@ class _GuardedCall:
             return self._guarded(raw, context, span)
 
     def _guarded(self, raw: bytes, context: grpc.ServicerContext, span: trace.Span) -> bytes | None:
-        owner, method = self._owner, self._method.full_name
+        collaborators, method = self._with, self._method.full_name
         started = time.perf_counter()
         scope, key_text = "", ""
         expiry_trailer: Trailer | None = None
@@ -230,12 +207,12 @@ class _GuardedCall:
             key_text = str(key)
             span.set_attribute("idempotency.key", key_text)
             moment = key_time(key)
-            expires_at = moment + owner._config.retention
+            expires_at = moment + collaborators.config.retention
             expiry_trailer = (EXPIRES_AT_TRAILER, expires_at.isoformat(timespec="milliseconds"))
             self._check_key_age(moment, expires_at)
             request = self._decode(raw)
             self._method.validate(request)
-            scope = f"{self._method.scope_prefix}|{owner._identity.caller_of(context, metadata)}"
+            scope = f"{self._method.scope_prefix}|{collaborators.identity.caller_of(context, metadata)}"
             span.set_attribute("idempotency.scope", scope)
             request_hash = hashlib.sha256(
                 method.encode() + b"\x00" + request.SerializeToString(deterministic=True)
@@ -254,39 +231,39 @@ class _GuardedCall:
         except ShardRouterError as error:
             kind = _kind_of(error)
             _trace_outcome(span, kind, error.code, error.message)
-            owner._notify(
+            collaborators.report(
                 CallOutcome(method, scope, key_text, kind, error.code, time.perf_counter() - started)
             )
-            trailers: list[Trailer] = [(OUTCOME_TRAILER, kind)]
+            trailers: list[Trailer] = [(OUTCOME_TRAILER, kind.value)]
             if expiry_trailer is not None:
                 trailers.append(expiry_trailer)
             context.abort_with_status(to_grpc_status(error, trailers))
             raise AssertionError("abort_with_status returned") from None  # pragma: no cover
         _trace_outcome(span, kind, _code(outcome.code), outcome.message)
-        owner._notify(
+        collaborators.report(
             CallOutcome(method, scope, key_text, kind, _code(outcome.code), time.perf_counter() - started)
         )
         assert expiry_trailer is not None
         extra: list[Trailer] = [expiry_trailer]
-        if kind == "replay":
+        if kind is OutcomeKind.REPLAY:
             extra.append(REPLAYED_TRAILER)
         return _answer(context, outcome, extra)
 
     def _check_key_age(self, moment: datetime, expires_at: datetime) -> None:
-        now = self._owner._clock()
+        now = self._with.clock()
         if expires_at <= now:
             raise FailedPrecondition(
                 f"idempotency key from {moment.isoformat(timespec='seconds')} is older than the "
-                f"{self._owner._config.retention.days}-day retention window, so this shard can no longer "
+                f"{self._with.config.retention.days}-day retention window, so this shard can no longer "
                 "tell whether the operation was applied; do not retry it with a new key - reconcile it "
                 "(look the operation up, e.g. GetTransfer or GetBalance) before deciding",
                 reason=Reason.IDEMPOTENCY_KEY_EXPIRED,
                 metadata={"key_time": moment.isoformat(), "expired_at": expires_at.isoformat()},
             )
-        if moment - now > self._owner._config.max_clock_skew:
+        if moment - now > self._with.config.max_clock_skew:
             raise InvalidArgument(
                 f"idempotency key is dated {moment.isoformat(timespec='seconds')}, further in the future "
-                f"than the allowed clock skew of {int(self._owner._config.max_clock_skew.total_seconds())} s; "
+                f"than the allowed clock skew of {int(self._with.config.max_clock_skew.total_seconds())} s; "
                 "check the caller's clock and generate keys with the current time",
                 reason=Reason.IDEMPOTENCY_KEY_FROM_FUTURE,
             )
@@ -306,40 +283,42 @@ class _GuardedCall:
 
     def _answer(
         self, context: grpc.ServicerContext, call: KeyedRequest, span: trace.Span
-    ) -> tuple[StoredOutcome, str]:
+    ) -> tuple[StoredOutcome, OutcomeKind]:
         """The call's outcome and kind: from memory when this process knows the key, else the database."""
-        owner = self._owner
+        collaborators = self._with
         scoped = call.scoped_key
-        cached = owner._completed.get(scoped)
+        cached = collaborators.completed.get(scoped)
         if cached is not None:
-            return self._replay(cached, call.request_hash, span, source="memory"), "replay"
-        flight, leads = owner._flights.join(scoped)
+            return self._replay(cached, call.request_hash, span, source="memory"), OutcomeKind.REPLAY
+        flight, leads = collaborators.flights.join(scoped)
         if not leads:
             return self._follow(flight, call.request_hash, span)
         record: IdempotencyRecord | None = None
         try:
-            with owner._admitted(context):
+            with collaborators.admitted(context):
                 record, made = self._execute(context, call, span, flight)
         finally:
             if record is not None:
-                owner._completed.put(scoped, record)
-            owner._flights.land(scoped, flight, record)
+                collaborators.completed.put(scoped, record)
+            collaborators.flights.land(scoped, flight, record)
         assert record is not None and record.outcome is not None
         if made:
-            return record.outcome, "new"
-        return self._replay(record, call.request_hash, span, source="database"), "replay"
+            return record.outcome, OutcomeKind.NEW
+        return self._replay(record, call.request_hash, span, source="database"), OutcomeKind.REPLAY
 
-    def _follow(self, flight: KeyFlight, request_hash: bytes, span: trace.Span) -> tuple[StoredOutcome, str]:
+    def _follow(
+        self, flight: KeyFlight, request_hash: bytes, span: trace.Span
+    ) -> tuple[StoredOutcome, OutcomeKind]:
         """A duplicate of a key another thread here works on: its record, or in flight."""
         # The leading call settles within one database read unless it claimed the key; a bounded
         # wait keeps a worker thread from queueing behind a slow database.
-        flight.wait_settled(self._owner._config.claim_lock_timeout_ms / 1000)
+        flight.wait_settled(self._with.config.claim_lock_timeout_ms / 1000)
         if flight.record is not None:
-            return self._replay(flight.record, request_hash, span, source="memory"), "replay"
+            return self._replay(flight.record, request_hash, span, source="memory"), OutcomeKind.REPLAY
         raise self._in_flight(span)
 
     def _in_flight(self, span: trace.Span) -> Aborted:
-        retry_ms = self._owner._config.in_flight_retry_ms
+        retry_ms = self._with.config.in_flight_retry_ms
         span.add_event("idempotency.conflict", {"idempotency.retry_after_ms": retry_ms})
         return Aborted(
             "an earlier attempt with this idempotency key is still in progress; "
@@ -385,11 +364,11 @@ class _GuardedCall:
         self, context: grpc.ServicerContext, call: KeyedRequest, span: trace.Span, flight: KeyFlight
     ) -> tuple[IdempotencyRecord, bool]:
         """The key's completed record from the database, and whether this call made it (ran the handler)."""
-        config = self._owner._config
-        db = self._owner._db
+        config = self._with.config
+        db = self._with.database
         traceparent = traceparent_of(span)
         with (
-            _db_span(self._owner._tracer),
+            _db_span(self._with.tracer),
             mapped_database_errors(db.transient_retry_ms),
             db.connection() as conn,
         ):
@@ -522,11 +501,11 @@ def _code(value: int) -> grpc.StatusCode:
     return status_code_from_int(value)
 
 
-def _trace_outcome(span: trace.Span, kind: str, code: grpc.StatusCode, message: str) -> None:
+def _trace_outcome(span: trace.Span, kind: OutcomeKind, code: grpc.StatusCode, message: str) -> None:
     """The outcome on the idempotency span; ERROR only for real (transient or internal) failures."""
-    span.set_attribute("idempotency.outcome", kind)
+    span.set_attribute("idempotency.outcome", kind.value)
     span.set_attribute("rpc.grpc.status_code", code.value[0])
-    if kind == "error" and code in SERVER_ERROR_CODES:
+    if kind is OutcomeKind.ERROR and code in SERVER_ERROR_CODES:
         span.set_status(Status(StatusCode.ERROR, message or code.name))
 
 
@@ -569,11 +548,11 @@ def _db_span(tracer: trace.Tracer | None) -> Iterator[None]:
             raise
 
 
-def _kind_of(error: ShardRouterError) -> str:
+def _kind_of(error: ShardRouterError) -> OutcomeKind:
     return {
-        Reason.IDEMPOTENCY_KEY_IN_FLIGHT: "in_progress_conflict",
-        Reason.IDEMPOTENCY_KEY_REUSED: "key_reused",
-        Reason.IDEMPOTENCY_KEY_EXPIRED: "expired",
-        Reason.RATE_LIMITED: "shed",
-        Reason.SHARD_SATURATED: "shed",
-    }.get(error.reason, "invalid" if isinstance(error, InvalidArgument) else "error")
+        Reason.IDEMPOTENCY_KEY_IN_FLIGHT: OutcomeKind.IN_FLIGHT,
+        Reason.IDEMPOTENCY_KEY_REUSED: OutcomeKind.KEY_REUSED,
+        Reason.IDEMPOTENCY_KEY_EXPIRED: OutcomeKind.EXPIRED,
+        Reason.RATE_LIMITED: OutcomeKind.SHED,
+        Reason.SHARD_SATURATED: OutcomeKind.SHED,
+    }.get(error.reason, OutcomeKind.INVALID if isinstance(error, InvalidArgument) else OutcomeKind.ERROR)

@@ -42,9 +42,15 @@ class StoredOutcome:
 
 
 class RecordState(enum.StrEnum):
-    """Lifecycle of a key's record. `in_progress` is only ever seen inside the claiming transaction."""
+    """Lifecycle of a key's record. IN_FLIGHT is only ever seen inside the claiming transaction.
 
-    IN_PROGRESS = "in_progress"
+    The state is called "in flight" from the record to the error reason (IDEMPOTENCY_KEY_IN_FLIGHT)
+    and the outcome kind; its stored value stays 'in_progress', the schema's word since its first
+    version (renaming it would rewrite the CHECK of every partition for a value no other transaction
+    ever reads).
+    """
+
+    IN_FLIGHT = "in_progress"
     COMPLETED = "completed"
 
 

@@ -142,7 +142,7 @@ def test_dev_up_with_tracing_ui_shows_the_replay_span_and_its_metrics(tmp_path):
 
     from localcluster import tracing_ui
     from shardclient import SqliteOperationStore, TransferClient
-    from shardrouter import telemetry
+    from shardrouter import tracing
 
     data_dir = pg_data_dir().parent / "cluster"  # not under tmp_path: the PostgreSQL user must reach it
     port = free_port()
@@ -159,7 +159,7 @@ def test_dev_up_with_tracing_ui_shows_the_replay_span_and_its_metrics(tmp_path):
             for line in lines
             if "OTEL_EXPORTER_OTLP_ENDPOINT=" in line
         )
-        provider = telemetry.new_tracer_provider(
+        provider = tracing.new_tracer_provider(
             "e2e-caller", [OTLPSpanExporter(endpoint=endpoint, insecure=True)], batch=False
         )
         with TransferClient(
@@ -174,7 +174,7 @@ def test_dev_up_with_tracing_ui_shows_the_replay_span_and_its_metrics(tmp_path):
             assert replayed.ok and replayed.replayed
         provider.shutdown()
 
-        spans = tracing_ui.replay_spans(ui, telemetry.TRACE_PROJECT, op.idempotency_key, timeout_s=30)
+        spans = tracing_ui.replay_spans(ui, tracing.TRACE_PROJECT, op.idempotency_key, timeout_s=30)
         assert len(spans) == 1, spans
         replay = spans[0]
         attrs = replay["attributes"]
@@ -189,7 +189,7 @@ def test_dev_up_with_tracing_ui_shows_the_replay_span_and_its_metrics(tmp_path):
         deadline = time.monotonic() + 30
         services: set[str] = set()
         while time.monotonic() < deadline and len(services) < 3:
-            everything = tracing_ui.phoenix_spans(ui, telemetry.TRACE_PROJECT, limit=1000)
+            everything = tracing_ui.phoenix_spans(ui, tracing.TRACE_PROJECT, limit=1000)
             services = {
                 s["attributes"].get("service.name", "")
                 for s in everything

@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from shardd.server import ShardDaemon, start_shard
-from shardrouter.telemetry import new_tracer_provider
+from shardrouter.tracing import new_tracer_provider
 from shardrouter.v1 import transfer_pb2_grpc
 from tests.conftest import make_settings
 

@@ -30,7 +30,7 @@ from shardd.observability import ShardStateCollector
 from shardd.partition_keeper import PartitionKeeper
 from shardd.server import MONTHS_AHEAD, ShardDaemon, prepare_database, start_shard
 from shardrouter.shardmap import ShardMap, even_shard_map, shard_map_document
-from shardrouter.telemetry import new_tracer_provider
+from shardrouter.tracing import new_tracer_provider
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import key_metadata, money
 

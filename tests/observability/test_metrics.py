@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from localcluster.postgres import free_port
 from shardd import partitions, retention
-from shardd.idempotency.interceptor import CallOutcome
+from shardd.idempotency.outcomes import CallOutcome, OutcomeKind
 from shardd.observability import (
     DURATION_BUCKETS,
     ShardMetrics,
@@ -249,7 +249,7 @@ def test_shard_metrics_are_opentelemetry_instruments() -> None:
     try:
         assert isinstance(metrics.pipeline.provider, MeterProvider)
         assert isinstance(metrics.pipeline.reader, PrometheusMetricReader)
-        for outcome in ("new", "replay", "replay"):
+        for outcome in (OutcomeKind.NEW, OutcomeKind.REPLAY, OutcomeKind.REPLAY):
             metrics.observe(
                 CallOutcome(
                     "/shardrouter.v1.TransferService/Deposit", "s", "k", outcome, grpc.StatusCode.OK, 0.003

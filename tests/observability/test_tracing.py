@@ -17,7 +17,8 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind, StatusCode
 
-from shardrouter import telemetry
+from router import tracing as router_tracing
+from shardrouter import tracing
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import deposit, key_metadata, money
 from tests.observability.conftest import SERVICE, Traced
@@ -141,7 +142,7 @@ def test_in_flight_duplicate_is_a_conflict_not_an_error(traced: Traced, database
 
     (span,) = _idem(traced, str(key))
     assert span.attributes is not None
-    assert span.attributes["idempotency.outcome"] == "in_progress_conflict"
+    assert span.attributes["idempotency.outcome"] == "in_flight"
     assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.ABORTED.value[0]
     assert _events(span) == ["idempotency.conflict"]
     assert span.events[0].attributes is not None
@@ -176,7 +177,7 @@ def test_replay_from_the_database_is_one_read_only_transaction(database: str) ->
     from tests.conftest import make_settings
 
     exporter = InMemorySpanExporter()
-    provider = telemetry.new_tracer_provider(SERVICE, [exporter], batch=False)
+    provider = tracing.new_tracer_provider(SERVICE, [exporter], batch=False)
     daemon = start_shard(make_settings(database, replay_cache_entries=0), tracer_provider=provider)
     md = key_metadata()
     try:
@@ -214,7 +215,7 @@ def test_transient_failure_is_an_error(database: str) -> None:
     from tests.conftest import make_settings
 
     exporter = InMemorySpanExporter()
-    provider = telemetry.new_tracer_provider(SERVICE, [exporter], batch=False)
+    provider = tracing.new_tracer_provider(SERVICE, [exporter], batch=False)
     daemon = start_shard(make_settings(database, handler_lock_timeout_ms=100), tracer_provider=provider)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{daemon.port}") as channel:
@@ -254,7 +255,7 @@ def test_caller_span_and_shard_spans_share_one_trace(traced: Traced) -> None:
     tracer = traced.provider.get_tracer("test-caller")
     md = key_metadata()
     with tracer.start_as_current_span("caller.transfer", kind=SpanKind.CLIENT) as caller:
-        sent = telemetry.inject_trace_context(md)
+        sent = tracing.inject_trace_context(md)
         traced.stub.Deposit(_deposit(), metadata=sent)
     assert [k for k, _ in sent].count("traceparent") == 1
     assert sent[0] == md[0], "the other entries keep their place"
@@ -270,7 +271,7 @@ def test_caller_span_and_shard_spans_share_one_trace(traced: Traced) -> None:
 
 
 def test_client_interceptor_makes_the_parent_span(traced: Traced) -> None:
-    channel = grpc.intercept_channel(traced.channel, telemetry.client_interceptor(traced.provider))
+    channel = grpc.intercept_channel(traced.channel, tracing.client_interceptor(traced.provider))
     stub = transfer_pb2_grpc.TransferServiceStub(channel)
     md = key_metadata()
     stub.Deposit(_deposit(), metadata=md)
@@ -295,14 +296,14 @@ def test_router_span_sits_between_caller_and_shard(traced: Traced) -> None:
     tracer = traced.provider.get_tracer("test-caller")
     md = key_metadata()
     with tracer.start_as_current_span("caller") as caller:
-        incoming = telemetry.inject_trace_context(md)
+        incoming = tracing.inject_trace_context(md)
     # The router gets the caller's metadata on another thread, with no current span of its own.
     assert not trace.get_current_span().get_span_context().is_valid
-    with telemetry.router_span(
+    with router_tracing.router_span(
         DEPOSIT, incoming, tracer_provider=traced.provider, shard_id="shard-obs"
     ) as out:
         traced.stub.Deposit(_deposit(), metadata=out)
-        telemetry.record_forwarded_status(grpc.StatusCode.OK)
+        router_tracing.record_forwarded_status(grpc.StatusCode.OK)
     (router,) = traced.spans(DEPOSIT.lstrip("/"), {"shard.id": "shard-obs"})
     assert router.kind is SpanKind.CLIENT
     assert router.parent is not None and router.parent.span_id == caller.get_span_context().span_id
@@ -315,42 +316,41 @@ def test_router_span_sits_between_caller_and_shard(traced: Traced) -> None:
 
 
 def test_inject_keeps_duplicates_and_replaces_old_trace_headers() -> None:
-    provider = telemetry.new_tracer_provider("t", [], batch=False)
+    provider = tracing.new_tracer_provider("t", [], batch=False)
     md = [
         ("idempotency-key", "a"),
         ("idempotency-key", "b"),
         ("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01"),
     ]
     with provider.get_tracer("t").start_as_current_span("s") as span:
-        out = telemetry.inject_trace_context(md)
+        out = tracing.inject_trace_context(md)
     assert out[:2] == md[:2]
     parents = [v for k, v in out if k == "traceparent"]
     assert len(parents) == 1
     context = span.get_span_context()
     assert parents[0].startswith(f"00-{context.trace_id:032x}-{context.span_id:016x}-")
     # Without an active span the metadata is left as it is.
-    assert telemetry.inject_trace_context(md) == md
+    assert tracing.inject_trace_context(md) == md
 
 
 def test_exporters_from_env() -> None:
-    assert telemetry.exporters_from_env({}) == []
-    assert telemetry.exporters_from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}) == ["otlp"]
-    assert telemetry.exporters_from_env({"OTEL_TRACES_EXPORTER": "console,otlp"}) == ["console", "otlp"]
+    assert tracing.exporters_from_env({}) == []
+    assert tracing.exporters_from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}) == ["otlp"]
+    assert tracing.exporters_from_env({"OTEL_TRACES_EXPORTER": "console,otlp"}) == ["console", "otlp"]
     assert (
-        telemetry.exporters_from_env({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "x"})
-        == []
+        tracing.exporters_from_env({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "x"}) == []
     )
     disabled = {"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "otlp"}
-    assert telemetry.exporters_from_env(disabled) == []
+    assert tracing.exporters_from_env(disabled) == []
     with pytest.raises(ValueError, match="zipkin"):
-        telemetry.exporters_from_env({"OTEL_TRACES_EXPORTER": "zipkin"})
+        tracing.exporters_from_env({"OTEL_TRACES_EXPORTER": "zipkin"})
 
 
 def test_tracing_off_installs_nothing_and_the_shard_serves_without_the_interceptor(stub, shard, db) -> None:
-    assert telemetry.configure_tracing("shardd/test", env={}) is None
-    assert not telemetry.tracing_active()
+    assert tracing.configure_tracing("shardd/test", env={}) is None
+    assert not tracing.tracing_active()
     interceptors = shard.server._state.interceptor_pipeline.interceptors  # type: ignore[attr-defined]
-    assert not any(isinstance(i, telemetry.TracingServerInterceptor) for i in interceptors)
+    assert not any(isinstance(i, tracing.TracingServerInterceptor) for i in interceptors)
     md = key_metadata()
     reply = stub.Deposit(_deposit(9), metadata=md)
     assert reply.balance.amount_minor == 9
@@ -373,15 +373,15 @@ def test_aio_router_spans_caller_router_and_shard_in_one_trace(traced: Traced) -
         outgoing = [(k, v) for k, v in incoming if k in ("idempotency-key", "traceparent", "tracestate")]
         async with grpc.aio.insecure_channel(shard_address) as channel:
             call = channel.unary_unary(DEPOSIT)
-            with telemetry.router_span(
+            with router_tracing.router_span(
                 DEPOSIT, outgoing, tracer_provider=provider, shard_id="shard-obs"
             ) as md:
                 try:
                     reply: bytes = await call(raw, metadata=tuple(md))
                 except grpc.aio.AioRpcError as error:
-                    telemetry.record_forwarded_status(error.code())
+                    router_tracing.record_forwarded_status(error.code())
                     await context.abort(error.code(), error.details() or "")
-                telemetry.record_forwarded_status(grpc.StatusCode.OK)
+                router_tracing.record_forwarded_status(grpc.StatusCode.OK)
         return reply
 
     async def refuse(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -396,7 +396,7 @@ def test_aio_router_spans_caller_router_and_shard_in_one_trace(traced: Traced) -
     md = key_metadata()
 
     async def scenario() -> trace.Span:
-        server = grpc.aio.server(interceptors=[telemetry.aio_server_interceptor(provider)])
+        server = grpc.aio.server(interceptors=[tracing.aio_server_interceptor(provider)])
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler("shardrouter.v1.TransferService", handlers),)
         )
@@ -406,12 +406,8 @@ def test_aio_router_spans_caller_router_and_shard_in_one_trace(traced: Traced) -
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 body = _deposit().SerializeToString()
                 with caller_tracer.start_as_current_span("caller", kind=SpanKind.CLIENT) as caller:
-                    await channel.unary_unary(DEPOSIT)(
-                        body, metadata=tuple(telemetry.inject_trace_context(md))
-                    )
-                    await channel.unary_unary(DEPOSIT)(
-                        body, metadata=tuple(telemetry.inject_trace_context(md))
-                    )
+                    await channel.unary_unary(DEPOSIT)(body, metadata=tuple(tracing.inject_trace_context(md)))
+                    await channel.unary_unary(DEPOSIT)(body, metadata=tuple(tracing.inject_trace_context(md)))
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await channel.unary_unary("/shardrouter.v1.TransferService/Refuse")(body)
                 assert info.value.code() is grpc.StatusCode.UNAVAILABLE
@@ -527,7 +523,7 @@ def test_caller_library_router_and_shard_in_one_trace_with_linked_retries(
 
     idem = _idem(traced, str(key), first.attempts + 1)
     outcomes = [s.attributes["idempotency.outcome"] for s in idem]  # type: ignore[index]
-    assert outcomes == ["in_progress_conflict"] * (first.attempts - 1) + ["new", "replay"]
+    assert outcomes == ["in_flight"] * (first.attempts - 1) + ["new", "replay"]
     chains = [_chain(traced, s) for s in idem]
     for chain in chains:
         names = [(s.name, s.kind) for s in chain]
@@ -569,7 +565,7 @@ def test_statement_spans_can_be_switched_off(database: str) -> None:
     from tests.conftest import make_settings
 
     exporter = InMemorySpanExporter()
-    provider = telemetry.new_tracer_provider("shardd/no-sql", [exporter], batch=False)
+    provider = tracing.new_tracer_provider("shardd/no-sql", [exporter], batch=False)
     daemon = start_shard(make_settings(database, trace_statements=False), tracer_provider=provider)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{daemon.port}") as channel:
@@ -587,6 +583,6 @@ def test_sampler_comes_from_the_standard_environment(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.25")
-    provider = telemetry.new_tracer_provider("t", [], batch=False)
+    provider = tracing.new_tracer_provider("t", [], batch=False)
     assert isinstance(provider.sampler, ParentBased)
     assert "0.25" in provider.sampler.get_description()

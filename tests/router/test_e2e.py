@@ -199,8 +199,10 @@ def test_parallel_attempts_with_one_key_apply_once(cluster: Cluster, parallel: i
         results = list(pool.map(lambda _: attempt(), range(parallel)))
     response = _check_attempts(results)
     replays = sum(1 for r in results if r[0] == "ok") - 1
-    print(f"\n{parallel} same-key attempts through the router: 1 applied, {replays} replays, "
-          f"{parallel - 1 - replays} ABORTED")
+    print(
+        f"\n{parallel} same-key attempts through the router: 1 applied, {replays} replays, "
+        f"{parallel - 1 - replays} ABORTED"
+    )
 
     other = next(s for s in SHARDS if s != owner)
     entries_sql = "SELECT count(*) FROM ledger_entries WHERE kind = 'transfer_out' AND idempotency_key = %s"

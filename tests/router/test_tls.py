@@ -177,7 +177,9 @@ def test_a_rotated_client_certificate_is_used_without_a_restart(pki: Pki, tmp_pa
     cert, key = pki.certs["shard"].cert, pki.certs["shard"].key
     fake = start_fake_shard(
         credentials=grpc.ssl_server_credentials(
-            [(key.read_bytes(), cert.read_bytes())], root_certificates=pki.ca.read_bytes(), require_client_auth=True
+            [(key.read_bytes(), cert.read_bytes())],
+            root_certificates=pki.ca.read_bytes(),
+            require_client_auth=True,
         )
     )
     map_path = tmp_path / "map.json"

@@ -97,7 +97,13 @@ def _one_more_call_while_blocked(stub, database, db, callers, *, caller):
             "RATE_LIMITED",
         ),
         # Past max_in_flight + max_waiting, whoever asks.
-        ({"max_in_flight": 2, "max_waiting": 0}, ["a", "b"], "c", grpc.StatusCode.UNAVAILABLE, "SHARD_SATURATED"),
+        (
+            {"max_in_flight": 2, "max_waiting": 0},
+            ["a", "b"],
+            "c",
+            grpc.StatusCode.UNAVAILABLE,
+            "SHARD_SATURATED",
+        ),
     ],
 )
 def test_calls_beyond_the_limits_are_shed_at_once(database, db, overrides, callers, caller, code, reason):

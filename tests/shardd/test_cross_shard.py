@@ -48,8 +48,13 @@ class TwoShards:
 
     def start(self, shard_id: str, **overrides: object) -> None:
         self.daemons[shard_id] = start_shard(
-            make_settings(self.dsns[shard_id], shard_id=shard_id, listen=f"127.0.0.1:{self.ports[shard_id]}",
-                          shard_map=str(self.map_path), **overrides)
+            make_settings(
+                self.dsns[shard_id],
+                shard_id=shard_id,
+                listen=f"127.0.0.1:{self.ports[shard_id]}",
+                shard_map=str(self.map_path),
+                **overrides,
+            )
         )
 
 
@@ -85,15 +90,22 @@ def two_shards(postgres: LocalPostgres, tmp_path: Path) -> Iterator[TwoShards]:
 
 def _open(cluster: TwoShards, account: str, amount: int, currency: str = "EUR") -> None:
     cluster.stub(account).Deposit(
-        transfer_pb2.DepositRequest(account_id=account, amount=money(amount, currency)), metadata=key_metadata()
+        transfer_pb2.DepositRequest(account_id=account, amount=money(amount, currency)),
+        metadata=key_metadata(),
     )
 
 
 def _transfer(cluster: TwoShards, src: str, dst: str, amount: int, md=None) -> transfer_pb2.Transfer:
-    return cluster.stub(src).Transfer(
-        transfer_pb2.TransferRequest(source_account_id=src, destination_account_id=dst, amount=money(amount)),
-        metadata=md or key_metadata(),
-    ).transfer
+    return (
+        cluster.stub(src)
+        .Transfer(
+            transfer_pb2.TransferRequest(
+                source_account_id=src, destination_account_id=dst, amount=money(amount)
+            ),
+            metadata=md or key_metadata(),
+        )
+        .transfer
+    )
 
 
 def _balance(cluster: TwoShards, account: str) -> int:
@@ -114,9 +126,11 @@ def test_cross_shard_transfer_debits_then_the_relay_credits_once(two_shards):
     assert relay.run_once().delivered == 1
     assert relay.run_once().delivered == 0  # nothing left: delivered rows are not sent again
     assert _balance(two_shards, dst) == 301
-    got = two_shards.stub(src).GetTransfer(
-        transfer_pb2.GetTransferRequest(source_account_id=src, transfer_id=transfer.transfer_id)
-    ).transfer
+    got = (
+        two_shards.stub(src)
+        .GetTransfer(transfer_pb2.GetTransferRequest(source_account_id=src, transfer_id=transfer.transfer_id))
+        .transfer
+    )
     assert got.state == transfer_pb2.TRANSFER_STATE_COMPLETED
     assert [a.status_code for a in got.delivery_attempts] == ["OK"]
     # The caller's retry replays the original answer (PENDING at the time), byte for byte.
@@ -132,7 +146,8 @@ def test_redelivering_one_credit_many_times_gives_one_ledger_entry(two_shards):
     transfer = _transfer(two_shards, src, dst, 250)
     with two_shards.db(src) as conn:
         payload, key = conn.execute(
-            "SELECT payload, idempotency_key FROM outbox WHERE transfer_id = %s", (uuid.UUID(transfer.transfer_id),)
+            "SELECT payload, idempotency_key FROM outbox WHERE transfer_id = %s",
+            (uuid.UUID(transfer.transfer_id),),
         ).fetchone()
     channel = grpc.insecure_channel(two_shards.shard_map.shard_for(dst).address)
     credit = channel.unary_unary("/shardrouter.internal.v1.ShardLedgerService/CreditTransfer")
@@ -144,6 +159,7 @@ def test_redelivering_one_credit_many_times_gives_one_ledger_entry(two_shards):
                 answers.append(credit(bytes(payload), metadata=[("idempotency-key", str(key))], timeout=10))
             except grpc.RpcError as err:
                 assert err.code() == grpc.StatusCode.ABORTED
+
     threads = [threading.Thread(target=redeliver) for _ in range(6)]
     for t in threads:
         t.start()
@@ -169,9 +185,11 @@ def test_unknown_destination_is_dead_lettered_and_refunded_once(two_shards):
     stats = two_shards.relay("shard-0").run_once()
     assert stats.dead_lettered == 1 and stats.refunded == 1
     assert _balance(two_shards, src) == 1000
-    got = two_shards.stub(src).GetTransfer(
-        transfer_pb2.GetTransferRequest(source_account_id=src, transfer_id=transfer.transfer_id)
-    ).transfer
+    got = (
+        two_shards.stub(src)
+        .GetTransfer(transfer_pb2.GetTransferRequest(source_account_id=src, transfer_id=transfer.transfer_id))
+        .transfer
+    )
     assert got.state == transfer_pb2.TRANSFER_STATE_REFUNDED
     assert got.delivery_attempts[0].status_code == "NOT_FOUND"
     with two_shards.db(src) as conn:
@@ -214,10 +232,15 @@ def test_a_voided_credit_can_never_land_and_is_refunded(two_shards):
     _open(two_shards, src, 1000)
     _open(two_shards, dst, 1)
     transfer = _transfer(two_shards, src, dst, 100)
-    stub = ledger_pb2_grpc.ShardLedgerServiceStub(grpc.insecure_channel(two_shards.shard_map.shard_for(dst).address))
+    stub = ledger_pb2_grpc.ShardLedgerServiceStub(
+        grpc.insecure_channel(two_shards.shard_map.shard_for(dst).address)
+    )
     key = credit_key(uuid.UUID(transfer.transfer_id))
     caller = [("x-caller-id", "relay:shard-0")]
-    stub.VoidCredit(ledger_pb2.VoidCreditRequest(transfer_id=transfer.transfer_id), metadata=[("idempotency-key", str(key)), *caller])
+    stub.VoidCredit(
+        ledger_pb2.VoidCreditRequest(transfer_id=transfer.transfer_id),
+        metadata=[("idempotency-key", str(key)), *caller],
+    )
     stats = two_shards.relay("shard-0").run_once()
     assert stats.dead_lettered == 1
     assert _balance(two_shards, dst) == 1  # the fence held
@@ -244,9 +267,11 @@ def test_destination_down_then_back_delivers_with_backoff(two_shards):
         delivered = relay.run_once().delivered
         time.sleep(0.1)
     assert delivered == 1
-    got = two_shards.stub(src).GetTransfer(
-        transfer_pb2.GetTransferRequest(source_account_id=src, transfer_id=transfer.transfer_id)
-    ).transfer
+    got = (
+        two_shards.stub(src)
+        .GetTransfer(transfer_pb2.GetTransferRequest(source_account_id=src, transfer_id=transfer.transfer_id))
+        .transfer
+    )
     codes = [a.status_code for a in got.delivery_attempts]
     assert codes[0] == "UNAVAILABLE" and codes[-1] == "OK" and codes.count("OK") == 1
     assert _balance(two_shards, dst) == 11
@@ -260,10 +285,15 @@ def test_background_relay_completes_and_get_transfer_waits(two_shards):
     _open(two_shards, src, 1000)
     _open(two_shards, dst, 1)
     transfer = _transfer(two_shards, src, dst, 10)
-    got = two_shards.stub(src).GetTransfer(
-        transfer_pb2.GetTransferRequest(source_account_id=src, transfer_id=transfer.transfer_id,
-                                        wait_for_completion_ms=10_000),
-        timeout=15,
-    ).transfer
+    got = (
+        two_shards.stub(src)
+        .GetTransfer(
+            transfer_pb2.GetTransferRequest(
+                source_account_id=src, transfer_id=transfer.transfer_id, wait_for_completion_ms=10_000
+            ),
+            timeout=15,
+        )
+        .transfer
+    )
     assert got.state == transfer_pb2.TRANSFER_STATE_COMPLETED
     assert _balance(two_shards, dst) == 11

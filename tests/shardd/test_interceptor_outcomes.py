@@ -258,7 +258,7 @@ def test_in_flight_duplicate_gets_aborted_with_retry_info_then_replays(stub, dat
     retry = _details(err)["RetryInfo"]
     assert retry.retry_delay.ToMilliseconds() == 100
     assert _trailers(err)["grpc-retry-pushback-ms"] == "100"
-    assert _trailers(err)["idempotency-outcome"] == "in_progress_conflict"
+    assert _trailers(err)["idempotency-outcome"] == "in_flight"
     assert elapsed < 1.0, "the conflict must be answered without holding the connection"
     # The first attempt rolls back: a retry claims the key normally.
     holder.rollback()

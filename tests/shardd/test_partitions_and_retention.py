@@ -46,26 +46,53 @@ def test_first_day_of_a_month_still_accepts_keys_from_the_last_day_before(databa
         assert "idempotency_record_2027_02" in _months(conn)
     key = new_key(int(datetime(2027, 2, 28, 23, 59, 59, tzinfo=UTC).timestamp() * 1000))
     with psycopg.connect(database) as conn, conn.transaction():
-        claim = store.claim_key(conn, scope="s", key=key, key_time=key_time(key), method="m", request_hash=b"h",
-                                claim_lock_timeout_ms=50, handler_lock_timeout_ms=1000)
+        claim = store.claim_key(
+            conn,
+            scope="s",
+            key=key,
+            key_time=key_time(key),
+            method="m",
+            request_hash=b"h",
+            claim_lock_timeout_ms=50,
+            handler_lock_timeout_ms=1000,
+        )
     assert claim.status is ClaimStatus.CLAIMED
 
 
 def test_there_is_no_default_partition_so_a_missing_month_fails_loudly(database):
     prepare_database(database, RETENTION)
     far = new_key(int(datetime(2031, 6, 1, tzinfo=UTC).timestamp() * 1000))
-    with psycopg.connect(database) as conn, pytest.raises(psycopg.errors.CheckViolation, match="no partition"):
+    with (
+        psycopg.connect(database) as conn,
+        pytest.raises(psycopg.errors.CheckViolation, match="no partition"),
+    ):
         with conn.transaction():
-            store.claim_key(conn, scope="s", key=far, key_time=key_time(far), method="m", request_hash=b"h",
-                            claim_lock_timeout_ms=50, handler_lock_timeout_ms=1000)
+            store.claim_key(
+                conn,
+                scope="s",
+                key=far,
+                key_time=key_time(far),
+                method="m",
+                request_hash=b"h",
+                claim_lock_timeout_ms=50,
+                handler_lock_timeout_ms=1000,
+            )
 
 
 def _seed_old_rows(database: str, month_start: datetime, rows: int) -> None:
     with psycopg.connect(database) as conn, conn.transaction():
         for i in range(rows):
             key = new_key(int((month_start + timedelta(hours=i)).timestamp() * 1000))
-            store.claim_key(conn, scope="old", key=key, key_time=key_time(key), method="m", request_hash=b"h",
-                            claim_lock_timeout_ms=50, handler_lock_timeout_ms=1000)
+            store.claim_key(
+                conn,
+                scope="old",
+                key=key,
+                key_time=key_time(key),
+                method="m",
+                request_hash=b"h",
+                claim_lock_timeout_ms=50,
+                handler_lock_timeout_ms=1000,
+            )
 
 
 def test_retention_drops_whole_expired_months_and_keeps_the_rest(database):
@@ -80,7 +107,12 @@ def test_retention_drops_whole_expired_months_and_keeps_the_rest(database):
     with psycopg.connect(database, autocommit=True) as conn:
         after = _months(conn)
         leftover = conn.execute("SELECT count(*) FROM idempotency_record WHERE scope = 'old'").fetchone()[0]
-        tables = {r[0] for r in conn.execute("SELECT tablename FROM pg_tables WHERE tablename LIKE 'idempotency_record_%'")}
+        tables = {
+            r[0]
+            for r in conn.execute(
+                "SELECT tablename FROM pg_tables WHERE tablename LIKE 'idempotency_record_%'"
+            )
+        }
     cutoff = now - RETENTION
     assert old_month.table in result.dropped
     for name in result.dropped:
@@ -135,7 +167,9 @@ def test_retention_under_live_traffic_loses_no_write_and_blocks_none_for_long(sh
             md = key_metadata()
             started = time.monotonic()
             try:
-                stub.Deposit(transfer_pb2.DepositRequest(account_id=f"w{n}", amount=money(1)), metadata=md, timeout=10)
+                stub.Deposit(
+                    transfer_pb2.DepositRequest(account_id=f"w{n}", amount=money(1)), metadata=md, timeout=10
+                )
             except grpc.RpcError as exc:
                 failures.append(exc)
                 continue
@@ -160,8 +194,12 @@ def test_retention_under_live_traffic_loses_no_write_and_blocks_none_for_long(sh
     before = [s for start, s in latencies if start < run_started]
     # No write lost: every acknowledged deposit has its ledger entry and its record.
     keys = [uuid.UUID(k) for k in succeeded]
-    assert db.execute("SELECT count(*) FROM ledger_entries WHERE idempotency_key = ANY(%s)", (keys,)).fetchone()[0] == len(keys)
-    assert db.execute("SELECT count(*) FROM idempotency_record WHERE key = ANY(%s)", (keys,)).fetchone()[0] == len(keys)
+    assert db.execute(
+        "SELECT count(*) FROM ledger_entries WHERE idempotency_key = ANY(%s)", (keys,)
+    ).fetchone()[0] == len(keys)
+    assert db.execute("SELECT count(*) FROM idempotency_record WHERE key = ANY(%s)", (keys,)).fetchone()[
+        0
+    ] == len(keys)
     worst = max(during) if during else 0.0
     assert worst < 2.0, f"a write waited {worst:.2f} s behind the retention job"
     print(

@@ -109,8 +109,10 @@ def test_concurrent_replays_of_a_completed_key_all_replay(shard_with, database, 
             stop.set()
             watcher.join()
         elapsed = time.monotonic() - started
-    print(f"\n8 callers replaying one key ({'memory' if cache_entries else 'database'}): {dict(counts)}, "
-          f"{counts['replay'] / elapsed:.0f} replays/s")
+    print(
+        f"\n8 callers replaying one key ({'memory' if cache_entries else 'database'}): {dict(counts)}, "
+        f"{counts['replay'] / elapsed:.0f} replays/s"
+    )
     assert counts == Counter({"replay": 480}), counts
     assert _writes(db) == before, "a replay wrote something"
     assert not locks, f"replays held locks: {locks[:5]}"
