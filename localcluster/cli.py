@@ -159,3 +159,8 @@ def _own_command() -> str:
         return shlex.quote(str(own.relative_to(Path.cwd())))
     except ValueError:
         return shlex.quote(str(own))
+
+
+__all__ = [
+    "main",
+]

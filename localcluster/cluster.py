@@ -208,3 +208,11 @@ def installed_command(name: str) -> list[str]:
     if found is None:
         raise RuntimeError(f"the {name!r} command is not installed (pip install the shard-router package)")
     return [found]
+
+
+__all__ = [
+    "Daemon",
+    "LocalCluster",
+    "default_data_dir",
+    "installed_command",
+]

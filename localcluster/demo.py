@@ -156,3 +156,11 @@ def _pair(shard_map: ShardMap, *, same_shard: bool) -> tuple[str, str] | None:
             if a != b and (shard_map.shard_for(a) == shard_map.shard_for(b)) == same_shard:
                 return a, b
     return None
+
+
+__all__ = [
+    "DEMO_ACCOUNTS",
+    "DemoResult",
+    "run_demo",
+    "seed_accounts",
+]

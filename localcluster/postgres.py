@@ -173,3 +173,9 @@ def _run_as_user() -> pwd.struct_passwd | None:
                 elif mode & 0o004 == 0:
                     os.chmod(p, mode | 0o004)
     return pwd.getpwnam(_SYSTEM_USER)
+
+
+__all__ = [
+    "LocalPostgres",
+    "free_port",
+]

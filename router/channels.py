@@ -156,3 +156,9 @@ class ChannelPool:
         if self._credentials is not None:
             return grpc.aio.secure_channel(address, self._credentials, options=self._options)
         return grpc.aio.insecure_channel(address, options=self._options)
+
+
+__all__ = [
+    "CHANNEL_OPTIONS",
+    "ChannelPool",
+]

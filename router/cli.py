@@ -78,5 +78,12 @@ async def serve(settings: RouterSettings) -> int:
     return 0
 
 
+__all__ = [
+    "USAGE",
+    "main",
+    "serve",
+]
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -276,3 +276,14 @@ def has_our_error_info(trailers: tuple[MetadataEntry, ...]) -> bool:
             if detail.Unpack(info) and info.domain == ERROR_DOMAIN:
                 return True
     return False
+
+
+__all__ = [
+    "DETAILS_TRAILER",
+    "RETRY_BACKOFF_S",
+    "SHARD_UNAVAILABLE_RETRY_MS",
+    "Forwarder",
+    "Outcome",
+    "has_our_error_info",
+    "unreached",
+]

@@ -78,3 +78,10 @@ class CallerPolicy:
             "the shards who is calling; configure ROUTER_TLS_CA, or ROUTER_DEV_MODE for local runs",
             reason=Reason.UNAUTHENTICATED,
         )
+
+
+__all__ = [
+    "CallerPolicy",
+    "MetadataEntry",
+    "forwardable",
+]

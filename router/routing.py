@@ -168,3 +168,14 @@ class ShardMapHolder:
                 self.check()
             except Exception:  # keep polling whatever happens; the last good map stays
                 log.exception("shard map check failed")
+
+
+__all__ = [
+    "METHODS_BY_PATH",
+    "ROUTED_METHODS",
+    "SERVICE",
+    "MapListener",
+    "RoutedMethod",
+    "ShardMapHolder",
+    "routing_account",
+]

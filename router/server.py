@@ -219,3 +219,11 @@ def start_router_thread(
 ) -> RouterThread:
     """Serve `settings` on a background event loop; `.port` and `.stop()` work from any thread."""
     return RouterThread(settings, tracer_provider=tracer_provider)
+
+
+__all__ = [
+    "Router",
+    "RouterThread",
+    "start_router",
+    "start_router_thread",
+]

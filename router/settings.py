@@ -124,3 +124,12 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
 
 
 ENV_NAMES = env_names(RouterSettings, ENV_PREFIX)
+
+
+__all__ = [
+    "ENV_NAMES",
+    "ENV_PREFIX",
+    "MAX_FORWARD_RETRIES",
+    "RouterSettings",
+    "parse_settings",
+]

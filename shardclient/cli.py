@@ -276,7 +276,7 @@ def _exit_for_code(code: grpc.StatusCode) -> ExitCode:
     return ExitCode.REFUSED
 
 
-def exit_code_of(result: SendResult) -> ExitCode:
+def _exit_code_of(result: SendResult) -> ExitCode:
     """The exit code for a `send_with_retries` result."""
     state = result.state
     if state is OperationState.SUCCEEDED:
@@ -288,7 +288,7 @@ def exit_code_of(result: SendResult) -> ExitCode:
     return ExitCode.USAGE if result.code is grpc.StatusCode.INVALID_ARGUMENT else ExitCode.REFUSED
 
 
-def describe(op: Operation) -> str:
+def _describe(op: Operation) -> str:
     """A short human description of an operation's arguments."""
     a = op.arguments
     amount = _money(int(a["amount_minor"]), str(a["currency"]))
@@ -329,17 +329,17 @@ class _Output:
         return self._emit(code, line, data)
 
     def send_result(self, result: SendResult) -> int:
-        return self._emit(exit_code_of(result), _summary(result), _result_data(result))
+        return self._emit(_exit_code_of(result), _summary(result), _result_data(result))
 
     def resumed(self, results: list[SendResult]) -> int:
-        code = max((exit_code_of(r) for r in results), default=ExitCode.OK)
+        code = max((_exit_code_of(r) for r in results), default=ExitCode.OK)
         if self.json_mode:
             data = {"command": "resume", "results": [_result_data(r) for r in results]}
             return self._emit(code, "", data)
         if not results:
             print("no pending operations", file=self.stdout)
         for result in results:
-            target = self.stdout if exit_code_of(result) is ExitCode.OK else self.stderr
+            target = self.stdout if _exit_code_of(result) is ExitCode.OK else self.stderr
             print(_summary(result), file=target)
         return int(code)
 
@@ -353,7 +353,7 @@ class _Output:
         for op in operations:
             last = op.attempts[-1].code if op.attempts else "never sent"
             print(
-                f"{operation_ids(op)} {op.kind} {op.state.value}: {describe(op)}, "
+                f"{_operation_ids(op)} {op.kind} {op.state.value}: {_describe(op)}, "
                 f"{len(op.attempts)} attempt{'s' if len(op.attempts) != 1 else ''}, last {last}",
                 file=self.stdout,
             )
@@ -377,7 +377,7 @@ class _Output:
         return self._emit(ExitCode.OK, line, data)
 
 
-def operation_ids(op: Operation) -> str:
+def _operation_ids(op: Operation) -> str:
     """The local names of an operation, labelled: `operation <id> (key <idempotency key>)`."""
     return f"operation {op.id} (key {op.idempotency_key})"
 
@@ -394,7 +394,7 @@ def _summary(result: SendResult) -> str:
     """One line; every line names the operation and its key, so the ids a user sees never change:
     the server's id (`transfer <id>`, `deposit entry <id>`) is added once the service gave one."""
     op = result.operation
-    ids = operation_ids(op)
+    ids = _operation_ids(op)
     replayed = " (replayed)" if result.replayed else ""
     response = result.response
     if result.state is OperationState.SUCCEEDED and result.ok:
@@ -407,21 +407,21 @@ def _summary(result: SendResult) -> str:
             )
         if isinstance(response, transfer_pb2.DepositResponse):
             balance = _money(response.balance.amount_minor, response.balance.currency)
-            return f"deposit entry {response.entry_id} OK: {describe(op)}, balance {balance}{replayed}; {ids}"
+            return f"deposit entry {response.entry_id} OK: {_describe(op)}, balance {balance}{replayed}; {ids}"
     problem = f"{result.code.name}{f' ({result.reason})' if result.reason else ''}: {result.message}"
     if result.state is OperationState.PENDING:
         why = "retry budget exhausted" if result.budget_exhausted else "no definite answer"
         return (
             f"{op.kind} {ids} still pending ({why} after {result.attempts} attempts; last {problem}); "
-            f"{describe(op)}; run 'shard-router resume' to finish it with the same key"
+            f"{_describe(op)}; run 'shard-router resume' to finish it with the same key"
         )
     if result.state is OperationState.NEEDS_RECONCILIATION:
-        return f"{op.kind} {ids} needs reconciliation: {describe(op)}: {problem}"
+        return f"{op.kind} {ids} needs reconciliation: {_describe(op)}: {problem}"
     if op.state is OperationState.SUCCEEDED:  # a re-send of a finished operation failed transiently
         return f"{op.kind} {ids} already succeeded; the re-send answered {problem}"
     verb = "invalid" if result.code is grpc.StatusCode.INVALID_ARGUMENT else "refused"
     violations = "".join(f"; {f}: {d}" for f, d in (result.error.field_violations if result.error else ()))
-    return f"{op.kind} {verb}{replayed}: {describe(op)}: {problem}{violations}; {ids}"
+    return f"{op.kind} {verb}{replayed}: {_describe(op)}: {problem}{violations}; {ids}"
 
 
 def _result_data(result: SendResult) -> dict[str, Any]:

@@ -234,5 +234,13 @@ def _uuid_or_exit(text: str) -> uuid.UUID:
         raise SystemExit(f"shardd: {text!r} is not a UUID") from None
 
 
+__all__ = [
+    "COMMANDS",
+    "USAGE",
+    "database_unreachable",
+    "main",
+]
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -219,3 +219,15 @@ def mapped_database_errors(retry_after_ms: int) -> Iterator[None]:
             reason=Reason.DATABASE_UNAVAILABLE,
             retry_after_ms=retry_after_ms,
         ) from exc
+
+
+__all__ = [
+    "CallTransaction",
+    "Connection",
+    "ConnectionChecks",
+    "Database",
+    "bind_transaction",
+    "current_transaction",
+    "mapped_database_errors",
+    "trace_connection",
+]

@@ -59,3 +59,9 @@ def _claimed_caller(metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
             reason=Reason.INVALID_CALLER,
         )
     return value
+
+
+__all__ = [
+    "ANONYMOUS",
+    "IdentityPolicy",
+]

@@ -187,3 +187,11 @@ def schema_version(conn: psycopg.Connection[Any]) -> int:
 
 
 LATEST_VERSION = MIGRATIONS[-1][0]
+
+
+__all__ = [
+    "LATEST_VERSION",
+    "MIGRATIONS",
+    "apply_migrations",
+    "schema_version",
+]

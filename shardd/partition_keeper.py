@@ -150,3 +150,13 @@ class PartitionKeeper:
                 )
                 span.set_attribute("partitions.created", [m.table for m in created])
             return created
+
+
+__all__ = [
+    "CONNECT_TIMEOUT_S",
+    "DEFAULT_INTERVAL_S",
+    "STOP_JOIN_TIMEOUT_S",
+    "Clock",
+    "PartitionKeeper",
+    "utc_now",
+]

@@ -246,3 +246,22 @@ def _ddl(conn: Connection, statement: sql.Composed) -> None:
             time.sleep(min(0.05 * attempt, 1.0))
         finally:
             conn.execute("RESET lock_timeout")
+
+
+__all__ = [
+    "DDL_ATTEMPTS",
+    "DDL_LOCK_TIMEOUT_MS",
+    "PARENT",
+    "Connection",
+    "Month",
+    "PartitionInfo",
+    "create_partition",
+    "drop_partition",
+    "ensure_partitions",
+    "existing_partitions",
+    "expired_months",
+    "first_missing_month",
+    "months_to_keep",
+    "partition_sizes",
+    "today",
+]

@@ -327,3 +327,10 @@ class OutboxRelay:
 def _backoff(attempts: int) -> float:
     delay: float = min(_MAX_BACKOFF_S, 0.2 * 2.0 ** min(attempts, 10))
     return delay * random.uniform(0.5, 1.5)
+
+
+__all__ = [
+    "OutboxRelay",
+    "RelayStats",
+    "ShardClients",
+]

@@ -105,3 +105,9 @@ def _run(
     )
     log.info("retention run: dropped %s, created %s in %.3f s", result.dropped, result.created, seconds)
     return result
+
+
+__all__ = [
+    "RetentionResult",
+    "run_retention",
+]

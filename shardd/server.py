@@ -259,3 +259,15 @@ def start_shard(
     else:
         log.info("shard %s serving on port %d", settings.shard_id, port)
     return daemon
+
+
+__all__ = [
+    "INTERNAL_SERVICE",
+    "MONTHS_AHEAD",
+    "PUBLIC_SERVICE",
+    "ShardDaemon",
+    "idempotency_config",
+    "mutating_methods",
+    "prepare_database",
+    "start_shard",
+]

@@ -163,3 +163,11 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
 
 
 ENV_NAMES = env_names(ShardSettings, ENV_PREFIX)
+
+
+__all__ = [
+    "ENV_NAMES",
+    "ENV_PREFIX",
+    "ShardSettings",
+    "parse_settings",
+]

@@ -65,3 +65,8 @@ def _decode(deserialize: Callable[[bytes], Any] | None, raw: Any, method: str) -
             f"the request body is not a valid {method} request message (protobuf)",
             reason=Reason.INVALID_REQUEST,
         ) from exc
+
+
+__all__ = [
+    "DomainErrorInterceptor",
+]

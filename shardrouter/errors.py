@@ -190,3 +190,24 @@ _RPC_CODES: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.UNAUTHENTICATED: code_pb2.UNAUTHENTICATED,
     grpc.StatusCode.INTERNAL: code_pb2.INTERNAL,
 }
+
+
+__all__ = [
+    "ERROR_DOMAIN",
+    "RETRY_PUSHBACK_TRAILER",
+    "Aborted",
+    "DeadlineExceeded",
+    "FailedPrecondition",
+    "FieldViolation",
+    "Internal",
+    "InvalidArgument",
+    "NotFound",
+    "Reason",
+    "ResourceExhausted",
+    "ShardRouterError",
+    "Unauthenticated",
+    "Unavailable",
+    "status_code_from_int",
+    "to_grpc_status",
+    "to_status_proto",
+]

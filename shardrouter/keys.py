@@ -84,3 +84,13 @@ def _invalid(problem: str) -> InvalidArgument:
         f"invalid idempotency-key ({problem}): {KEY_FORMAT_HINT}",
         reason=Reason.IDEMPOTENCY_KEY_INVALID,
     )
+
+
+__all__ = [
+    "KEY_FORMAT_HINT",
+    "KEY_METADATA",
+    "derived_key",
+    "key_time",
+    "new_key",
+    "parse_key",
+]

@@ -54,3 +54,9 @@ def configure_logging(service: str, *, level: str = "INFO", fmt: str = "json") -
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+__all__ = [
+    "JsonFormatter",
+    "configure_logging",
+]

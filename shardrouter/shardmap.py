@@ -168,3 +168,15 @@ def parse_shard_map(raw: object, *, source: str) -> ShardMap:
     if expected != slots:
         raise fail(f"slots {expected}..{slots - 1} are owned by no shard")
     return ShardMap(slots=slots, shards=tuple(shards), ranges=tuple(ranges))
+
+
+__all__ = [
+    "DEFAULT_SLOTS",
+    "Shard",
+    "ShardMap",
+    "ShardMapError",
+    "even_shard_map",
+    "load_shard_map",
+    "parse_shard_map",
+    "shard_map_document",
+]

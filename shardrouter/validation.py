@@ -115,3 +115,18 @@ _UUID_PATTERN = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-
 
 def _is_uuid(text: str) -> bool:
     return _UUID_PATTERN.fullmatch(text) is not None
+
+
+__all__ = [
+    "ACCOUNT_ID_PATTERN",
+    "CURRENCIES",
+    "MAX_AMOUNT_MINOR",
+    "MAX_REFERENCE_LENGTH",
+    "MAX_WAIT_MS",
+    "account_id_problem",
+    "money_problems",
+    "validate_deposit",
+    "validate_get_balance",
+    "validate_get_transfer",
+    "validate_transfer",
+]

@@ -30,3 +30,8 @@ class IdempotencyConfig:
         for name in ("claim_lock_timeout_ms", "handler_lock_timeout_ms", "in_flight_retry_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+
+
+__all__ = [
+    "IdempotencyConfig",
+]

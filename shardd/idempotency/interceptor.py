@@ -556,3 +556,15 @@ def _kind_of(error: ShardRouterError) -> OutcomeKind:
         Reason.RATE_LIMITED: OutcomeKind.SHED,
         Reason.SHARD_SATURATED: OutcomeKind.SHED,
     }.get(error.reason, OutcomeKind.INVALID if isinstance(error, InvalidArgument) else OutcomeKind.ERROR)
+
+
+__all__ = [
+    "EXPIRES_AT_TRAILER",
+    "OUTCOME_TRAILER",
+    "REPLAYED_TRAILER",
+    "Collaborators",
+    "Handler",
+    "IdempotencyInterceptor",
+    "KeyedRequest",
+    "MutatingMethod",
+]

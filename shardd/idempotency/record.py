@@ -87,3 +87,13 @@ class Claim:
     existing: IdempotencyRecord | None = None
     #: When the claimed record was inserted (CLAIMED only): the `created_at` a replay reports.
     created_at: datetime | None = None
+
+
+__all__ = [
+    "Claim",
+    "ClaimStatus",
+    "IdempotencyRecord",
+    "RecordState",
+    "StoredOutcome",
+    "Trailer",
+]

@@ -202,3 +202,11 @@ def _record(row: dict[str, Any]) -> IdempotencyRecord:
 
 def _bytes(value: Any) -> bytes | None:
     return None if value is None else bytes(value)
+
+
+__all__ = [
+    "claim_key",
+    "complete_key",
+    "find_key",
+    "lookup_key",
+]

@@ -416,3 +416,15 @@ def _transfer_message(transfer: TransferRow, attempts: list[store.AttemptRow]) -
             for a in attempts
         ],
     )
+
+
+__all__ = [
+    "MAX_BALANCE",
+    "ShardLedgerServicer",
+    "ShardLocator",
+    "TransferServicer",
+    "credit_key",
+    "refund_key",
+    "validate_credit",
+    "validate_transfer_id_only",
+]

@@ -303,3 +303,34 @@ def outbox_backlog(conn: Connection) -> tuple[int, float]:
     ).fetchone()
     assert row is not None
     return int(row[0]), float(row[1])
+
+
+__all__ = [
+    "AccountRow",
+    "AttemptRow",
+    "Connection",
+    "DeadLetterRow",
+    "OutboxRow",
+    "TransferRow",
+    "add_to_balance",
+    "attempts_of",
+    "claim_due_outbox",
+    "create_account_if_missing",
+    "dead_letter",
+    "entry_of_transfer",
+    "insert_entry",
+    "insert_outbox",
+    "insert_transfer",
+    "list_dead_letters",
+    "lock_accounts",
+    "mark_delivered",
+    "mark_refunded",
+    "note_replay",
+    "outbox_backlog",
+    "postpone",
+    "read_account",
+    "read_dead_letter",
+    "read_transfer",
+    "record_attempt",
+    "set_transfer_state",
+]
