@@ -125,6 +125,8 @@ async def start_router(
             max_message_bytes=settings.max_message_bytes,
             max_metadata_bytes=settings.max_metadata_bytes,
             max_streams=settings.max_calls,
+            max_connection_age_s=settings.max_connection_age_s,
+            max_connection_age_grace_s=settings.max_connection_age_grace_s,
         ),
         maximum_concurrent_rpcs=settings.max_calls,
     )

@@ -61,6 +61,12 @@ class RouterSettings:
     forward_retries: int = 2
     #: Seconds to finish in-flight calls on SIGTERM.
     shutdown_grace_s: float = 10.0
+    #: Oldest a caller's connection may get (s, grpc adds +-10% jitter): then the router sends GOAWAY
+    #: and the caller reconnects, so long-lived callers spread over new router pods after a scale-up
+    #: or rollout. 0 keeps connections forever.
+    max_connection_age_s: float = 300.0
+    #: Seconds a connection past its age still has for the calls running on it.
+    max_connection_age_grace_s: float = 30.0
     #: Log format: "json" or "text".
     log_format: str = "json"
     #: Log level: DEBUG, INFO, WARNING or ERROR.
@@ -111,6 +117,8 @@ class RouterSettings:
             out.append(f"forward_retries must be between 0 and {MAX_FORWARD_RETRIES}")
         if self.shutdown_grace_s < 0:
             out.append("shutdown_grace_s must not be negative")
+        if self.max_connection_age_s < 0 or self.max_connection_age_grace_s < 0:
+            out.append("max_connection_age_s and max_connection_age_grace_s must not be negative")
         if self.log_format not in ("json", "text"):
             out.append("log_format must be json or text")
         return out

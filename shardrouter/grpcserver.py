@@ -29,11 +29,28 @@ class ListenError(RuntimeError):
 
 
 def server_options(
-    *, max_message_bytes: int, max_metadata_bytes: int, max_streams: int, share_port: bool = False
+    *,
+    max_message_bytes: int,
+    max_metadata_bytes: int,
+    max_streams: int,
+    share_port: bool = False,
+    max_connection_age_s: float = 0.0,
+    max_connection_age_grace_s: float = 0.0,
 ) -> list[tuple[str, int]]:
     """Channel arguments every server of ours uses; `share_port`: one of several serving processes
-    of one daemon on one port (SO_REUSEPORT, the kernel spreads connections among them)."""
+    of one daemon on one port (SO_REUSEPORT, the kernel spreads connections among them);
+    `max_connection_age_s` (0: none): connections older than that get GOAWAY, their running calls
+    `max_connection_age_grace_s` more to finish."""
+    aging = (
+        [
+            ("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
+            ("grpc.max_connection_age_grace_ms", int(max_connection_age_grace_s * 1000)),
+        ]
+        if max_connection_age_s > 0
+        else []
+    )
     return [
+        *aging,
         # grpcio sets SO_REUSEPORT by default: a second server on a busy port would silently share it.
         ("grpc.so_reuseport", 1 if share_port else 0),
         ("grpc.max_receive_message_length", max_message_bytes),
