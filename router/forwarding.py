@@ -20,6 +20,7 @@ shard call it is awaiting.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 from collections.abc import Awaitable, Callable, Iterable
@@ -34,12 +35,13 @@ from opentelemetry import trace
 
 from router.channels import ChannelPool
 from router.metadata import CallerPolicy, MetadataEntry, forwardable
-from router.routing import METHODS_BY_PATH, RoutedMethod, ShardMapHolder, routing_account
+from router.routing import METHODS_BY_PATH, RoutedMethod, routing_account
 from router.tracing import record_forwarded_status, router_span
 from shardrouter.errors import ERROR_DOMAIN, Internal, Reason, ShardRouterError, Unavailable, to_grpc_status
 from shardrouter.keys import KEY_METADATA
 from shardrouter.metrics import RouterMetrics
 from shardrouter.shardmap import Shard
+from shardrouter.shardmap_file import ShardMapFile
 
 if TYPE_CHECKING:  # grpc's classes are generic only in the type stubs
     from router.metadata import ServicerContext
@@ -74,7 +76,7 @@ class Forwarder(_GenericHandler):
     def __init__(
         self,
         *,
-        shard_maps: ShardMapHolder,
+        shard_maps: ShardMapFile,
         pool: ChannelPool,
         callers: CallerPolicy,
         forward_retries: int,
@@ -92,6 +94,7 @@ class Forwarder(_GenericHandler):
         self._callers = callers
         self._retries = forward_retries
         self._max_deadline_s = max_deadline_s
+        self._turns = itertools.count()  # which of a shard's daemons a call tries first
         # No (de)serialisers: the behaviour receives the request bytes and returns response bytes.
         self._handlers = {
             path: grpc.unary_unary_rpc_method_handler(self._behaviour(method))
@@ -152,32 +155,47 @@ class Forwarder(_GenericHandler):
         account = routing_account(method, raw)
         shard = self._maps.current.shard_for(account)
         keyed = any(k == KEY_METADATA for k, _ in metadata)
+        # Calls spread over a shard's daemons in turn; an attempt that cannot reach one goes on to
+        # the next at once (any daemon of a shard answers for it: the claim protocol decides between
+        # them), and only once every address was tried does a keyed call back off and go round again.
+        # A keyless call is a read, or refused by the shard for want of a key: trying each daemon once
+        # is safe for it too, but it gets no backoff rounds.
+        addresses = shard.addresses
+        first = next(self._turns) % len(addresses)
         attempt = 0
         while True:
-            outcome = await self._attempt(shard, method, raw, metadata, context)
+            address = addresses[(first + attempt) % len(addresses)]
+            outcome = await self._attempt(shard, address, method, raw, metadata, context)
             if not unreached(outcome.code, outcome.trailing_metadata):
                 return outcome
-            delay = RETRY_BACKOFF_S * (2**attempt) * random.uniform(0.5, 1.5)
-            if not keyed or attempt >= self._retries or self._timeout(context) <= delay:
+            untried = attempt + 1 < len(addresses)
+            if not untried and (not keyed or attempt >= self._retries + len(addresses) - 1):
                 raise self._shard_unavailable(shard, method, outcome, attempt + 1)
-            await asyncio.sleep(delay)
+            rounds = (attempt + 1) // len(addresses)
+            delay = 0.0 if untried else RETRY_BACKOFF_S * (2 ** (rounds - 1)) * random.uniform(0.5, 1.5)
+            if self._timeout(context) <= delay:
+                raise self._shard_unavailable(shard, method, outcome, attempt + 1)
+            if delay:
+                await asyncio.sleep(delay)
             attempt += 1
 
     async def _attempt(
         self,
         shard: Shard,
+        address: str,
         method: RoutedMethod,
         raw: bytes,
         metadata: tuple[MetadataEntry, ...],
         context: ServicerContext,
     ) -> Outcome:
         if not self._traced:
-            return await self._send(shard, method, raw, metadata, context)
+            return await self._send(address, method, raw, metadata, context)
         with router_span(
             method.full_name, metadata, tracer_provider=self._tracer_provider, shard_id=shard.id
         ) as traced_metadata:
-            outcome = await self._send(shard, method, raw, tuple(traced_metadata), context)
+            outcome = await self._send(address, method, raw, tuple(traced_metadata), context)
             span = trace.get_current_span()
+            span.set_attribute("server.address", address)
             if unreached(outcome.code, outcome.trailing_metadata):
                 span.set_attribute("router.shard_unreached", True)
             record_forwarded_status(outcome.code, outcome.details)
@@ -185,13 +203,13 @@ class Forwarder(_GenericHandler):
 
     async def _send(
         self,
-        shard: Shard,
+        address: str,
         method: RoutedMethod,
         raw: bytes,
         metadata: tuple[MetadataEntry, ...],
         context: ServicerContext,
     ) -> Outcome:
-        call = self._pool.unary_bytes(shard.address, method.full_name)(
+        call = self._pool.unary_bytes(address, method.full_name)(
             raw, timeout=self._timeout(context), metadata=metadata
         )
         try:
@@ -233,7 +251,7 @@ class Forwarder(_GenericHandler):
             method.name,
             attempts,
             outcome.details,
-            extra={"shard_id": shard.id, "address": shard.address},
+            extra={"shard_id": shard.id, "addresses": ",".join(shard.addresses)},
         )
         return Unavailable(
             f"shard {shard.id} cannot be reached right now; retry in {SHARD_UNAVAILABLE_RETRY_MS} ms "

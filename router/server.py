@@ -28,11 +28,12 @@ from opentelemetry import trace
 from router.channels import ChannelPool
 from router.forwarding import Forwarder
 from router.metadata import CallerPolicy
-from router.routing import SERVICE, ShardMapHolder
+from router.routing import SERVICE
 from router.settings import RouterSettings
 from shardrouter import grpcserver, tls, tracing
 from shardrouter.metrics import MetricsServer, RouterMetrics, start_metrics_server
 from shardrouter.shardmap import ShardMap
+from shardrouter.shardmap_file import ShardMapFile
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class Router:
     server: grpc.aio.Server
     port: int
     health: Any  # grpc_health.v1.health.aio.HealthServicer
-    shard_maps: ShardMapHolder
+    shard_maps: ShardMapFile
     pool: ChannelPool
     #: The router's metrics and their /metrics endpoint (None when metrics_port is 0).
     metrics: RouterMetrics | None = None
@@ -103,12 +104,10 @@ async def start_router(
 
     def on_change(_old: ShardMap, new: ShardMap) -> None:
         # Called on the shard map's polling thread; the pool belongs to the event loop.
-        addresses = frozenset(shard.address for shard in new.shards)
+        addresses = new.addresses()
         loop.call_soon_threadsafe(pool.retain, addresses)
 
-    shard_maps = ShardMapHolder(
-        settings.shard_map, interval_s=settings.reload_interval_s, on_change=on_change
-    )
+    shard_maps = ShardMapFile(settings.shard_map, interval_s=settings.reload_interval_s, on_change=on_change)
     forwarder = Forwarder(
         shard_maps=shard_maps,
         pool=pool,

@@ -57,7 +57,8 @@ class RouterSettings:
     #: Connections (channels) to each shard address, used in turn; more than one spreads a shard's
     #: calls over its serving processes (`SHARDD_PROCESSES`, which share one port).
     shard_connections: int = 4
-    #: Extra attempts for a keyed call whose shard could not be reached (never for keyless calls).
+    #: Extra rounds for a keyed call whose shard could not be reached, after each of the shard's
+    #: daemons was tried once (keyless calls try each daemon once and get no extra rounds).
     forward_retries: int = 2
     #: Seconds to finish in-flight calls on SIGTERM.
     shutdown_grace_s: float = 10.0

@@ -172,7 +172,8 @@ def _dead_letters(settings: ShardSettings, action: str, operands: list[str]) -> 
     database = Database(settings.dsn, min_size=1, max_size=2)
     database.open()
     try:
-        relay = OutboxRelay(settings, database, load_shard_map(settings.shard_map))
+        shard_map = load_shard_map(settings.shard_map)
+        relay = OutboxRelay(settings, database, lambda: shard_map)
         confirmed = relay.refund_owed(transfer_id)
     finally:
         database.close()

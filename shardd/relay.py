@@ -24,11 +24,13 @@ skipped (the last good certificate stays in use).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import random
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -77,10 +79,11 @@ class ShardClients:
     closed once every call that may still run on them has reached its deadline.
     """
 
-    def __init__(self, settings: ShardSettings, shard_map: ShardMap) -> None:
+    def __init__(self, settings: ShardSettings, shard_map: Callable[[], ShardMap]) -> None:
         self._settings = settings
-        self._map = shard_map
-        self._channels: dict[str, grpc.Channel] = {}
+        self._map = shard_map  # the map in force, read at every call (it is followed without restart)
+        self._channels: dict[str, grpc.Channel] = {}  # by daemon address
+        self._turns = itertools.count()
         self._lock = threading.Lock()
         # Start-up: an unreadable certificate file is an error here, as for the server's.
         self._certificates = (
@@ -95,19 +98,33 @@ class ShardClients:
     def call(
         self, shard_id: str, method: str, payload: bytes, key: uuid.UUID, timeout_s: float
     ) -> tuple[grpc.StatusCode, str]:
-        """Send raw request bytes to a shard's internal method; the status and message it answered."""
-        channel = self._channel(shard_id)
-        rpc = channel.unary_unary(f"{_INTERNAL}/{method}", None, None)
+        """Send raw request bytes to a shard's internal method; the status and message it answered.
+
+        A shard served by several daemons is tried at each of them in turn until one answers with
+        something other than UNAVAILABLE (the same key everywhere: the shard applies it once).
+        """
+        shard = self._map().shard_by_id(shard_id)
+        if shard is None:
+            raise LookupError(f"shard {shard_id} is not in the shard map")
         metadata = tuple(
             tracing.inject_trace_context(
                 [(KEY_METADATA, str(key)), (CALLER_METADATA, f"relay:{self._settings.shard_id}")]
             )
         )  # with a current job span, the callee's spans join its trace
-        try:
-            rpc(payload, timeout=timeout_s, metadata=metadata)
-        except grpc.RpcError as err:
-            return err.code(), err.details() or ""
-        return grpc.StatusCode.OK, ""
+        first = next(self._turns)
+        answer: tuple[grpc.StatusCode, str] = (grpc.StatusCode.UNAVAILABLE, "no address")
+        for i in range(len(shard.addresses)):
+            address = shard.addresses[(first + i) % len(shard.addresses)]
+            rpc = self._channel(address).unary_unary(f"{_INTERNAL}/{method}", None, None)
+            try:
+                rpc(payload, timeout=timeout_s, metadata=metadata)
+            except grpc.RpcError as err:
+                answer = err.code(), err.details() or ""
+                if answer[0] is grpc.StatusCode.UNAVAILABLE:
+                    continue
+                return answer
+            return grpc.StatusCode.OK, ""
+        return answer
 
     def close(self) -> None:
         """Close every channel."""
@@ -134,14 +151,11 @@ class ShardClients:
         log.info("client certificate rotated: new channels to %d shard(s)", len(self._channels))
         self._channels.clear()
 
-    def _channel(self, shard_id: str) -> grpc.Channel:
+    def _channel(self, address: str) -> grpc.Channel:
         with self._lock:
             self._follow_rotation()
-            channel = self._channels.get(shard_id)
+            channel = self._channels.get(address)
             if channel is None:
-                shard = self._map.shard_by_id(shard_id)
-                if shard is None:
-                    raise LookupError(f"shard {shard_id} is not in the shard map")
                 options = [
                     ("grpc.keepalive_time_ms", 30_000),
                     ("grpc.enable_retries", 0),  # the outbox is the retry loop
@@ -151,17 +165,19 @@ class ShardClients:
                 ]
                 if self._certificates is not None:
                     creds = self._certificates.credentials
-                    channel = grpc.secure_channel(shard.address, creds, options=options)
+                    channel = grpc.secure_channel(address, creds, options=options)
                 else:
-                    channel = grpc.insecure_channel(shard.address, options=options)
-                self._channels[shard_id] = channel
+                    channel = grpc.insecure_channel(address, options=options)
+                self._channels[address] = channel
             return channel
 
 
 class OutboxRelay:
     """Background workers draining this shard's outbox."""
 
-    def __init__(self, settings: ShardSettings, database: Database, shard_map: ShardMap) -> None:
+    def __init__(
+        self, settings: ShardSettings, database: Database, shard_map: Callable[[], ShardMap]
+    ) -> None:
         self._settings = settings
         self._db = database
         self._clients = ShardClients(settings, shard_map)

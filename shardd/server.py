@@ -34,7 +34,8 @@ from shardrouter.error_interceptor import DomainErrorInterceptor
 from shardrouter.interceptors import ServerInterceptorBase
 from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
 from shardrouter.metrics import start_metrics_server
-from shardrouter.shardmap import ShardMap, ShardMapError, load_shard_map
+from shardrouter.shardmap import ShardMap, ShardMapError
+from shardrouter.shardmap_file import ShardMapFile
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from shardrouter.validation import validate_deposit, validate_transfer
 
@@ -102,11 +103,17 @@ class ShardDaemon:
     port: int
     database: Database
     health: health.HealthServicer
-    shard_map: ShardMap | None
+    #: The followed shard map (None when the daemon runs without one).
+    shard_maps: ShardMapFile | None
     background: list[object] = field(default_factory=list)
     #: The daemon's metrics (None when metrics_port is 0) and the port /metrics is served on.
     metrics: ShardMetrics | None = None
     metrics_port: int = 0
+
+    @property
+    def shard_map(self) -> ShardMap | None:
+        """The shard map in force."""
+        return self.shard_maps.current if self.shard_maps is not None else None
 
     def stop(self, grace_s: float | None = None) -> None:
         """Graceful stop: health NOT_SERVING, drain calls, stop the relay, close the pool."""
@@ -134,10 +141,18 @@ def start_shard(
     Metrics: with `settings.metrics_port > 0`, /metrics is served on `metrics_host` (default: the
     host of `settings.listen`, so a loopback daemon exposes its metrics on loopback only).
     """
-    shard_map = load_shard_map(settings.shard_map) if settings.shard_map else None
-    if shard_map is not None and shard_map.shard_by_id(settings.shard_id) is None:
+    # Followed like the router's: ownership is decided by the map in force at each call, so from a
+    # new version on this shard refuses the accounts it no longer owns (retryable UNAVAILABLE).
+    shard_maps = (
+        ShardMapFile(settings.shard_map, interval_s=settings.shard_map_reload_s)
+        if settings.shard_map
+        else None
+    )
+    if shard_maps is not None and shard_maps.current.shard_by_id(settings.shard_id) is None:
         raise ShardMapError(f"shard map {settings.shard_map} has no shard {settings.shard_id!r}")
-    locator = ShardLocator(settings.shard_id, (lambda a: shard_map.shard_for(a).id) if shard_map else None)
+    locator = ShardLocator(
+        settings.shard_id, (lambda a: shard_maps.current.shard_for(a).id) if shard_maps else None
+    )
     metrics = ShardMetrics() if settings.metrics_port > 0 else None
     # In a multi-process daemon only the first serving process runs the background work; the claim
     # protocol needs none of it to be safe across processes.
@@ -216,7 +231,10 @@ def start_shard(
         except BaseException:  # database unreachable, or SIGTERM during a migration: leave nothing running
             server.stop(0)
             raise
-    daemon = ShardDaemon(settings, server, port, database, health_servicer, shard_map, metrics=metrics)
+    daemon = ShardDaemon(settings, server, port, database, health_servicer, shard_maps, metrics=metrics)
+    if shard_maps is not None:
+        shard_maps.start()
+        daemon.background.append(shard_maps)
     # Keeps months ahead partitioned while the daemon runs, whether or not the retention CronJob does.
     if runs_background:
         keeper = PartitionKeeper(settings.dsn, retention=settings.retention, months_ahead=MONTHS_AHEAD)
@@ -232,10 +250,11 @@ def start_shard(
         metrics_server = start_metrics_server(metrics_port, metrics.registry, host=host)
         daemon.background.append(metrics_server)
         daemon.metrics_port = metrics_server.port
-    if shard_map is not None and settings.relay_workers > 0 and runs_background:
+    if shard_maps is not None and settings.relay_workers > 0 and runs_background:
         from shardd.relay import OutboxRelay
 
-        relay = OutboxRelay(settings, database, shard_map)
+        maps = shard_maps
+        relay = OutboxRelay(settings, database, lambda: maps.current)
         relay.start()
         daemon.background.append(relay)
     grpcserver.mark_serving(health_servicer, [PUBLIC_SERVICE, INTERNAL_SERVICE])

@@ -28,6 +28,8 @@ class ShardSettings:
     metrics_port: int = 9465
     #: Shard map file; needed to route credits to other shards. Empty: a single-shard system.
     shard_map: str = ""
+    #: Seconds between checks of the shard map file (followed without a restart, as the router does).
+    shard_map_reload_s: float = 1.0
     #: gRPC worker threads. Keep more than `max_in_flight + max_waiting`: the spare threads answer shed
     #: calls at once instead of letting them queue behind busy ones.
     workers: int = 64
@@ -132,6 +134,8 @@ class ShardSettings:
 
         if not 1 <= self.pool_min <= self.pool_max:
             out.append("pool sizes must satisfy 1 <= pool_min <= pool_max")
+        if self.shard_map_reload_s <= 0:
+            out.append("shard_map_reload_s must be positive")
         if self.max_in_flight < 1 or self.max_waiting < 0:
             out.append("max_in_flight must be at least 1 and max_waiting at least 0")
         if self.replay_cache_entries < 0 or self.replay_cache_mb < 0:

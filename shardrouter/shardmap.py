@@ -4,14 +4,21 @@ An account's slot is `crc32(utf-8 account id) % slots` (16384 by default); each 
 slot ranges, and together the ranges must cover every slot exactly once. Moving a range to another
 shard is a map change, not a rehash of every account. The file is YAML or JSON:
 
+    version: 7
     slots: 16384
     shards:
       - id: shard-0
-        address: 127.0.0.1:50061
+        addresses: [127.0.0.1:50061, 127.0.0.1:50071]
         slot_ranges: [[0, 8191]]
       - id: shard-1
         address: 127.0.0.1:50062
         slot_ranges: [[8192, 16383]]
+
+A shard may be served by several daemons over its one database (`addresses`, or one `address`, a
+Kubernetes Service say): a call may go to any of them, and the claim protocol decides between them.
+`version` (a non-negative integer, 0 when absent) orders the maps: a process that follows the file
+takes a new map only with a higher version, so a stale copy of the file can never turn ownership
+back (see `ShardMapFile`).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import bisect
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +43,15 @@ class ShardMapError(ValueError):
 
 @dataclass(frozen=True)
 class Shard:
-    """One shard: its id and the gRPC address of its daemon."""
+    """One shard: its id and the gRPC addresses of its daemons (one or more, all equivalent)."""
 
     id: str
-    address: str
+    addresses: tuple[str, ...]
+
+    @property
+    def address(self) -> str:
+        """The first address (where a single-daemon shard is served)."""
+        return self.addresses[0]
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,8 @@ class ShardMap:
     shards: tuple[Shard, ...]
     # Sorted, non-overlapping (start, end, shard index) covering 0..slots-1.
     ranges: tuple[tuple[int, int, int], ...]
+    #: Orders the maps of one deployment: a follower takes only a higher version (0: unversioned).
+    version: int = 0
 
     def slot_of(self, account_id: str) -> int:
         """The hash slot of an account id."""
@@ -59,6 +74,15 @@ class ShardMap:
         slot = self.slot_of(account_id)
         i = bisect.bisect_right(self._starts, slot) - 1
         return self.shards[self.ranges[i][2]]
+
+    def owner_of_slot(self, slot: int) -> Shard:
+        """The shard that owns a slot."""
+        i = bisect.bisect_right(self._starts, slot) - 1
+        return self.shards[self.ranges[i][2]]
+
+    def addresses(self) -> frozenset[str]:
+        """Every daemon address of every shard."""
+        return frozenset(a for shard in self.shards for a in shard.addresses)
 
     def shard_by_id(self, shard_id: str) -> Shard | None:
         """The shard with this id, if the map has one."""
@@ -89,11 +113,16 @@ def even_shard_map(addresses: dict[str, str], slots: int = DEFAULT_SLOTS) -> Sha
 def shard_map_document(shard_map: ShardMap) -> dict[str, Any]:
     """The map as the plain document `parse_shard_map` reads (for writing a file)."""
     return {
+        "version": shard_map.version,
         "slots": shard_map.slots,
         "shards": [
             {
                 "id": shard.id,
-                "address": shard.address,
+                **(
+                    {"address": shard.address}
+                    if len(shard.addresses) == 1
+                    else {"addresses": list(shard.addresses)}
+                ),
                 "slot_ranges": [[s, e] for s, e, idx in shard_map.ranges if idx == i],
             }
             for i, shard in enumerate(shard_map.shards)
@@ -123,6 +152,9 @@ def parse_shard_map(raw: object, *, source: str) -> ShardMap:
 
     if not isinstance(raw, dict):
         raise fail("top level must be a mapping with 'shards' (and optionally 'slots')")
+    version = raw.get("version", 0)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise fail("'version' must be a non-negative integer")
     slots = raw.get("slots", DEFAULT_SLOTS)
     if not isinstance(slots, int) or isinstance(slots, bool) or not 1 <= slots <= 1 << 20:
         raise fail("'slots' must be an integer between 1 and 1048576")
@@ -134,14 +166,13 @@ def parse_shard_map(raw: object, *, source: str) -> ShardMap:
     for index, entry in enumerate(entries):
         where = f"shards[{index}]"
         if not isinstance(entry, dict):
-            raise fail(f"{where} must be a mapping with id, address, slot_ranges")
-        shard_id, address = entry.get("id"), entry.get("address")
+            raise fail(f"{where} must be a mapping with id, address (or addresses), slot_ranges")
+        shard_id = entry.get("id")
         if not isinstance(shard_id, str) or _SHARD_ID.fullmatch(shard_id) is None:
             raise fail(f"{where}.id must be a lower-case DNS label such as shard-0")
         if any(s.id == shard_id for s in shards):
             raise fail(f"{where}.id {shard_id!r} appears twice")
-        if not isinstance(address, str) or ":" not in address:
-            raise fail(f"{where}.address must be host:port")
+        addresses = _addresses(entry, where, fail)
         shard_ranges = entry.get("slot_ranges")
         if not isinstance(shard_ranges, list) or not shard_ranges:
             raise fail(f"{where}.slot_ranges must be a non-empty list of [first, last] pairs")
@@ -156,7 +187,13 @@ def parse_shard_map(raw: object, *, source: str) -> ShardMap:
                     f"{where}.slot_ranges entry {pair!r} must be [first, last] with 0 <= first <= last < {slots}"
                 )
             ranges.append((pair[0], pair[1], index))
-        shards.append(Shard(id=shard_id, address=address))
+        shards.append(Shard(id=shard_id, addresses=addresses))
+    owners: dict[str, str] = {}
+    for shard in shards:
+        for address in shard.addresses:
+            if address in owners:
+                raise fail(f"address {address} is given to both {owners[address]} and {shard.id}")
+            owners[address] = shard.id
     ranges.sort()
     expected = 0
     for start, end, index in ranges:
@@ -167,7 +204,25 @@ def parse_shard_map(raw: object, *, source: str) -> ShardMap:
         expected = end + 1
     if expected != slots:
         raise fail(f"slots {expected}..{slots - 1} are owned by no shard")
-    return ShardMap(slots=slots, shards=tuple(shards), ranges=tuple(ranges))
+    return ShardMap(slots=slots, shards=tuple(shards), ranges=tuple(ranges), version=version)
+
+
+def _addresses(entry: dict[str, Any], where: str, fail: Callable[[str], ShardMapError]) -> tuple[str, ...]:
+    one, several = entry.get("address"), entry.get("addresses")
+    if (one is None) == (several is None):
+        raise fail(f"{where} needs 'address' (host:port) or 'addresses' (a list of them), not both")
+    if one is not None:
+        if not isinstance(one, str) or ":" not in one:
+            raise fail(f"{where}.address must be host:port")
+        return (one,)
+    if not isinstance(several, list) or not several:
+        raise fail(f"{where}.addresses must be a non-empty list of host:port")
+    for address in several:
+        if not isinstance(address, str) or ":" not in address:
+            raise fail(f"{where}.addresses entry {address!r} must be host:port")
+    if len(set(several)) != len(several):
+        raise fail(f"{where}.addresses lists an address twice")
+    return tuple(several)
 
 
 __all__ = [

@@ -15,9 +15,10 @@ import yaml
 from router.channels import ChannelPool
 from router.forwarding import has_our_error_info
 from router.metadata import forwardable
-from router.routing import METHODS_BY_PATH, ROUTED_METHODS, ShardMapHolder, routing_account
+from router.routing import METHODS_BY_PATH, ROUTED_METHODS, routing_account
 from shardrouter.errors import InvalidArgument, Reason, Unavailable, to_grpc_status
 from shardrouter.shardmap import ShardMap, ShardMapError, even_shard_map, shard_map_document
+from shardrouter.shardmap_file import ShardMapFile
 from shardrouter.v1 import transfer_pb2
 
 SERVICE = "/shardrouter.v1.TransferService/"
@@ -186,7 +187,7 @@ def test_bad_shard_map_file_names_the_file_and_the_problem(
     if content is not None:
         path.write_text(content)
     with pytest.raises(ShardMapError) as caught:
-        ShardMapHolder(path)
+        ShardMapFile(path)
     assert str(path) in str(caught.value)
     assert problem in str(caught.value)
 
@@ -205,7 +206,7 @@ def test_reload_picks_up_a_new_map_and_keeps_the_last_good_one(
     path = tmp_path / "shard-map.yaml"
     _write(path, _map("127.0.0.1:1001"))
     changes: list[tuple[ShardMap, ShardMap]] = []
-    holder = ShardMapHolder(path, on_change=lambda old, new: changes.append((old, new)))
+    holder = ShardMapFile(path, on_change=lambda old, new: changes.append((old, new)))
     assert holder.current.shards[0].address == "127.0.0.1:1001"
     assert holder.check() is False  # unchanged file: nothing happens
 
@@ -216,7 +217,7 @@ def test_reload_picks_up_a_new_map_and_keeps_the_last_good_one(
 
     good = holder.current
     path.write_text("shards: [ this is not yaml")
-    with caplog.at_level(logging.WARNING, logger="router.routing"):
+    with caplog.at_level(logging.WARNING, logger="shardrouter.shardmap_file"):
         assert holder.check() is False
         assert holder.check() is False  # the same bad file is reported once
     assert holder.current is good
@@ -237,7 +238,7 @@ def test_reload_picks_up_a_new_map_and_keeps_the_last_good_one(
 def test_rewrite_with_same_size_and_mtime_is_still_seen(tmp_path: Path) -> None:
     path = tmp_path / "shard-map.yaml"
     _write(path, _map("127.0.0.1:1001"))
-    holder = ShardMapHolder(path)
+    holder = ShardMapFile(path)
     before = path.stat()
     _write(path, _map("127.0.0.1:1002"))  # same length
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
@@ -254,7 +255,7 @@ def test_configmap_symlink_swap_is_seen(tmp_path: Path) -> None:
     _write(mount / "..v1" / "shard-map.yaml", _map("127.0.0.1:1001"))
     (mount / "..data").symlink_to("..v1")
     (mount / "shard-map.yaml").symlink_to("..data/shard-map.yaml")
-    holder = ShardMapHolder(mount / "shard-map.yaml")
+    holder = ShardMapFile(mount / "shard-map.yaml")
     assert holder.current.shards[0].address == "127.0.0.1:1001"
 
     (mount / "..v2").mkdir()
@@ -268,7 +269,7 @@ def test_configmap_symlink_swap_is_seen(tmp_path: Path) -> None:
 def test_reload_thread_polls_the_file(tmp_path: Path) -> None:
     path = tmp_path / "shard-map.yaml"
     _write(path, _map("127.0.0.1:1001"))
-    holder = ShardMapHolder(path, interval_s=0.05)
+    holder = ShardMapFile(path, interval_s=0.05)
     holder.start()
     try:
         _write(path, _map("127.0.0.1:1002"))

@@ -44,7 +44,7 @@ class TwoShards:
 
     def relay(self, shard_id: str) -> OutboxRelay:
         daemon = self.daemons[shard_id]
-        return OutboxRelay(daemon.settings, daemon.database, self.shard_map)
+        return OutboxRelay(daemon.settings, daemon.database, lambda: self.shard_map)
 
     def start(self, shard_id: str, **overrides: object) -> None:
         self.daemons[shard_id] = start_shard(

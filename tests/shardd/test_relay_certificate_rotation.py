@@ -306,7 +306,8 @@ def test_a_call_in_flight_during_a_rotation_finishes_on_the_old_channel(
         tls_ca=str(folder / "ca.crt"),
         relay_call_timeout_s=5.0,
     )
-    clients = ShardClients(settings, even_shard_map({"shard-1": f"127.0.0.1:{port}"}))
+    shard_map = even_shard_map({"shard-1": f"127.0.0.1:{port}"})
+    clients = ShardClients(settings, lambda: shard_map)
     try:
         with futures.ThreadPoolExecutor(max_workers=1) as pool:
             slow = pool.submit(clients.call, "shard-1", "CreditTransfer", b"slow", uuid.uuid4(), 5.0)
