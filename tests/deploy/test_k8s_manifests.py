@@ -1,10 +1,11 @@
 """Offline checks of the Kubernetes manifests (deploy/k8s), the image recipe and the deploy tools.
 
-Each target (base, the two overlays, monitoring) is rendered with deploy/render.py (and compared
-with real kustomize when `kustomize` or `kubectl` is installed); built-in objects are validated
+Each target (base, the two overlays, monitoring) is rendered with `kubectl kustomize` (once per
+target and session; without kubectl the tests fail, they do not skip); built-in objects are validated
 against pinned Kubernetes schemas; the rest checks that the pieces agree with each other and with
 what the code reads: selectors, references, ports, probes, environment names, the shard map, the
-per-shard wiring, security contexts, alerts and certificates.
+per-shard wiring, serving processes and their metrics ports, autoscaling, security contexts, alerts
+and certificates.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ SHARDD_ENV = frozenset(
         "SHARDD_DSN",
         "SHARDD_LISTEN",
         "SHARDD_METRICS_PORT",
+        "SHARDD_PROCESSES",
         "SHARDD_SHARD_MAP",
         "SHARDD_RETENTION_DAYS",
         "SHARDD_TLS_CERT",
@@ -113,19 +115,26 @@ SLOTS = 16384
 # --- rendering -------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _renderer() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("deploy_render", DEPLOY / "render.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def kustomize(directory: Path) -> tuple[dict[str, Any], ...]:
+    """The objects `kubectl kustomize <directory>` renders (kubectl >= 1.27 has kustomize v5 built in)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail(
+            "kubectl is not installed: the manifest tests render every target with `kubectl kustomize` "
+            "(kubectl 1.27 or newer, https://kubernetes.io/docs/tasks/tools/)",
+            pytrace=False,
+        )
+    result = subprocess.run(
+        [kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=120, check=False
+    )
+    if result.returncode != 0:
+        pytest.fail(f"`kubectl kustomize {directory}` failed:\n{result.stderr}", pytrace=False)
+    return tuple(d for d in yaml.safe_load_all(result.stdout) if d is not None)
 
 
 @functools.cache
 def _rendered(target: str) -> tuple[dict[str, Any], ...]:
-    return tuple(_renderer().render(TARGETS[target]))
+    return kustomize(TARGETS[target])
 
 
 def objects(target: str) -> list[dict[str, Any]]:
@@ -244,14 +253,17 @@ def selected_pods(target: str, selector: dict[str, Any]) -> list[str]:
     return [name for name, labels in pods(target) if selects(selector, labels)]
 
 
-# --- the renderer ------------------------------------------------------------------------------------
+# --- the rendered targets ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_target_renders_uniquely_named_objects(target: str) -> None:
     rendered = objects(target)
     assert len(rendered) >= 3
-    ids = [_renderer().object_id(o) for o in rendered]
+    ids = [
+        (o["apiVersion"].rpartition("/")[0], o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"])
+        for o in rendered
+    ]
     assert len(ids) == len(set(ids))
     if target in NAMESPACES:
         namespaced = [o for o in rendered if o["kind"] != "Namespace"]
@@ -259,124 +271,21 @@ def test_every_target_renders_uniquely_named_objects(target: str) -> None:
         assert one(target, "Namespace", NAMESPACES[target])
 
 
-@pytest.mark.parametrize("target", TARGETS)
-def test_renderer_command_line_prints_what_it_rendered(target: str) -> None:
-    result = subprocess.run(
-        [sys.executable, str(DEPLOY / "render.py"), str(TARGETS[target])],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    assert [d for d in yaml.safe_load_all(result.stdout) if d is not None] == objects(target)
+def test_rendering_fails_without_kubectl(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name, *args, **kwargs: None)
+    with pytest.raises(pytest.fail.Exception, match="kubectl is not installed"):
+        kustomize(TARGETS["base"])
 
 
-def test_renderer_command_line_fails_on_a_missing_directory(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, str(DEPLOY / "render.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert result.returncode == 1 and "render.py:" in result.stderr
-
-
-def _kustomize_command() -> list[str] | None:
-    if shutil.which("kustomize"):
-        return ["kustomize", "build"]
-    if shutil.which("kubectl"):
-        return ["kubectl", "kustomize"]
-    return None
-
-
-@pytest.mark.parametrize("target", TARGETS)
-def test_renderer_agrees_with_kustomize(target: str) -> None:
-    command = _kustomize_command()
-    if command is None:
-        pytest.skip("neither kustomize nor kubectl is installed")
-    result = subprocess.run(
-        [*command, str(TARGETS[target])], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    theirs = [d for d in yaml.safe_load_all(result.stdout) if d is not None]
-    assert objects(target) == theirs
+def test_rendering_fails_with_kustomizes_message(tmp_path: Path) -> None:
+    _write(tmp_path / "kustomization.yaml", "resources: [missing.yaml]\n")
+    with pytest.raises(pytest.fail.Exception, match=r"missing\.yaml"):
+        kustomize(tmp_path)
 
 
 def _write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
-
-
-DEPLOYMENT = """\
-apiVersion: apps/v1
-kind: Deployment
-metadata: {name: app}
-spec:
-  template:
-    spec:
-      tolerations: [{key: b, operator: Exists}]
-      containers:
-        - name: app
-          image: shard-router:0.1.0
-          args: ["a", "b"]
-          env: [{name: A, value: "1"}, {name: B, value: "2"}, {name: C, value: "3"}]
-          readinessProbe: {grpc: {port: 1}}
-"""
-
-
-def test_renderer_merges_like_a_strategic_merge_patch(tmp_path: Path) -> None:
-    _write(tmp_path / "base" / "app.yaml", DEPLOYMENT)
-    _write(tmp_path / "base" / "kustomization.yaml", "resources: [app.yaml]\n")
-    _write(
-        tmp_path / "o" / "kustomization.yaml",
-        "namespace: ns-x\nresources: [../base]\nimages: [{name: shard-router, newName: r.example/x, newTag: '2'}]\n"
-        "patches:\n  - patch: |\n"
-        "      apiVersion: apps/v1\n      kind: Deployment\n      metadata: {name: app}\n"
-        "      spec:\n        template:\n          spec:\n            containers:\n"
-        "              - name: app\n                args: [c]\n"
-        "                env: [{name: N, value: n}, {name: B, value: '22'}, {name: A, $patch: delete}]\n"
-        "                readinessProbe: {grpc: null, exec: {command: [x]}}\n",
-    )
-    (app,) = _renderer().render(tmp_path / "o")
-    c = app["spec"]["template"]["spec"]["containers"][0]
-    assert app["metadata"]["namespace"] == "ns-x"
-    assert c["image"] == "r.example/x:2"
-    assert c["args"] == ["c"]  # atomic list: replaced
-    assert c["env"] == [
-        {"name": "N", "value": "n"},
-        {"name": "B", "value": "22"},
-        {"name": "C", "value": "3"},
-    ]
-    assert c["readinessProbe"] == {"exec": {"command": ["x"]}}
-    command = _kustomize_command()
-    if command is not None:
-        theirs = yaml.safe_load(
-            subprocess.run([*command, str(tmp_path / "o")], capture_output=True, text=True, check=True).stdout
-        )
-        assert theirs == app
-
-
-@pytest.mark.parametrize(
-    "kustomization",
-    [
-        "resources: [app.yaml]\nconfigMapGenerator: [{name: x, literals: [a=b]}]\n",
-        "resources: [app.yaml]\nnamePrefix: x-\n",
-        "resources: [app.yaml]\npatches: [{path: p.yaml, target: {kind: Deployment}}]\n",
-        "resources: [app.yaml]\npatches: [{path: p.yaml}]\n",  # patches a list it cannot merge
-        "resources: [app.yaml, app.yaml]\n",
-    ],
-)
-def test_renderer_refuses_what_it_cannot_render_exactly(tmp_path: Path, kustomization: str) -> None:
-    _write(tmp_path / "app.yaml", DEPLOYMENT)
-    _write(
-        tmp_path / "p.yaml",
-        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: app}\n"
-        "spec: {template: {spec: {tolerations: [{key: a, operator: Exists}]}}}\n",
-    )
-    _write(tmp_path / "kustomization.yaml", kustomization)
-    with pytest.raises(_renderer().RenderError):
-        _renderer().render(tmp_path)
 
 
 # --- schemas -----------------------------------------------------------------------------------------
@@ -516,12 +425,48 @@ def test_autoscaler_targets_its_deployment(target: str) -> None:
     for hpa in of_kind(target, "HorizontalPodAutoscaler"):
         ref = hpa["spec"]["scaleTargetRef"]
         deployment = one(target, ref["kind"], ref["name"])
-        assert hpa["spec"]["minReplicas"] == deployment["spec"]["replicas"]
         assert hpa["spec"]["minReplicas"] >= 2  # several routers, always
         assert hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
         # a CPU utilisation target needs CPU requests
         for c in pod_spec(deployment)["containers"]:  # type: ignore[index]
             assert c["resources"]["requests"]["cpu"]
+
+
+def replicas_fought_over(rendered: list[dict[str, Any]]) -> list[str]:
+    """Workloads a HorizontalPodAutoscaler scales whose manifest sets `spec.replicas` as well.
+
+    Each `kubectl apply` would reset the count the autoscaler chose to the manifest's.
+    """
+    scaled = {
+        (
+            hpa["metadata"].get("namespace"),
+            hpa["spec"]["scaleTargetRef"]["kind"],
+            hpa["spec"]["scaleTargetRef"]["name"],
+        )
+        for hpa in rendered
+        if hpa["kind"] == "HorizontalPodAutoscaler"
+    }
+    return [
+        f"{o['kind']}/{o['metadata']['name']}"
+        for o in rendered
+        if o["kind"] in ("Deployment", "StatefulSet")
+        and (o["metadata"].get("namespace"), o["kind"], o["metadata"]["name"]) in scaled
+        and "replicas" in o["spec"]
+    ]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_no_replicas_where_an_autoscaler_owns_the_count(target: str) -> None:
+    assert of_kind(target, "HorizontalPodAutoscaler") or target == "monitoring"
+    fought = replicas_fought_over(objects(target))
+    assert not fought, f"{target}: `replicas:` fights the HorizontalPodAutoscaler of {fought}"
+
+
+def test_replicas_check_can_fail() -> None:
+    rendered = objects("dev")
+    (router,) = [o for o in rendered if o["kind"] == "Deployment" and o["metadata"]["name"] == "router"]
+    router["spec"]["replicas"] = 2
+    assert replicas_fought_over(rendered) == ["Deployment/router"]
 
 
 def network_peers(policy: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -760,10 +705,10 @@ def test_ports_and_probes_use_the_codes_ports(target: str) -> None:
             (ROUTER_GRPC, ROUTER_METRICS) if daemon == "router" else (SHARDD_GRPC, SHARDD_METRICS)
         )
         prefix = "ROUTER_" if daemon == "router" else "SHARDD_"
-        assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
-            "grpc": grpc_port,
-            "metrics": metrics_port,
-        }
+        expected = {"grpc": grpc_port, "metrics": metrics_port}
+        if daemon == "shardd":
+            expected |= metrics_ports(serving_processes(c))
+        assert {p["name"]: p["containerPort"] for p in c["ports"]} == expected
         assert env_value(c, prefix + "LISTEN") == f"0.0.0.0:{grpc_port}"
         assert env_value(c, prefix + "METRICS_PORT") == str(metrics_port)
         for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
@@ -868,6 +813,7 @@ def test_the_settings_modules_accept_the_manifests_environment(target: str) -> N
         env["SHARDD_DSN"] = "postgresql://shardd:x@db:5432/shardd"  # what the entry snippet exports
         settings = shardd_settings.parse_settings([], env=env)
         assert settings.shard_id == f"shard-{i}"
+        assert settings.processes == serving_processes(shardd_container) and settings.process_index == 0
         assert settings.tls_enabled and settings.tls_ca and not settings.dev_mode
         assert ROUTER_IDENTITY in settings.trusted_proxies
     for cronjob in of_kind(target, "CronJob"):
@@ -941,6 +887,81 @@ def test_graceful_shutdown_fits_the_grace_period(target: str) -> None:
         # the daemons drain for 10 s after SIGTERM (shutdown_grace_s), then close up
         assert 10 + pre_stop + 5 <= spec["terminationGracePeriodSeconds"] <= 60, daemon
     assert container(target, "Deployment", "router", "router")["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
+
+
+# --- serving processes (SHARDD_PROCESSES) ------------------------------------------------------------
+
+
+def serving_processes(c: dict[str, Any]) -> int:
+    """The serving processes a shardd container starts (shardd/settings.py `processes`; default 1)."""
+    return int(env_value(c, "SHARDD_PROCESSES") or 1)
+
+
+def metrics_ports(processes: int) -> dict[str, int]:
+    """Port name -> /metrics port of each serving process: process i serves on 9465 + i - 1."""
+    return {
+        ("metrics" if i == 1 else f"metrics-{i}"): SHARDD_METRICS + i - 1 for i in range(1, processes + 1)
+    }
+
+
+def cpu_cores(quantity: str) -> float:
+    """A Kubernetes CPU quantity ("2", "1.5", "500m") in cores."""
+    return int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])
+def test_shard_daemons_run_a_serving_process_per_core(target: str) -> None:
+    c = container(target, "StatefulSet", "shardd", "shardd")
+    processes = serving_processes(c)
+    assert processes >= 2, "a shard serves with several processes (SHARDD_PROCESSES)"
+    requests, limits = c["resources"]["requests"], c["resources"]["limits"]
+    # A Python process serves with about one core: a lower limit throttles the processes onto fewer
+    # cores than there are of them, and the extra ones buy nothing.
+    assert cpu_cores(limits["cpu"]) >= processes, (target, limits)
+    # One core reserved per process; only dev reserves less, to fit a laptop cluster.
+    if target != "dev":
+        assert cpu_cores(requests["cpu"]) >= processes, (target, requests)
+    else:
+        assert cpu_cores(requests["cpu"]) < processes <= cpu_cores(limits["cpu"])
+    # The processes share one fixed port (SO_REUSEPORT), which `--processes` above 1 requires.
+    assert int((env_value(c, "SHARDD_LISTEN") or ":0").rpartition(":")[2]) == SHARDD_GRPC
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])
+def test_every_serving_process_metrics_port_is_declared_and_reachable(target: str) -> None:
+    statefulset = one(target, "StatefulSet", "shardd")
+    c = container(target, "StatefulSet", "shardd", "shardd")
+    expected = metrics_ports(serving_processes(c))
+    assert len(expected) >= 2
+    declared = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert {name: port for name, port in declared.items() if name.startswith("metrics")} == expected
+    service = {p["name"]: p for p in one(target, "Service", "shardd")["spec"]["ports"]}
+    for name, port in expected.items():
+        assert (service[name]["port"], service[name]["targetPort"]) == (port, name), name
+    # Prometheus (namespace `monitoring`) may reach every process's port.
+    policy = one(target, "NetworkPolicy", "shardd")
+    scrapable = {
+        port["port"]
+        for rule in policy["spec"]["ingress"]
+        if any(
+            peer.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name")
+            == "monitoring"
+            for peer in rule["from"]
+        )
+        for port in rule["ports"]
+    }
+    assert set(expected.values()) <= scrapable, (expected, scrapable)
+    # The annotations can name one port: process 1's, which also carries the database gauges.
+    annotations = pod_template(statefulset)["metadata"]["annotations"]  # type: ignore[index]
+    assert annotations["prometheus.io/port"] == str(expected["metrics"])
+
+
+@pytest.mark.parametrize("target", ["monitoring", "prod"])
+def test_service_monitor_scrapes_every_serving_process(target: str) -> None:
+    processes = serving_processes(container("prod", "StatefulSet", "shardd", "shardd"))
+    endpoints = one(target, "ServiceMonitor", "shardd")["spec"]["endpoints"]
+    assert sorted(e["port"] for e in endpoints) == sorted(metrics_ports(processes))
+    assert all(e["path"] == "/metrics" for e in endpoints)
 
 
 # --- shard map and per-shard wiring ------------------------------------------------------------------
