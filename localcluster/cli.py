@@ -6,9 +6,7 @@ import argparse
 import os
 import shlex
 import shutil
-import signal
 import sys
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,6 +14,7 @@ from localcluster import tracing_ui
 from localcluster.cluster import LocalCluster, default_data_dir
 from shardrouter import tracing
 from shardrouter.shardmap import load_shard_map
+from shardrouter.termination import TerminationSignals
 
 
 def main(argv: Sequence[str]) -> int:
@@ -24,6 +23,12 @@ def main(argv: Sequence[str]) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start PostgreSQL per shard, the shard daemons and the router")
     up.add_argument("--shards", type=int, default=2, help="number of shards (default 2)")
+    up.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="shard daemons per shard, over its one database (default 1; 2 or more survive losing one)",
+    )
     up.add_argument(
         "--data-dir", type=Path, default=None, help=f"where data lives (default {default_data_dir()})"
     )
@@ -47,6 +52,8 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     if args.shards < 1 or args.shards > 16:
         parser.error("--shards must be between 1 and 16")
+    if args.replicas < 1 or args.replicas > 4:
+        parser.error("--replicas must be between 1 and 4")
     if args.tracing_ui and not tracing_ui.phoenix_installed():
         print(
             "shard-router dev up: --tracing-ui needs Arize Phoenix; install the extra first:\n"
@@ -57,6 +64,7 @@ def main(argv: Sequence[str]) -> int:
     cluster = LocalCluster(
         data_dir=args.data_dir or default_data_dir(),
         shards=args.shards,
+        replicas=args.replicas,
         router_port=args.port,
         metrics=not args.no_metrics,
         otlp_endpoint=args.otlp_endpoint,
@@ -88,10 +96,11 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.PhoenixProcess | None) -> int:
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    print(f"Starting {args.shards} shard(s) with data in {cluster.data_dir} ...", flush=True)
+    stop = TerminationSignals(starting=False).stop
+    print(
+        f"Starting {args.shards} shard(s), {args.replicas} daemon(s) each, with data in {cluster.data_dir} ...",
+        flush=True,
+    )
     try:
         cluster.start()
     except (RuntimeError, TimeoutError, OSError) as exc:
@@ -102,8 +111,8 @@ def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.Ph
         print(
             f"\nRouter listening on {target} (shard map {cluster.shard_map_path}, logs in {cluster.data_dir}/logs)"
         )
-        for daemon, db in zip(cluster.shard_daemons, cluster.databases, strict=True):
-            print(f"  {daemon.name}: {daemon.address}  database {db.dsn_for('shardd')}")
+        for daemon in cluster.shard_daemons:
+            print(f"  {daemon.name}: {daemon.address}  database {daemon.env['SHARDD_DSN']}")
         for name, url in cluster.metrics_urls.items():
             print(f"  metrics of {name}: {url}")
         if phoenix is not None:

@@ -1,5 +1,6 @@
-"""A whole shard-router system on one machine: a PostgreSQL per shard, one `shardd` process per shard,
-and the router, each a separate process on loopback. Used by `shard-router dev up` and the e2e tests.
+"""A whole shard-router system on one machine: a PostgreSQL per shard, one or more `shardd` processes
+per shard (`replicas`, all over the shard's one database), and the router, each a separate process on
+loopback. Used by `shard-router dev up` and the e2e tests.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ class LocalCluster:
 
     data_dir: Path
     shards: int = 2
+    #: Shard daemons per shard, each a process of its own over the shard's database; the shard map
+    #: lists them all and the router spreads calls over them.
+    replicas: int = 1
     router_port: int = 50051
     #: Serve /metrics of every process on a free loopback port (see `metrics_urls`).
     metrics: bool = False
@@ -102,19 +106,28 @@ class LocalCluster:
 
     def start(self) -> None:
         """Start everything; on any failure stop what was started."""
-        if self.shards < 1:
-            raise ValueError("a cluster needs at least one shard")
+        if self.shards < 1 or self.replicas < 1:
+            raise ValueError("a cluster needs at least one shard, and one daemon per shard")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "logs").mkdir(exist_ok=True)
         try:
             self._start_databases()
-            ports = {f"shard-{i}": free_port() for i in range(self.shards)}
+            names = {
+                f"shard-{i}": [self.daemon_name(f"shard-{i}", r) for r in range(self.replicas)]
+                for i in range(self.shards)
+            }
+            ports = {name: free_port() for names_of in names.values() for name in names_of}
             if self.metrics:
                 self.metrics_ports = {name: free_port() for name in [*ports, "router"]}
-            shard_map = even_shard_map({sid: f"127.0.0.1:{port}" for sid, port in ports.items()})
-            self.shard_map_path.write_text(yaml.safe_dump(shard_map_document(shard_map), sort_keys=False))
-            for i, (shard_id, port) in enumerate(ports.items()):
-                self.shard_daemons.append(self._shardd(shard_id, port, self.databases[i]))
+            document = shard_map_document(even_shard_map({sid: f"{sid}:0" for sid in names}))
+            document["version"] = 1
+            for entry in document["shards"]:
+                entry.pop("address")
+                entry["addresses"] = [f"127.0.0.1:{ports[name]}" for name in names[entry["id"]]]
+            self.shard_map_path.write_text(yaml.safe_dump(document, sort_keys=False))
+            for i, (shard_id, names_of) in enumerate(names.items()):
+                for name in names_of:
+                    self.shard_daemons.append(self._shardd(shard_id, name, ports[name], self.databases[i]))
             for daemon in self.shard_daemons:
                 daemon.start()
             self.router = self._router()
@@ -161,7 +174,16 @@ class LocalCluster:
     def _env(self) -> dict[str, str]:
         return dict(os.environ)
 
-    def _shardd(self, shard_id: str, port: int, db: LocalPostgres) -> Daemon:
+    def daemon_name(self, shard_id: str, replica: int) -> str:
+        """The name of a shard's daemon: the shard's id, with a letter per replica when there are
+        several (shard-0a, shard-0b)."""
+        return shard_id if self.replicas == 1 else f"{shard_id}{chr(ord('a') + replica)}"
+
+    def daemons_of(self, shard_id: str) -> list[Daemon]:
+        """The daemons serving one shard."""
+        return [d for d in self.shard_daemons if d.env["SHARDD_SHARD_ID"] == shard_id]
+
+    def _shardd(self, shard_id: str, name: str, port: int, db: LocalPostgres) -> Daemon:
         env = {
             **self._env(),
             "SHARDD_SHARD_ID": shard_id,
@@ -169,15 +191,15 @@ class LocalCluster:
             "SHARDD_LISTEN": f"127.0.0.1:{port}",
             "SHARDD_SHARD_MAP": str(self.shard_map_path),
             "SHARDD_DEV_MODE": "true",
-            "SHARDD_METRICS_PORT": self._metrics_port(shard_id),
-            **self._telemetry_env(f"shardd-{shard_id}"),
+            "SHARDD_METRICS_PORT": self._metrics_port(name),
+            **self._telemetry_env(f"shardd-{name}"),
         }
         return Daemon(
-            shard_id,
+            name,
             [*installed_command("shardd"), "serve"],
             env,
             port,
-            self.data_dir / "logs" / f"{shard_id}.log",
+            self.data_dir / "logs" / f"{name}.log",
         )
 
     def _router(self) -> Daemon:
