@@ -19,16 +19,16 @@ from typing import Any
 
 import grpc
 
-from shardd import server as shard_server
-from shardd.admission import Admission, AdmissionInterceptor, AdmissionLimits
-from shardd.db import Database, bind_transaction, mapped_database_errors
-from shardd.ledger.service import ShardLocator, TransferServicer
-from shardd.settings import parse_settings
-from shardrouter import grpcserver
-from shardrouter.error_interceptor import DomainErrorInterceptor
-from shardrouter.keys import KEY_METADATA, parse_key
-from shardrouter.logs import configure_logging
-from shardrouter.termination import TerminationSignals
+from shardrouter.core import grpcserver
+from shardrouter.core.error_interceptor import DomainErrorInterceptor
+from shardrouter.core.keys import KEY_METADATA, parse_key
+from shardrouter.core.logs import configure_logging
+from shardrouter.core.termination import TerminationSignals
+from shardrouter.shardd import server as shard_server
+from shardrouter.shardd.admission import Admission, AdmissionInterceptor, AdmissionLimits
+from shardrouter.shardd.db import Database, bind_transaction, mapped_database_errors
+from shardrouter.shardd.ledger.service import ShardLocator, TransferServicer
+from shardrouter.shardd.settings import parse_settings
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 
 log = logging.getLogger("bench.noidem")

@@ -37,8 +37,8 @@ import psycopg
 from bench.procstat import Tracked, sample
 from bench.results import CellResult, latency_summary
 from bench.services import CURRENCY, BenchSystem
-from shardrouter.callers import CALLER_METADATA
-from shardrouter.keys import KEY_METADATA, key_time, new_key
+from shardrouter.core.callers import CALLER_METADATA
+from shardrouter.core.keys import KEY_METADATA, key_time, new_key
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 
 #: A UUIDv7 for the transaction's time with 74 bits from pgbench's random(): now() is the transaction's

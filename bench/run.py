@@ -38,8 +38,8 @@ from bench import pgbench
 from bench.loadgen import LoadSpec, ensure_installed, run_load
 from bench.results import CellResult
 from bench.services import CURRENCY, BenchSystem, bench_system
-from shardrouter.callers import CALLER_METADATA
-from shardrouter.keys import KEY_METADATA, new_key
+from shardrouter.core.callers import CALLER_METADATA
+from shardrouter.core.keys import KEY_METADATA, new_key
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -401,8 +401,8 @@ class _Cells:
 
     def growth_rows(self) -> None:
         """shard-deposit at each key-table size, and a retention run at that size."""
-        from shardd.retention import run_retention
-        from shardd.server import MONTHS_AHEAD
+        from shardrouter.shardd.retention import run_retention
+        from shardrouter.shardd.server import MONTHS_AHEAD
 
         system = self.system
         concurrency = self.options.growth_concurrency or self._best_concurrency("shard-deposit") or 32

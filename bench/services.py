@@ -23,9 +23,9 @@ import psycopg
 import yaml
 
 from bench.procstat import Tracked
-from localcluster.cluster import Daemon
-from localcluster.postgres import LocalPostgres, free_port
-from shardrouter.shardmap import ShardMap, even_shard_map, shard_map_document
+from shardrouter.core.shardmap import ShardMap, even_shard_map, shard_map_document
+from shardrouter.localcluster.cluster import Daemon
+from shardrouter.localcluster.postgres import LocalPostgres, free_port
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,9 @@ class BenchSystem:
             }
         )
         return self._start(
-            Daemon(name, [sys.executable, "-m", "shardd.cli", "serve"], env, port, self._log(name))
+            Daemon(
+                name, [sys.executable, "-m", "shardrouter.shardd.cli", "serve"], env, port, self._log(name)
+            )
         )
 
     def start_router(self) -> Daemon:
@@ -187,7 +189,13 @@ class BenchSystem:
             }
         )
         return self._start(
-            Daemon("router", [sys.executable, "-m", "router.cli", "serve"], env, port, self._log("router"))
+            Daemon(
+                "router",
+                [sys.executable, "-m", "shardrouter.router.cli", "serve"],
+                env,
+                port,
+                self._log("router"),
+            )
         )
 
     def start_noidem(self) -> Daemon:

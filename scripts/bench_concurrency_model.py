@@ -118,7 +118,7 @@ def prime_load_process() -> int:
 
 def run_load(spec: LoadSpec) -> LoadResult:
     """Drive `spec.target` with `spec.clients` threads over one channel; return what was observed."""
-    from shardrouter.keys import new_key
+    from shardrouter.core.keys import new_key
     from shardrouter.v1 import transfer_pb2
 
     result = LoadResult()
@@ -225,7 +225,7 @@ def _sleep_until(moment: float) -> None:
 
 
 def _server_options() -> list[tuple[str, int]]:
-    from shardrouter.grpcserver import server_options
+    from shardrouter.core.grpcserver import server_options
 
     return server_options(max_message_bytes=64 * 1024, max_metadata_bytes=16 * 1024, max_streams=WORKERS * 4)
 
@@ -280,13 +280,13 @@ class _Refused(Exception):
 
 def _aio_servicer_class() -> type[Any]:
     """Build the servicer class (imports kept out of the load processes)."""
-    from shardd.idempotency.interceptor import EXPIRES_AT_TRAILER, REPLAYED_TRAILER
-    from shardd.idempotency.record import StoredOutcome
-    from shardd.identity import IdentityPolicy
-    from shardrouter.errors import ShardRouterError
-    from shardrouter.keys import KEY_METADATA, key_time, new_key, parse_key
+    from shardrouter.core.errors import ShardRouterError
+    from shardrouter.core.keys import KEY_METADATA, key_time, new_key, parse_key
+    from shardrouter.core.validation import validate_deposit
+    from shardrouter.shardd.idempotency.interceptor import EXPIRES_AT_TRAILER, REPLAYED_TRAILER
+    from shardrouter.shardd.idempotency.record import StoredOutcome
+    from shardrouter.shardd.identity import IdentityPolicy
     from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-    from shardrouter.validation import validate_deposit
 
     max_balance = 10**17
     columns = (
@@ -632,9 +632,9 @@ def _ledger_check(dsn: str, rows: Sequence[Row]) -> str:
 
 async def run(args: argparse.Namespace) -> int:
     """The whole benchmark."""
-    from localcluster.postgres import LocalPostgres
-    from shardd.server import prepare_database, start_shard
-    from shardd.settings import ShardSettings
+    from shardrouter.localcluster.postgres import LocalPostgres
+    from shardrouter.shardd.server import prepare_database, start_shard
+    from shardrouter.shardd.settings import ShardSettings
 
     ctx = multiprocessing.get_context("spawn")
     data_dir = Path(tempfile.mkdtemp(prefix="bench-pg-")) / "data"

@@ -47,7 +47,7 @@ class CountingExporter(SpanExporter):
 def _load(address: str, seconds: float, threads: int, results: multiprocessing.Queue[int]) -> None:
     import grpc
 
-    from shardrouter.keys import new_key
+    from shardrouter.core.keys import new_key
     from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 
     done = [0] * threads
@@ -99,10 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=8, help="threads per load process")
     args = parser.parse_args(argv)
 
-    from localcluster.postgres import LocalPostgres
-    from shardd.server import start_shard
-    from shardd.settings import ShardSettings
-    from shardrouter import tracing
+    from shardrouter.core import tracing
+    from shardrouter.localcluster.postgres import LocalPostgres
+    from shardrouter.shardd.server import start_shard
+    from shardrouter.shardd.settings import ShardSettings
 
     with tempfile.TemporaryDirectory(prefix="bench-tracing-") as work:
         postgres = LocalPostgres(Path(work) / "pg")

@@ -13,11 +13,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from router.settings import ENV_PREFIX as ROUTER_PREFIX  # noqa: E402
-from router.settings import RouterSettings  # noqa: E402
-from shardd.settings import ENV_PREFIX as SHARDD_PREFIX  # noqa: E402
-from shardd.settings import ShardSettings  # noqa: E402
-from shardrouter.settings_source import settings_reference  # noqa: E402
+from shardrouter.core.settings_source import settings_reference  # noqa: E402
+from shardrouter.router.settings import ENV_PREFIX as ROUTER_PREFIX  # noqa: E402
+from shardrouter.router.settings import RouterSettings  # noqa: E402
+from shardrouter.shardd.settings import ENV_PREFIX as SHARDD_PREFIX  # noqa: E402
+from shardrouter.shardd.settings import ShardSettings  # noqa: E402
 
 TARGET = ROOT / "docs" / "settings.md"
 

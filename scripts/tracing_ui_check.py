@@ -36,9 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from localcluster import tracing_ui  # noqa: E402
-from localcluster.postgres import free_port  # noqa: E402
-from shardrouter import tracing  # noqa: E402
+from shardrouter.core import tracing  # noqa: E402
+from shardrouter.localcluster import tracing_ui  # noqa: E402
+from shardrouter.localcluster.postgres import free_port  # noqa: E402
 
 #: Debian's `chromium` and `chromium-driver` put these on PATH (in /usr/bin).
 CHROMIUM = "chromium"
@@ -159,7 +159,7 @@ def _cluster(data_dir: Path, port: int) -> tuple[subprocess.Popen[str], str, str
     """`shard-router dev up --tracing-ui --no-demo`; returns (process, ui url, otlp endpoint)."""
     proc = subprocess.Popen(
         [
-            *(sys.executable, "-m", "localcluster.command", "dev", "up", "--shards", "2"),
+            *(sys.executable, "-m", "shardrouter.localcluster.command", "dev", "up", "--shards", "2"),
             *("--no-demo", "--tracing-ui", "--data-dir", str(data_dir), "--port", str(port)),
         ],
         cwd=ROOT,
@@ -190,7 +190,7 @@ def _deposit_and_replay(port: int, otlp: str, store: Path) -> str:
     """A deposit and its retry through the traced caller library; the operation's key."""
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-    from shardclient import SqliteOperationStore, TransferClient
+    from shardrouter.client import SqliteOperationStore, TransferClient
 
     provider = tracing.new_tracer_provider(
         "browser-check-caller", [OTLPSpanExporter(endpoint=otlp, insecure=True)], batch=False

@@ -21,11 +21,11 @@ import grpc
 import psycopg
 import pytest
 
-from localcluster.postgres import LocalPostgres
-from localcluster.tracing_ui import phoenix_installed
-from shardd.server import ShardDaemon, start_shard
-from shardd.settings import ShardSettings
-from shardrouter.keys import new_key
+from shardrouter.core.keys import new_key
+from shardrouter.localcluster.postgres import LocalPostgres
+from shardrouter.localcluster.tracing_ui import phoenix_installed
+from shardrouter.shardd.server import ShardDaemon, start_shard
+from shardrouter.shardd.settings import ShardSettings
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.processes import ServiceProcess, shardd_process
 

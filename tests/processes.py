@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from localcluster.postgres import free_port
+from shardrouter.localcluster.postgres import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 #: A default the caller's environment overrides: grpc's C core logs only errors in the daemons too
@@ -121,7 +121,9 @@ def shardd_process(
         "SHARDD_SHUTDOWN_GRACE_S": "2",
         **(extra_env or {}),
     }
-    return ServiceProcess(shard_id, ["-m", "shardd.cli", "serve"], env, port, tmp / f"{shard_id}.log")
+    return ServiceProcess(
+        shard_id, ["-m", "shardrouter.shardd.cli", "serve"], env, port, tmp / f"{shard_id}.log"
+    )
 
 
 def router_process(
@@ -143,4 +145,4 @@ def router_process(
         **(extra_env or {}),
     }
     log_path = tmp / f"router-{port}.log"
-    return ServiceProcess(f"router-{port}", ["-m", "router.cli", "serve"], env, port, log_path)
+    return ServiceProcess(f"router-{port}", ["-m", "shardrouter.router.cli", "serve"], env, port, log_path)

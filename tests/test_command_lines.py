@@ -17,13 +17,13 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from localcluster.postgres import free_port
-from router.settings import ENV_PREFIX as ROUTER_PREFIX
-from router.settings import RouterSettings
-from shardd.migrations import _MIGRATION_LOCK
-from shardd.settings import ENV_PREFIX as SHARDD_PREFIX
-from shardd.settings import ShardSettings
-from shardrouter.settings_source import UsageError, parse_command, setting_docs, split_command_line
+from shardrouter.core.settings_source import UsageError, parse_command, setting_docs, split_command_line
+from shardrouter.localcluster.postgres import free_port
+from shardrouter.router.settings import ENV_PREFIX as ROUTER_PREFIX
+from shardrouter.router.settings import RouterSettings
+from shardrouter.shardd.migrations import _MIGRATION_LOCK
+from shardrouter.shardd.settings import ENV_PREFIX as SHARDD_PREFIX
+from shardrouter.shardd.settings import ShardSettings
 from tests.processes import ROOT
 
 DAEMONS = {"shardd": (ShardSettings, SHARDD_PREFIX), "router": (RouterSettings, ROUTER_PREFIX)}
@@ -31,7 +31,7 @@ DAEMONS = {"shardd": (ShardSettings, SHARDD_PREFIX), "router": (RouterSettings, 
 
 def _run(program: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", f"{program}.cli", *args],
+        [sys.executable, "-m", f"shardrouter.{program}.cli", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -151,7 +151,16 @@ def test_sigterm_during_start_up_migrations_is_a_clean_stop(database: str, tmp_p
         holder.execute("SELECT pg_advisory_lock(%s)", (_MIGRATION_LOCK,))
         with log_path.open("w") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "shardd.cli", "serve", "--dsn", database, "--listen", "127.0.0.1:0"],
+                [
+                    sys.executable,
+                    "-m",
+                    "shardrouter.shardd.cli",
+                    "serve",
+                    "--dsn",
+                    database,
+                    "--listen",
+                    "127.0.0.1:0",
+                ],
                 cwd=ROOT,
                 env={
                     **os.environ,

@@ -9,22 +9,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("shardrouter", "shardd", "router", "shardclient", "localcluster")
+PACKAGES = ("shardrouter",)
 
 
 def _modules() -> list[Path]:
     found = []
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
-            if "_pb2" in path.name or path.name == "__main__.py":
+            if "_pb2" in path.name or path.name == "__main__.py" or path.parent.name == "v1":
                 continue
             tree = ast.parse(path.read_text())
             defines = any(
                 isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Assign)
                 for n in tree.body
             )
-            if path.name == "__init__.py" and not defines and not any(
-                isinstance(n, ast.ImportFrom) for n in tree.body
+            if (
+                path.name == "__init__.py"
+                and not defines
+                and not any(isinstance(n, ast.ImportFrom) for n in tree.body)
             ):
                 continue  # a package that is only its docstring
             found.append(path)

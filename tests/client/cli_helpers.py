@@ -1,4 +1,4 @@
-"""Running the `shard-router` command (`python -m localcluster.command`) and the crash helper as real subprocesses."""
+"""Running the `shard-router` command (`python -m shardrouter.localcluster.command`) and the crash helper as real subprocesses."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def child_env(tmp: Path, **extra: str) -> dict[str, str]:
 def cli(tmp: Path, *args: str, store: Path | None = None, env: dict[str, str] | None = None) -> Run:
     store_args = ["--store", str(store)] if store is not None else []
     proc = subprocess.run(
-        [sys.executable, "-m", "localcluster.command", *store_args, *args],
+        [sys.executable, "-m", "shardrouter.localcluster.command", *store_args, *args],
         check=False,
         env=env or child_env(tmp),
         cwd=ROOT,

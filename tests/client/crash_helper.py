@@ -14,7 +14,7 @@ import signal
 import sys
 from typing import Any
 
-from shardclient import SqliteOperationStore, TransferClient
+from shardrouter.client import SqliteOperationStore, TransferClient
 
 
 def _die() -> None:

@@ -15,7 +15,7 @@ from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from shardrouter.errors import ERROR_DOMAIN, RETRY_PUSHBACK_TRAILER
+from shardrouter.core.errors import ERROR_DOMAIN, RETRY_PUSHBACK_TRAILER
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 
 Action = Callable[[Any, grpc.ServicerContext], Any]

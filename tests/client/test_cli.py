@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardclient.cli import default_store_path
-from shardd.server import ShardDaemon
+from shardrouter.client.cli import default_store_path
+from shardrouter.shardd.server import ShardDaemon
 from tests.client.cli_helpers import balance_of, child_env, cli, ledger_count
 
 
@@ -214,7 +214,7 @@ def test_unknown_flags_are_refused_with_the_closest_valid_one(tmp_path: Path) ->
         "shard-router: unknown flag --xyzzy (see 'shard-router balance --help')",
     )
     # Values are not flags, and argparse's unique prefixes still work.
-    from shardclient.cli import build_parser, check_flags
+    from shardrouter.client.cli import build_parser, check_flags
 
     parser = build_parser({})
     assert check_flags(parser, ["transfer", "--reference", "--form", "--from", "a"]) is None

@@ -9,7 +9,7 @@ import grpc
 import psycopg
 import pytest
 
-from shardclient import (
+from shardrouter.client import (
     InvalidOperation,
     Operation,
     OperationState,
@@ -17,8 +17,8 @@ from shardclient import (
     SqliteOperationStore,
     TransferClient,
 )
-from shardd.server import ShardDaemon
-from shardrouter.errors import Reason
+from shardrouter.core.errors import Reason
+from shardrouter.shardd.server import ShardDaemon
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import deposit
 

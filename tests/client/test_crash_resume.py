@@ -5,8 +5,8 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from shardclient import OperationState, SqliteOperationStore
-from shardd.server import ShardDaemon
+from shardrouter.client import OperationState, SqliteOperationStore
+from shardrouter.shardd.server import ShardDaemon
 from shardrouter.v1 import transfer_pb2_grpc
 from tests.client.cli_helpers import balance_of, cli, crash_helper, ledger_count
 from tests.conftest import deposit

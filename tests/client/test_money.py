@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shardclient.money import AmountError, exponent, format_amount, parse_amount
-from shardrouter.validation import CURRENCIES, MAX_AMOUNT_MINOR
+from shardrouter.client.money import AmountError, exponent, format_amount, parse_amount
+from shardrouter.core.validation import CURRENCIES, MAX_AMOUNT_MINOR
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from shardclient import (
+from shardrouter.client import (
     ErrorDetails,
     OperationState,
     RetryPolicy,
@@ -21,8 +21,8 @@ from shardclient import (
     classify,
     load_service_config,
 )
-from shardclient.retry import backoff_s
-from shardrouter.errors import Reason
+from shardrouter.client.retry import backoff_s
+from shardrouter.core.errors import Reason
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.client.fakes import FIXED_TRANSFER_ID, fail, ok, scripted_server, sleep_then
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardclient import (
+from shardrouter.client import (
     Attempt,
     DuplicateOperation,
     Operation,

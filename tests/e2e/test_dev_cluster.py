@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from localcluster.postgres import free_port
+from shardrouter.localcluster.postgres import free_port
 from tests.conftest import pg_data_dir, requires_tracing_ui
 from tests.processes import ROOT
 
@@ -46,7 +46,7 @@ def _dev_up(data_dir: Path, port: int, *extra: str) -> subprocess.Popen[str]:
         [
             sys.executable,
             "-m",
-            "localcluster.command",
+            "shardrouter.localcluster.command",
             "dev",
             "up",
             "--shards",
@@ -87,7 +87,7 @@ def test_dev_up_stops_everything_on_sigterm_and_keeps_data(tmp_path):
         [
             sys.executable,
             "-m",
-            "localcluster.command",
+            "shardrouter.localcluster.command",
             "--target",
             f"127.0.0.1:{port}",
             "--store",
@@ -140,9 +140,9 @@ def test_dev_up_with_tracing_ui_shows_the_replay_span_and_its_metrics(tmp_path):
 
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-    from localcluster import tracing_ui
-    from shardclient import SqliteOperationStore, TransferClient
-    from shardrouter import tracing
+    from shardrouter.client import SqliteOperationStore, TransferClient
+    from shardrouter.core import tracing
+    from shardrouter.localcluster import tracing_ui
 
     data_dir = pg_data_dir().parent / "cluster"  # not under tmp_path: the PostgreSQL user must reach it
     port = free_port()

@@ -20,9 +20,9 @@ import psycopg
 import pytest
 import yaml
 
-from localcluster.postgres import LocalPostgres, free_port
-from shardrouter.keys import new_key
-from shardrouter.shardmap import even_shard_map, shard_map_document
+from shardrouter.core.keys import new_key
+from shardrouter.core.shardmap import even_shard_map, shard_map_document
+from shardrouter.localcluster.postgres import LocalPostgres, free_port
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.processes import ServiceProcess, shardd_process
 

@@ -11,8 +11,8 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from shardd.server import ShardDaemon, start_shard
-from shardrouter.tracing import new_tracer_provider
+from shardrouter.core.tracing import new_tracer_provider
+from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2_grpc
 from tests.conftest import make_settings
 

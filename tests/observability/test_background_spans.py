@@ -23,14 +23,14 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from localcluster.postgres import LocalPostgres, free_port
-from shardd import retention
-from shardd.db import Database
-from shardd.observability import ShardStateCollector
-from shardd.partition_keeper import PartitionKeeper
-from shardd.server import MONTHS_AHEAD, ShardDaemon, prepare_database, start_shard
-from shardrouter.shardmap import ShardMap, even_shard_map, shard_map_document
-from shardrouter.tracing import new_tracer_provider
+from shardrouter.core.shardmap import ShardMap, even_shard_map, shard_map_document
+from shardrouter.core.tracing import new_tracer_provider
+from shardrouter.localcluster.postgres import LocalPostgres, free_port
+from shardrouter.shardd import retention
+from shardrouter.shardd.db import Database
+from shardrouter.shardd.observability import ShardStateCollector
+from shardrouter.shardd.partition_keeper import PartitionKeeper
+from shardrouter.shardd.server import MONTHS_AHEAD, ShardDaemon, prepare_database, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import key_metadata, money
 

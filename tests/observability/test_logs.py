@@ -12,7 +12,7 @@ import logging
 import grpc
 import pytest
 
-from shardrouter.logs import JsonFormatter
+from shardrouter.core.logs import JsonFormatter
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import key_metadata, money
 from tests.observability.conftest import Traced

@@ -18,20 +18,20 @@ from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricR
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from localcluster.postgres import free_port
-from shardd import partitions, retention
-from shardd.idempotency.outcomes import CallOutcome, OutcomeKind
-from shardd.observability import (
+from shardrouter.core.grpcserver import listen_host
+from shardrouter.core.metrics import RouterMetrics, start_metrics_server
+from shardrouter.core.shardmap import even_shard_map, shard_map_document
+from shardrouter.localcluster.postgres import free_port
+from shardrouter.shardd import partitions, retention
+from shardrouter.shardd.idempotency.outcomes import CallOutcome, OutcomeKind
+from shardrouter.shardd.observability import (
     DURATION_BUCKETS,
     ShardMetrics,
     ShardState,
     ShardStateCollector,
     retention_lag_s,
 )
-from shardd.server import MONTHS_AHEAD, ShardDaemon, start_shard
-from shardrouter.grpcserver import listen_host
-from shardrouter.metrics import RouterMetrics, start_metrics_server
-from shardrouter.shardmap import even_shard_map, shard_map_document
+from shardrouter.shardd.server import MONTHS_AHEAD, ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import deposit, key_metadata, make_settings, money
 

@@ -17,8 +17,8 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind, StatusCode
 
-from router import tracing as router_tracing
-from shardrouter import tracing
+from shardrouter.core import tracing
+from shardrouter.router import tracing as router_tracing
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import deposit, key_metadata, money
 from tests.observability.conftest import SERVICE, Traced
@@ -173,7 +173,7 @@ def test_replay_from_the_database_is_one_read_only_transaction(database: str) ->
     replay reads the record in one transaction that writes nothing and takes no lock."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from shardd.server import start_shard
+    from shardrouter.shardd.server import start_shard
     from tests.conftest import make_settings
 
     exporter = InMemorySpanExporter()
@@ -211,7 +211,7 @@ def test_transient_failure_is_an_error(database: str) -> None:
     """A handler that cannot get a row lock in time: UNAVAILABLE, and the spans say ERROR."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from shardd.server import start_shard
+    from shardrouter.shardd.server import start_shard
     from tests.conftest import make_settings
 
     exporter = InMemorySpanExporter()
@@ -442,7 +442,7 @@ def test_aio_router_spans_caller_router_and_shard_in_one_trace(traced: Traced) -
 
 
 def test_expired_and_invalid_keys_are_refusals_not_errors(traced: Traced) -> None:
-    from shardrouter.keys import new_key
+    from shardrouter.core.keys import new_key
 
     old = new_key(int((datetime.now(UTC).timestamp() - 60 * 86400) * 1000))
     with pytest.raises(grpc.RpcError) as info:
@@ -463,9 +463,9 @@ def _router_for(traced: Traced, tmp_path):
     """The real router (grpc.aio, in a thread) in front of the traced shard, tracing to the same provider."""
     import yaml
 
-    from router.server import start_router_thread
-    from router.settings import RouterSettings
-    from shardrouter.shardmap import even_shard_map, shard_map_document
+    from shardrouter.core.shardmap import even_shard_map, shard_map_document
+    from shardrouter.router.server import start_router_thread
+    from shardrouter.router.settings import RouterSettings
 
     path = tmp_path / "shard-map.yaml"
     path.write_text(
@@ -496,7 +496,7 @@ def test_caller_library_router_and_shard_in_one_trace_with_linked_retries(
     """
     import threading
 
-    from shardclient import SqliteOperationStore, TransferClient
+    from shardrouter.client import SqliteOperationStore, TransferClient
 
     router = _router_for(traced, tmp_path)
     store = SqliteOperationStore(str(tmp_path / "ops.db"))
@@ -561,7 +561,7 @@ def test_caller_library_router_and_shard_in_one_trace_with_linked_retries(
 def test_statement_spans_can_be_switched_off(database: str) -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from shardd.server import start_shard
+    from shardrouter.shardd.server import start_shard
     from tests.conftest import make_settings
 
     exporter = InMemorySpanExporter()

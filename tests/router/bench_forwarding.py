@@ -60,8 +60,8 @@ def _run_echo(port_out: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-
 
 def _run_router(map_path: str, port_out: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]
     """The real router (asyncio)."""
-    from router.server import start_router
-    from router.settings import RouterSettings
+    from shardrouter.router.server import start_router
+    from shardrouter.router.settings import RouterSettings
 
     async def main() -> None:
         router = await start_router(
@@ -83,11 +83,11 @@ def _run_router(map_path: str, port_out: mp.Queue, stop: mp.Event) -> None:  # t
 
 def _run_sync_forwarder(map_path: str, port_out: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]
     """The previous design: sync `grpc.server` with a thread pool, sync channels to the shards."""
-    from router.channels import CHANNEL_OPTIONS
-    from router.metadata import forwardable
-    from router.routing import METHODS_BY_PATH, routing_account
-    from shardrouter import grpcserver
-    from shardrouter.shardmap import load_shard_map
+    from shardrouter.core import grpcserver
+    from shardrouter.core.shardmap import load_shard_map
+    from shardrouter.router.channels import CHANNEL_OPTIONS
+    from shardrouter.router.metadata import forwardable
+    from shardrouter.router.routing import METHODS_BY_PATH, routing_account
 
     shard_map = load_shard_map(map_path)
     channels: dict[str, grpc.Channel] = {}

@@ -11,7 +11,7 @@ import time
 import grpc.aio
 import pytest
 
-from router.channels import ChannelPool
+from shardrouter.router.channels import ChannelPool
 
 SERVICE = "/shardrouter.v1.TransferService/"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from router.cli import main
+from shardrouter.router.cli import main
 from shardrouter.v1 import transfer_pb2
 from tests.processes import ROOT, router_process
 from tests.router.fakeshard import SeenCall, single_shard_map, start_fake_shard
@@ -39,7 +39,7 @@ def _run_router(args: list[str], env_extra: dict[str, str] | None = None) -> sub
         **(env_extra or {}),
     }
     return subprocess.run(
-        [sys.executable, "-m", "router.cli", *args],
+        [sys.executable, "-m", "shardrouter.router.cli", *args],
         env=env,
         cwd=ROOT,
         capture_output=True,

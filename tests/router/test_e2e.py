@@ -25,10 +25,10 @@ import yaml
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from localcluster.postgres import LocalPostgres, free_port
-from shardrouter.errors import Reason
-from shardrouter.keys import new_key
-from shardrouter.shardmap import ShardMap, even_shard_map, shard_map_document
+from shardrouter.core.errors import Reason
+from shardrouter.core.keys import new_key
+from shardrouter.core.shardmap import ShardMap, even_shard_map, shard_map_document
+from shardrouter.localcluster.postgres import LocalPostgres, free_port
 from shardrouter.v1 import transfer_pb2
 from tests.processes import ServiceProcess, router_process, shardd_process
 

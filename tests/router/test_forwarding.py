@@ -24,8 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
-from shardrouter.errors import ERROR_DOMAIN, Reason
-from shardrouter.keys import new_key
+from shardrouter.core.errors import ERROR_DOMAIN, Reason
+from shardrouter.core.keys import new_key
 from shardrouter.v1 import transfer_pb2
 from tests.processes import ServiceProcess, router_process
 from tests.router.fakeshard import FakeShard, SeenCall, single_shard_map, start_fake_shard
@@ -434,7 +434,7 @@ def test_shard_map_reload_while_running(setup: Setup, fake: FakeShard) -> None:
 
 
 def test_unreachable_shard_is_the_routers_unavailable(setup: Setup, fake: FakeShard) -> None:
-    from localcluster.postgres import free_port
+    from shardrouter.localcluster.postgres import free_port
 
     dead = {
         "slots": 16384,

@@ -9,10 +9,10 @@ import grpc
 import pytest
 import yaml
 
-from localcluster.postgres import free_port
-from router.server import start_router_thread
-from router.settings import RouterSettings
-from shardrouter.shardmap import even_shard_map, shard_map_document
+from shardrouter.core.shardmap import even_shard_map, shard_map_document
+from shardrouter.localcluster.postgres import free_port
+from shardrouter.router.server import start_router_thread
+from shardrouter.router.settings import RouterSettings
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import key_metadata, money
 

@@ -12,13 +12,13 @@ import grpc
 import pytest
 import yaml
 
-from router.channels import ChannelPool
-from router.forwarding import has_our_error_info
-from router.metadata import forwardable
-from router.routing import METHODS_BY_PATH, ROUTED_METHODS, routing_account
-from shardrouter.errors import InvalidArgument, Reason, Unavailable, to_grpc_status
-from shardrouter.shardmap import ShardMap, ShardMapError, even_shard_map, shard_map_document
-from shardrouter.shardmap_file import ShardMapFile
+from shardrouter.core.errors import InvalidArgument, Reason, Unavailable, to_grpc_status
+from shardrouter.core.shardmap import ShardMap, ShardMapError, even_shard_map, shard_map_document
+from shardrouter.core.shardmap_file import ShardMapFile
+from shardrouter.router.channels import ChannelPool
+from shardrouter.router.forwarding import has_our_error_info
+from shardrouter.router.metadata import forwardable
+from shardrouter.router.routing import METHODS_BY_PATH, ROUTED_METHODS, routing_account
 from shardrouter.v1 import transfer_pb2
 
 SERVICE = "/shardrouter.v1.TransferService/"
@@ -217,7 +217,7 @@ def test_reload_picks_up_a_new_map_and_keeps_the_last_good_one(
 
     good = holder.current
     path.write_text("shards: [ this is not yaml")
-    with caplog.at_level(logging.WARNING, logger="shardrouter.shardmap_file"):
+    with caplog.at_level(logging.WARNING, logger="shardrouter.core.shardmap_file"):
         assert holder.check() is False
         assert holder.check() is False  # the same bad file is reported once
     assert holder.current is good
@@ -282,8 +282,8 @@ def test_reload_thread_polls_the_file(tmp_path: Path) -> None:
 
 
 def test_unrouted_method_is_not_served() -> None:
-    from router.forwarding import Forwarder
-    from router.metadata import CallerPolicy
+    from shardrouter.router.forwarding import Forwarder
+    from shardrouter.router.metadata import CallerPolicy
 
     class Details(grpc.HandlerCallDetails):
         def __init__(self, method: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.settings import ENV_NAMES, RouterSettings, parse_settings
+from shardrouter.router.settings import ENV_NAMES, RouterSettings, parse_settings
 
 
 def test_settings_defaults_env_and_flags() -> None:

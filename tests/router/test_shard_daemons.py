@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from localcluster.postgres import free_port
-from shardrouter.keys import KEY_METADATA, new_key
+from shardrouter.core.keys import KEY_METADATA, new_key
+from shardrouter.localcluster.postgres import free_port
 from shardrouter.v1 import transfer_pb2
 from tests.processes import ServiceProcess, router_process
 from tests.router.fakeshard import FakeShard, start_fake_shard

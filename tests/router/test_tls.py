@@ -18,9 +18,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.server import start_router_thread
-from router.settings import RouterSettings
-from shardrouter.errors import Reason
+from shardrouter.core.errors import Reason
+from shardrouter.router.server import start_router_thread
+from shardrouter.router.settings import RouterSettings
 from shardrouter.v1 import transfer_pb2
 from tests.processes import ROOT, router_process
 from tests.router.fakeshard import FakeShard, single_shard_map, start_fake_shard

@@ -11,9 +11,9 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from shardd.admission import AdmissionLimits
-from shardd.server import start_shard
-from shardrouter.errors import Reason, ShardRouterError
+from shardrouter.core.errors import Reason, ShardRouterError
+from shardrouter.shardd.admission import AdmissionLimits
+from shardrouter.shardd.server import start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import deposit, key_metadata, make_settings, money
 from tests.processes import shardd_process

@@ -48,10 +48,10 @@ import pytest
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 
-from localcluster.postgres import LocalPostgres
-from shardd.server import ShardDaemon, start_shard
+from shardrouter.core.keys import new_key
 from shardrouter.internal.v1 import ledger_pb2
-from shardrouter.keys import new_key
+from shardrouter.localcluster.postgres import LocalPostgres
+from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import deposit, make_settings, money
 

@@ -10,9 +10,9 @@ from datetime import timedelta
 
 import pytest
 
-from shardd.server import prepare_database
-from shardd.settings import ShardSettings, parse_settings
-from shardrouter.keys import new_key
+from shardrouter.core.keys import new_key
+from shardrouter.shardd.server import prepare_database
+from shardrouter.shardd.settings import ShardSettings, parse_settings
 from shardrouter.v1 import transfer_pb2
 from tests.conftest import key_metadata, money
 from tests.processes import ROOT
@@ -20,7 +20,7 @@ from tests.processes import ROOT
 
 def _shardd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "shardd.cli", *args],
+        [sys.executable, "-m", "shardrouter.shardd.cli", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

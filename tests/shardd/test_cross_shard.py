@@ -17,12 +17,12 @@ import psycopg
 import pytest
 import yaml
 
-from localcluster.postgres import LocalPostgres, free_port
-from shardd.ledger.service import credit_key
-from shardd.relay import OutboxRelay
-from shardd.server import ShardDaemon, start_shard
+from shardrouter.core.shardmap import ShardMap, even_shard_map, shard_map_document
 from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
-from shardrouter.shardmap import ShardMap, even_shard_map, shard_map_document
+from shardrouter.localcluster.postgres import LocalPostgres, free_port
+from shardrouter.shardd.ledger.service import credit_key
+from shardrouter.shardd.relay import OutboxRelay
+from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import key_metadata, make_settings, money
 

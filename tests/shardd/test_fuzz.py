@@ -47,11 +47,11 @@ from google.rpc import error_details_pb2, status_pb2
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from shardd.server import ShardDaemon
-from shardrouter.errors import InvalidArgument
-from shardrouter.keys import key_time, parse_key
+from shardrouter.core.errors import InvalidArgument
+from shardrouter.core.keys import key_time, parse_key
+from shardrouter.core.validation import validate_deposit, validate_transfer
+from shardrouter.shardd.server import ShardDaemon
 from shardrouter.v1 import transfer_pb2
-from shardrouter.validation import validate_deposit, validate_transfer
 from tests.conftest import money
 
 PUBLIC = "/shardrouter.v1.TransferService/"

@@ -16,7 +16,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from shardrouter.keys import new_key
+from shardrouter.core.keys import new_key
 from shardrouter.v1 import transfer_pb2
 from tests.conftest import deposit, key_metadata, money
 

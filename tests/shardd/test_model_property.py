@@ -15,7 +15,7 @@ from grpc_status import rpc_status
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardrouter.keys import new_key
+from shardrouter.core.keys import new_key
 from shardrouter.v1 import transfer_pb2
 from tests.conftest import money
 

@@ -14,13 +14,13 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from shardd import partitions
-from shardd.idempotency import store
-from shardd.idempotency.record import ClaimStatus
-from shardd.partition_keeper import PartitionKeeper
-from shardd.retention import run_retention
-from shardd.server import MONTHS_AHEAD, prepare_database, start_shard
-from shardrouter.keys import key_time, new_key
+from shardrouter.core.keys import key_time, new_key
+from shardrouter.shardd import partitions
+from shardrouter.shardd.idempotency import store
+from shardrouter.shardd.idempotency.record import ClaimStatus
+from shardrouter.shardd.partition_keeper import PartitionKeeper
+from shardrouter.shardd.retention import run_retention
+from shardrouter.shardd.server import MONTHS_AHEAD, prepare_database, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import key_metadata, make_settings, money
 

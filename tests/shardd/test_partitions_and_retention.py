@@ -12,12 +12,12 @@ import grpc
 import psycopg
 import pytest
 
-from shardd import partitions
-from shardd.idempotency import store
-from shardd.idempotency.record import ClaimStatus
-from shardd.retention import run_retention
-from shardd.server import prepare_database
-from shardrouter.keys import key_time, new_key
+from shardrouter.core.keys import key_time, new_key
+from shardrouter.shardd import partitions
+from shardrouter.shardd.idempotency import store
+from shardrouter.shardd.idempotency.record import ClaimStatus
+from shardrouter.shardd.retention import run_retention
+from shardrouter.shardd.server import prepare_database
 from shardrouter.v1 import transfer_pb2
 from tests.conftest import key_metadata, money
 

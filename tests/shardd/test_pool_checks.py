@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from localcluster.postgres import LocalPostgres
-from shardd.db import Database
+from shardrouter.localcluster.postgres import LocalPostgres
+from shardrouter.shardd.db import Database
 
 
 def test_a_connection_back_a_moment_ago_is_not_probed_again(database: str) -> None:

@@ -13,11 +13,11 @@ import grpc
 import psycopg
 import pytest
 
-from localcluster.postgres import free_port
-from router.channels import CHANNEL_OPTIONS
-from shardclient import load_service_config
-from shardd.processes import port_is_free
-from shardrouter.keys import new_key
+from shardrouter.client import load_service_config
+from shardrouter.core.keys import new_key
+from shardrouter.localcluster.postgres import free_port
+from shardrouter.router.channels import CHANNEL_OPTIONS
+from shardrouter.shardd.processes import port_is_free
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import money
 from tests.processes import ServiceProcess, shardd_process
@@ -163,7 +163,7 @@ def test_processes_need_a_fixed_port(database: str, tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "shardd.cli",
+            "shardrouter.shardd.cli",
             "serve",
             "--processes",
             "2",

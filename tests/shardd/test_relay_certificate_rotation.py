@@ -29,11 +29,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from localcluster.postgres import LocalPostgres, free_port
-from shardd import relay
-from shardd.relay import ShardClients
-from shardd.server import ShardDaemon, start_shard
-from shardrouter.shardmap import ShardMap, even_shard_map, shard_map_document
+from shardrouter.core.shardmap import ShardMap, even_shard_map, shard_map_document
+from shardrouter.localcluster.postgres import LocalPostgres, free_port
+from shardrouter.shardd import relay
+from shardrouter.shardd.relay import ShardClients
+from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import key_metadata, make_settings, money
 from tests.tls import TestCA

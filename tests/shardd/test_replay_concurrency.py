@@ -17,13 +17,13 @@ import grpc
 import psycopg
 import pytest
 
-from shardd.db import Database, current_transaction
-from shardd.idempotency import IdempotencyConfig, IdempotencyInterceptor, MutatingMethod
-from shardd.identity import IdentityPolicy
-from shardd.ledger.service import ShardLocator, TransferServicer
-from shardd.server import ShardDaemon, prepare_database, start_shard
+from shardrouter.core.validation import validate_deposit
+from shardrouter.shardd.db import Database, current_transaction
+from shardrouter.shardd.idempotency import IdempotencyConfig, IdempotencyInterceptor, MutatingMethod
+from shardrouter.shardd.identity import IdentityPolicy
+from shardrouter.shardd.ledger.service import ShardLocator, TransferServicer
+from shardrouter.shardd.server import ShardDaemon, prepare_database, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from shardrouter.validation import validate_deposit
 from tests.conftest import deposit, key_metadata, make_settings, money
 
 CACHE = pytest.mark.parametrize("cache_entries", [10_000, 0], ids=["memory", "database"])
@@ -159,7 +159,7 @@ class _TrailerSettingServicer(TransferServicer):
 
 @CACHE
 def test_handler_trailers_are_stored_and_replayed(database, cache_entries) -> None:
-    from shardd.idempotency.process_keys import CompletedKeys
+    from shardrouter.shardd.idempotency.process_keys import CompletedKeys
 
     prepare_database(database, IdempotencyConfig().retention)
     db = Database(database, min_size=1, max_size=4)

@@ -11,10 +11,10 @@ import grpc
 import pytest
 import yaml
 
-from localcluster.postgres import LocalPostgres, free_port
-from shardd.server import start_shard
-from shardrouter.errors import ERROR_DOMAIN
-from shardrouter.shardmap import parse_shard_map
+from shardrouter.core.errors import ERROR_DOMAIN
+from shardrouter.core.shardmap import parse_shard_map
+from shardrouter.localcluster.postgres import LocalPostgres, free_port
+from shardrouter.shardd.server import start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import key_metadata, make_settings, money
 

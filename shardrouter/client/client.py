@@ -1,0 +1,371 @@
+"""`TransferClient`: store an operation first, then send it until the shard gives a final answer.
+
+    client = TransferClient("127.0.0.1:50051", store=SqliteOperationStore("ops.db"))
+    op = client.create_transfer("alice", "bob", 2500, "EUR")   # durable, with its key; no network
+    result = client.send_with_retries(op)                       # same key on every attempt
+
+Every attempt carries the operation's `idempotency-key` (and `x-caller-id`, if the operation has a
+caller), a per-attempt deadline, and is recorded in the store before the next one starts. After a
+crash, `resume_pending()` sends every unfinished operation again with its original key and caller.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import grpc
+from opentelemetry import trace
+
+from shardrouter.client.operation import Attempt, Operation, OperationState, Outcome, utc_now
+from shardrouter.client.retry import RetryPolicy, Verdict, backoff_s, classify, server_delay_s
+from shardrouter.client.status import (
+    ErrorDetails,
+    RpcFailure,
+    error_details,
+    pushback_s,
+    was_replayed,
+)
+from shardrouter.client.store import OperationStore, UnknownOperation
+from shardrouter.client.tracing import AttemptSpans, OperationTracer, record_attempt, record_operation
+from shardrouter.client.wire import (
+    MutatingResponse,
+    build_request,
+    decode_response_bytes,
+    deposit_arguments,
+    transfer_arguments,
+    validate,
+)
+from shardrouter.core.callers import CALLER_METADATA
+from shardrouter.core.keys import KEY_METADATA
+from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
+
+__all__ = ["SendResult", "TransferClient"]
+
+_SERVICE = "/shardrouter.v1.TransferService/"
+_METHODS = {"transfer": _SERVICE + "Transfer", "deposit": _SERVICE + "Deposit"}
+_RESERVED_METADATA = frozenset({KEY_METADATA, CALLER_METADATA})
+_MIN_ATTEMPT_S = 0.01  # below this, an attempt cannot finish: stop and report the budget exhausted
+_SERVER_DELAY_JITTER = 0.1  # wait up to 10 % longer than asked, so conflicting retries spread out
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class SendResult:
+    """What `send_with_retries` ended with."""
+
+    operation: Operation  # as stored after the last attempt
+    code: grpc.StatusCode  # of the last attempt
+    message: str
+    response: MutatingResponse | None  # TransferResponse / DepositResponse when code is OK
+    error: ErrorDetails | None  # decoded rich status when code is not OK
+    replayed: bool  # the shard answered with the stored outcome of an earlier attempt
+    attempts: int  # attempts made by this call
+    budget_exhausted: bool = False  # stopped because the time budget ran out (still PENDING)
+
+    @property
+    def state(self) -> OperationState:
+        """The operation's state after this call."""
+        return self.operation.state
+
+    @property
+    def ok(self) -> bool:
+        """Whether the operation succeeded."""
+        return self.code is grpc.StatusCode.OK
+
+    @property
+    def reason(self) -> str | None:
+        """`ErrorInfo.reason` of a failure (e.g. INSUFFICIENT_FUNDS), or None."""
+        return self.error.reason if self.error else None
+
+
+class TransferClient:
+    """Caller library of shard-router: durable operations, safe retries, read-only calls."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        store: OperationStore | None,
+        channel: grpc.Channel | None = None,
+        caller_id: str | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+        credentials: grpc.ChannelCredentials | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        tracer_provider: trace.TracerProvider | None = None,
+    ) -> None:
+        """Connect to `target` (router or shard), or use `channel` as given.
+
+        Tracing (see `shardclient.tracing`): spans go to `tracer_provider`, else to the global
+        provider if the application installed one; with neither, no span is made.
+
+        `store` may be None for a read-only client. `metadata` is sent on every call (e.g. a token);
+        it must not contain `idempotency-key` or `x-caller-id`, which this client manages. The channel
+        it creates turns gRPC's own retries off, so every attempt is one recorded attempt; if you pass
+        a channel with the service config's retry policy, that still is safe (same key), but the
+        store then sees one attempt where the channel made several.
+        """
+        reserved = sorted({k for k, _ in metadata} & _RESERVED_METADATA)
+        if reserved:
+            raise ValueError(
+                f"metadata must not contain {', '.join(reserved)}: the client sets it per operation"
+            )
+        self.target = target
+        self.store = store
+        self.caller_id = caller_id
+        self._metadata = tuple(metadata)
+        self._owns_channel = channel is None
+        if channel is None:
+            options = [("grpc.enable_retries", 0)]
+            channel = (
+                grpc.secure_channel(target, credentials, options=options)
+                if credentials is not None
+                else grpc.insecure_channel(target, options=options)
+            )
+        self._channel = channel
+        self._stub = transfer_pb2_grpc.TransferServiceStub(channel)
+        # Raw-bytes callables: the response bytes are recorded exactly as the shard sent them.
+        self._raw: dict[str, grpc.UnaryUnaryMultiCallable[Any, bytes]] = {
+            kind: channel.unary_unary(method, request_serializer=_serialize, response_deserializer=None)
+            for kind, method in _METHODS.items()
+        }
+        self._sleep = sleep
+        self._clock = clock
+        self._rng = rng or random.Random()  # jitter, not secrets
+        self._tracing = OperationTracer(tracer_provider)
+
+    def close(self) -> None:
+        """Close the channel if this client created it."""
+        if self._owns_channel:
+            self._channel.close()
+
+    def __enter__(self) -> TransferClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- operations: store first, send later -------------------------------------------------------
+
+    def create_transfer(
+        self, source: str, destination: str, amount_minor: int, currency: str, *, reference: str = ""
+    ) -> Operation:
+        """Validate locally, store a new transfer operation durably and return it (no network)."""
+        return self._create(
+            "transfer", transfer_arguments(source, destination, amount_minor, currency, reference)
+        )
+
+    def create_deposit(
+        self, account: str, amount_minor: int, currency: str, *, reference: str = ""
+    ) -> Operation:
+        """Validate locally, store a new deposit operation durably and return it (no network)."""
+        return self._create("deposit", deposit_arguments(account, amount_minor, currency, reference))
+
+    def transfer(
+        self,
+        source: str,
+        destination: str,
+        amount_minor: int,
+        currency: str,
+        *,
+        reference: str = "",
+        **timing: float,
+    ) -> SendResult:
+        """`create_transfer` then `send_with_retries`."""
+        op = self.create_transfer(source, destination, amount_minor, currency, reference=reference)
+        return self.send_with_retries(op, **timing)
+
+    def deposit(
+        self, account: str, amount_minor: int, currency: str, *, reference: str = "", **timing: float
+    ) -> SendResult:
+        """`create_deposit` then `send_with_retries`."""
+        return self.send_with_retries(
+            self.create_deposit(account, amount_minor, currency, reference=reference), **timing
+        )
+
+    def send_with_retries(
+        self,
+        operation: Operation,
+        *,
+        attempt_timeout_s: float = 2.0,
+        budget_s: float = 30.0,
+        base_backoff_s: float = 0.05,
+        max_backoff_s: float = 2.0,
+    ) -> SendResult:
+        """Send the stored operation until a final answer or until `budget_s` is spent.
+
+        Each attempt has its own deadline (`attempt_timeout_s`, cut to the budget left) and is
+        recorded in the store. Retries follow `shardclient.retry`: backoff with full jitter between
+        `base_backoff_s` and `max_backoff_s`, or the server's RetryInfo / pushback delay. An operation
+        that is already final is sent once more anyway: the shard replays its stored outcome.
+        """
+        policy = RetryPolicy(attempt_timeout_s, budget_s, base_backoff_s, max_backoff_s)
+        store = self._require_store()
+        op = store.get(operation.id)
+        if op is None:
+            raise UnknownOperation(
+                f"operation {operation.id} is not in the store; create it there before sending"
+            )
+        with self._tracing.operation(op, _METHODS[op.kind]) as spans:
+            result = self._send(op, policy, spans)
+            record_operation(result.state.value, result.attempts)
+        return result
+
+    def _send(self, op: Operation, policy: RetryPolicy, spans: AttemptSpans) -> SendResult:
+        store = self._require_store()
+        request = build_request(op.kind, op.arguments)
+        call = self._raw[op.kind]
+        metadata = self._mutating_metadata(op)
+        start = self._clock()
+        attempts = 0
+        while True:
+            timeout = min(policy.attempt_timeout_s, policy.budget_s - (self._clock() - start))
+            started_at, t0 = utc_now(), self._clock()
+            raw: bytes | None = None
+            with spans.attempt(metadata) as (sent, span):
+                try:
+                    raw, rpc = call.with_call(request, timeout=timeout, metadata=sent)
+                    code, message, trailers = grpc.StatusCode.OK, "", tuple(rpc.trailing_metadata() or ())
+                except grpc.RpcError as error:
+                    code, message = error.code(), error.details() or ""
+                    trailers = _trailers_of(error)
+                replayed = was_replayed(trailers)
+                record_attempt(span, code, message, replayed=replayed)
+            attempts += 1
+            details = ErrorDetails() if raw is not None else error_details(trailers)
+            delay_hint = server_delay_s(details, pushback_s(trailers))
+            verdict = classify(code, details, delay_hint)
+            attempt = Attempt(
+                started_at=started_at,
+                code=code.name,
+                message=message,
+                replayed=replayed,
+                duration_ms=int((self._clock() - t0) * 1000),
+                reason=details.reason,
+            )
+            outcome = Outcome(
+                code=code.name,
+                message=message,
+                reason=details.reason,
+                domain=details.domain,
+                error_metadata=details.metadata,
+                field_violations=details.field_violations,
+                response_b64=base64.b64encode(raw).decode("ascii") if raw is not None else None,
+                replayed=replayed,
+            )
+            op = store.record_attempt(op.id, attempt, state=verdict.state, outcome=outcome)
+            if verdict is not Verdict.RETRY:
+                return self._result(op, code, message, raw, details, replayed, attempts)
+            if delay_hint is not None:
+                delay = delay_hint * (1 + self._rng.uniform(0, _SERVER_DELAY_JITTER))
+            else:
+                delay = backoff_s(attempts, policy, self._rng)
+            if self._clock() - start + delay + _MIN_ATTEMPT_S >= policy.budget_s:
+                return self._result(op, code, message, raw, details, replayed, attempts, exhausted=True)
+            self._sleep(delay)
+
+    def resume_pending(self, **timing: float) -> list[SendResult]:
+        """Send every PENDING operation in the store again, oldest first, each with its own key."""
+        return [self.send_with_retries(op, **timing) for op in self._require_store().list_pending()]
+
+    # -- read-only calls ---------------------------------------------------------------------------
+
+    def get_balance(
+        self, account_id: str, *, timeout_s: float = 2.0, attempts: int = 3
+    ) -> transfer_pb2.GetBalanceResponse:
+        """An account's balance; retries UNAVAILABLE, raises RpcFailure otherwise."""
+        request = transfer_pb2.GetBalanceRequest(account_id=account_id)
+        return self._read(
+            lambda: self._stub.GetBalance(request, timeout=timeout_s, metadata=self._read_metadata()),
+            attempts,
+        )
+
+    def get_transfer(
+        self, source: str, transfer_id: str, wait_ms: int = 0, *, timeout_s: float = 2.0, attempts: int = 3
+    ) -> transfer_pb2.GetTransferResponse:
+        """A transfer, optionally waiting up to `wait_ms` for it to leave PENDING; retries UNAVAILABLE."""
+        request = transfer_pb2.GetTransferRequest(
+            source_account_id=source, transfer_id=transfer_id, wait_for_completion_ms=wait_ms
+        )
+        deadline = timeout_s + wait_ms / 1000
+        return self._read(
+            lambda: self._stub.GetTransfer(request, timeout=deadline, metadata=self._read_metadata()),
+            attempts,
+        )
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _create(self, kind: Any, arguments: dict[str, str | int]) -> Operation:
+        validate(kind, arguments)
+        op = Operation.new(kind, arguments, caller_id=self.caller_id)
+        self._require_store().create(op)  # durable before any network call
+        return op
+
+    def _require_store(self) -> OperationStore:
+        if self.store is None:
+            raise RuntimeError("this TransferClient has no operation store; it can only make read-only calls")
+        return self.store
+
+    def _mutating_metadata(self, op: Operation) -> tuple[tuple[str, str], ...]:
+        # The operation's own caller: its key is scoped to the caller that first sent it.
+        caller = ((CALLER_METADATA, op.caller_id),) if op.caller_id else ()
+        return ((KEY_METADATA, op.idempotency_key), *caller, *self._metadata)
+
+    def _read_metadata(self) -> tuple[tuple[str, str], ...]:
+        caller = ((CALLER_METADATA, self.caller_id),) if self.caller_id else ()
+        return (*caller, *self._metadata)
+
+    def _read(self, call: Callable[[], _T], attempts: int) -> _T:
+        policy = RetryPolicy()
+        for number in range(1, max(1, attempts) + 1):
+            try:
+                return call()
+            except grpc.RpcError as error:
+                code = error.code()
+                if code is grpc.StatusCode.UNAVAILABLE and number < attempts:
+                    self._sleep(backoff_s(number, policy, self._rng))
+                    continue
+                trailers = _trailers_of(error)
+                raise RpcFailure(code, error.details() or "", error_details(trailers)) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _result(
+        self,
+        op: Operation,
+        code: grpc.StatusCode,
+        message: str,
+        raw: bytes | None,
+        details: ErrorDetails,
+        replayed: bool,
+        attempts: int,
+        *,
+        exhausted: bool = False,
+    ) -> SendResult:
+        response = decode_response_bytes(op.kind, raw) if raw is not None else None
+        return SendResult(
+            operation=op,
+            code=code,
+            message=message,
+            response=response,
+            error=None if code is grpc.StatusCode.OK else details,
+            replayed=replayed,
+            attempts=attempts,
+            budget_exhausted=exhausted,
+        )
+
+
+def _serialize(message: Any) -> bytes:
+    data: bytes = message.SerializeToString(deterministic=True)
+    return data
+
+
+def _trailers_of(error: grpc.RpcError) -> tuple[tuple[str, str | bytes], ...]:
+    # grpc-stubs types these as objects with .key/.value; at run time they are (key, value) tuples.
+    raw = cast(Sequence[tuple[str, str | bytes]], error.trailing_metadata() or ())
+    return tuple((key, value) for key, value in raw)

@@ -1,0 +1,147 @@
+"""A shard map file followed without a restart, by the router and the shard daemons alike.
+
+The file is polled in a daemon thread and the map swapped in as a whole when its content changes, so
+readers (`current`) never see half a change and never wait on the file. A bad file never replaces a
+good map, and neither does an older one: a map with a version takes over only from a lower version
+(`shardrouter.core.shardmap`), so a stale ConfigMap replica or a bad rollback cannot turn ownership back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from shardrouter.core.shardmap import ShardMap, ShardMapError, load_shard_map
+
+log = logging.getLogger(__name__)
+
+MapListener = Callable[[ShardMap, ShardMap], None]
+
+
+class ShardMapFile:
+    """The current shard map, reloaded from its file without a restart.
+
+    Each check re-opens the file by path and hashes its bytes, so a Kubernetes ConfigMap update (an
+    atomic swap of the `..data` symlink, which leaves the old inode intact) is seen as surely as an
+    in-place rewrite, and a rewrite that keeps size and mtime is not missed either. The file is a
+    few hundred bytes; reading it once a second costs nothing.
+
+    `on_change` is called on the polling thread; a listener that touches event-loop objects must hop
+    onto the loop (`loop.call_soon_threadsafe`), as the router's does.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        interval_s: float = 1.0,
+        on_change: MapListener | None = None,
+    ) -> None:
+        self._path = Path(path)
+        self._interval_s = interval_s
+        self._on_change = on_change
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # Raises ShardMapError: at start-up a bad file is fatal, there is no last good map.
+        self._map = load_shard_map(self._path)
+        self._seen_hash = self._content_hash()
+
+    @property
+    def path(self) -> Path:
+        """The shard map file."""
+        return self._path
+
+    @property
+    def current(self) -> ShardMap:
+        """The map in force (replaced as a whole, so a reader never sees half of a change)."""
+        return self._map
+
+    @property
+    def version(self) -> int:
+        """The version of the map in force."""
+        return self._map.version
+
+    def start(self) -> None:
+        """Poll the file in a daemon thread until `stop`."""
+        self._thread = threading.Thread(target=self._run, name="shard-map-reload", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop polling."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self._interval_s + 1)
+
+    def check(self) -> bool:
+        """Reload if the file's content changed; True when a new map took effect."""
+        with self._lock:
+            digest = self._content_hash()
+            if digest == self._seen_hash:
+                return False
+            # Remember what was tried, so a bad file is reported once, not once per poll.
+            self._seen_hash = digest
+            try:
+                new = load_shard_map(self._path)
+            except ShardMapError as exc:
+                log.warning(
+                    "shard map reload failed, keeping the last good map: %s",
+                    exc,
+                    extra={"path": str(self._path)},
+                )
+                return False
+            refusal = _refusal(self._map, new)
+            if refusal is not None:
+                log.warning(
+                    "shard map reload refused, keeping version %d: %s",
+                    self._map.version,
+                    refusal,
+                    extra={"path": str(self._path)},
+                )
+                return False
+            old, self._map = self._map, new
+        log.info(
+            "shard map reloaded: version %d, %d shards",
+            new.version,
+            len(new.shards),
+            extra={
+                "path": str(self._path),
+                "shards": ",".join(f"{s.id}={'|'.join(s.addresses)}" for s in new.shards),
+            },
+        )
+        if self._on_change is not None:
+            try:
+                self._on_change(old, new)
+            except Exception:  # a failing listener must not stop the reloads
+                log.exception("shard map change listener failed")
+        return True
+
+    def _content_hash(self) -> bytes | None:
+        try:
+            return hashlib.sha256(self._path.read_bytes()).digest()
+        except OSError:
+            return None  # gone for a moment (mid-swap) or unreadable: load_shard_map says why
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.check()
+            except Exception:  # keep polling whatever happens; the last good map stays
+                log.exception("shard map check failed")
+
+
+def _refusal(current: ShardMap, new: ShardMap) -> str | None:
+    """Why `new` may not replace `current` (None: it may). Unversioned maps (0) replace each other."""
+    if current.version == 0 and new.version == 0:
+        return None
+    if new.version < current.version:
+        return f"the file's version {new.version} is older than the map in force"
+    if new.version == current.version and new != current:
+        return f"the file changed but kept version {new.version}; a new map needs a higher version"
+    return None
+
+
+__all__ = ["MapListener", "ShardMapFile"]

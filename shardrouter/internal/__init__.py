@@ -1,0 +1,1 @@
+"""Generated stubs of the shard-to-shard API (`shardrouter.internal.v1`); not for callers."""

@@ -1,0 +1,175 @@
+"""`shard-router dev up`: start the local cluster, run the demo, serve until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from shardrouter.core import tracing
+from shardrouter.core.shardmap import load_shard_map
+from shardrouter.core.termination import TerminationSignals
+from shardrouter.localcluster import tracing_ui
+from shardrouter.localcluster.cluster import LocalCluster, default_data_dir
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of `shard-router dev ...`."""
+    parser = argparse.ArgumentParser(prog="shard-router dev", description="run shard-router on this machine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start PostgreSQL per shard, the shard daemons and the router")
+    up.add_argument("--shards", type=int, default=2, help="number of shards (default 2)")
+    up.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="shard daemons per shard, over its one database (default 1; 2 or more survive losing one)",
+    )
+    up.add_argument(
+        "--data-dir", type=Path, default=None, help=f"where data lives (default {default_data_dir()})"
+    )
+    up.add_argument("--port", type=int, default=50051, help="router port on 127.0.0.1 (default 50051)")
+    up.add_argument("--wipe", action="store_true", help="delete the data directory first")
+    up.add_argument("--no-demo", action="store_true", help="do not run the demo after start")
+    up.add_argument("--exit-after-demo", action="store_true", help="stop the cluster once the demo ran")
+    traces = up.add_mutually_exclusive_group()
+    traces.add_argument(
+        "--tracing-ui",
+        action="store_true",
+        help="start a local tracing UI (Arize Phoenix, the tracing-ui extra) and send every span to it",
+    )
+    traces.add_argument(
+        "--otlp-endpoint",
+        default="",
+        metavar="URL",
+        help="send every span over OTLP/gRPC to this collector (e.g. http://127.0.0.1:4317)",
+    )
+    up.add_argument("--no-metrics", action="store_true", help="do not serve /metrics from the processes")
+    args = parser.parse_args(list(argv))
+    if args.shards < 1 or args.shards > 16:
+        parser.error("--shards must be between 1 and 16")
+    if args.replicas < 1 or args.replicas > 4:
+        parser.error("--replicas must be between 1 and 4")
+    if args.tracing_ui and not tracing_ui.phoenix_installed():
+        print(
+            "shard-router dev up: --tracing-ui needs Arize Phoenix; install the extra first:\n"
+            "  .venv/bin/pip install -e '.[dev,tracing-ui]'",
+            file=sys.stderr,
+        )
+        return 2
+    cluster = LocalCluster(
+        data_dir=args.data_dir or default_data_dir(),
+        shards=args.shards,
+        replicas=args.replicas,
+        router_port=args.port,
+        metrics=not args.no_metrics,
+        otlp_endpoint=args.otlp_endpoint,
+    )
+    if args.wipe:
+        cluster.wipe()
+    phoenix: tracing_ui.PhoenixProcess | None = None
+    if args.tracing_ui:
+        print("Starting the tracing UI (Arize Phoenix) ...", flush=True)
+        try:
+            phoenix = tracing_ui.launch_phoenix(cluster.data_dir / "phoenix")
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            print(f"shard-router dev up: could not start the tracing UI: {exc}", file=sys.stderr)
+            return 1
+        cluster.otlp_endpoint = phoenix.otlp_endpoint
+    if cluster.otlp_endpoint:
+        # The demo's own calls start the traces: trace this process too.
+        # The exporter and batch processor read the process environment itself.
+        os.environ.update(
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": cluster.otlp_endpoint, "OTEL_BSP_SCHEDULE_DELAY": "500"}
+        )
+        tracing.configure_tracing("shard-router-demo")
+    try:
+        return _run(args, cluster, phoenix)
+    finally:
+        tracing.shutdown_tracing()
+        if phoenix is not None:
+            phoenix.stop()
+
+
+def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.PhoenixProcess | None) -> int:
+    stop = TerminationSignals(starting=False).stop
+    print(
+        f"Starting {args.shards} shard(s), {args.replicas} daemon(s) each, with data in {cluster.data_dir} ...",
+        flush=True,
+    )
+    try:
+        cluster.start()
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"shard-router dev up: could not start the cluster: {exc}", file=sys.stderr)
+        return 1
+    try:
+        target = f"127.0.0.1:{args.port}"
+        print(
+            f"\nRouter listening on {target} (shard map {cluster.shard_map_path}, logs in {cluster.data_dir}/logs)"
+        )
+        for daemon in cluster.shard_daemons:
+            print(f"  {daemon.name}: {daemon.address}  database {daemon.env['SHARDD_DSN']}")
+        for name, url in cluster.metrics_urls.items():
+            print(f"  metrics of {name}: {url}")
+        if phoenix is not None:
+            print(f"  tracing UI: {phoenix.ui_url} (project {tracing.TRACE_PROJECT})")
+            print(
+                f"  your own callers can trace there too: OTEL_EXPORTER_OTLP_ENDPOINT={phoenix.otlp_endpoint}"
+            )
+        elif cluster.otlp_endpoint:
+            print(f"  spans go to {cluster.otlp_endpoint}")
+        if not args.no_demo:
+            print()
+            from shardrouter.localcluster.demo import run_demo
+
+            demo = run_demo(
+                target, load_shard_map(cluster.shard_map_path), lambda line: print(line, flush=True)
+            )
+            if phoenix is not None and demo.replay_key:
+                _show_replay_span(phoenix, demo.replay_key)
+        command = _own_command()
+        print(f"\nTry: {command} --target {target} balance alice")
+        print(f"     {command} --target {target} transfer --from alice --to bob --amount 1.50 --currency EUR")
+        if args.exit_after_demo:
+            return 0
+        print("\nCluster running. Ctrl-C stops it (data stays unless you pass --wipe next time).", flush=True)
+        stop.wait()
+        return 0
+    finally:
+        print("Stopping the cluster ...", flush=True)
+        cluster.stop()
+        print("Stopped.", flush=True)
+
+
+def _show_replay_span(phoenix: tracing_ui.PhoenixProcess, key: str, timeout_s: float = 20.0) -> None:
+    """Print a link to the demo's replay span once Phoenix has it (the exporters batch for 0.5 s)."""
+    tracing.force_flush()
+    spans = tracing_ui.replay_spans(phoenix.ui_url, tracing.TRACE_PROJECT, key, timeout_s=timeout_s)
+    if spans:
+        span_id = spans[0]["context"]["span_id"]
+        print(f"\nThe replay of step 2 in the tracing UI: {tracing_ui.span_url(phoenix.ui_url, span_id)}")
+        print(f"  (spans of every attempt: search the attribute idempotency.key = {key})", flush=True)
+        return
+    print(f"\nThe replay span has not reached the tracing UI yet; search idempotency.key = {key}")
+
+
+def _own_command() -> str:
+    """How to type this very `shard-router` again: its bare name if that is what PATH finds, else
+    its path (relative to the working directory when inside it), so a pasted "Try:" line works."""
+    own = Path(sys.argv[0]).resolve()
+    found = shutil.which("shard-router")
+    if found and Path(found).resolve() == own:
+        return "shard-router"
+    try:
+        return shlex.quote(str(own.relative_to(Path.cwd())))
+    except ValueError:
+        return shlex.quote(str(own))
+
+
+__all__ = [
+    "main",
+]

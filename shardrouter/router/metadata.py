@@ -1,0 +1,87 @@
+"""What metadata the router passes on: everything the caller sent, minus transport headers, with the
+caller's identity made trustworthy.
+
+The shards believe the router's `x-caller-id` (the router's client certificate is a trusted proxy to
+them), so the router must never relay a caller's unverified claim outside dev mode: with mTLS from
+callers it overwrites the entry with the verified certificate's common name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc.aio
+
+from shardrouter.core.callers import CALLER_METADATA, peer_common_name
+from shardrouter.core.errors import Reason, Unauthenticated
+
+if TYPE_CHECKING:  # grpc's classes are generic only in the type stubs
+    ServicerContext = grpc.aio.ServicerContext[bytes, bytes]
+
+MetadataEntry = tuple[str, str | bytes]
+
+# Connection-level headers: gRPC sets its own on the router's outgoing call (a deadline travels as
+# the call's timeout, not as a copied `grpc-timeout`), and HTTP/2 pseudo-headers (":authority") may
+# not be set by an application at all.
+_TRANSPORT_HEADERS = frozenset(
+    {
+        "user-agent",
+        "host",
+        "content-type",
+        "te",
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "transfer-encoding",
+        "upgrade",
+        "grpc-timeout",
+        "grpc-encoding",
+        "grpc-accept-encoding",
+        "grpc-status",
+        "grpc-message",
+        "grpc-previous-rpc-attempts",
+    }
+)
+
+
+def forwardable(metadata: Iterable[MetadataEntry]) -> list[MetadataEntry]:
+    """The entries to pass on, in order: all but pseudo-headers and transport headers."""
+    return [(k, v) for k, v in metadata if not k.startswith(":") and k not in _TRANSPORT_HEADERS]
+
+
+@dataclass(frozen=True)
+class CallerPolicy:
+    """Where the forwarded caller identity comes from."""
+
+    #: The router's server requires client certificates: the verified common name is the caller.
+    verifies_callers: bool
+    #: Without verified callers, believe a caller-sent `x-caller-id` (local development only).
+    dev_mode: bool
+
+    def outgoing(self, context: ServicerContext) -> list[MetadataEntry]:
+        """The metadata to send to the shard for this call."""
+        metadata = forwardable(context.invocation_metadata() or ())
+        if self.verifies_callers:
+            common_name = peer_common_name(context)
+            if common_name is None:  # cannot happen with require_client_auth; refuse if it does
+                raise Unauthenticated(
+                    "the router requires a verified client certificate (mTLS); the caller has none",
+                    reason=Reason.UNAUTHENTICATED,
+                )
+            return [(k, v) for k, v in metadata if k != CALLER_METADATA] + [(CALLER_METADATA, common_name)]
+        if self.dev_mode:
+            return metadata
+        raise Unauthenticated(
+            "the router requires callers to present a client certificate (mTLS) so that it can tell "
+            "the shards who is calling; configure ROUTER_TLS_CA, or ROUTER_DEV_MODE for local runs",
+            reason=Reason.UNAUTHENTICATED,
+        )
+
+
+__all__ = [
+    "CallerPolicy",
+    "MetadataEntry",
+    "forwardable",
+]

@@ -1,0 +1,144 @@
+"""The one typed settings object of the router, read from flags and `ROUTER_*` environment.
+
+Flags win over the environment, which wins over the defaults; the defaults run locally. Same
+approach as `shardd.settings`, so operators learn one convention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from shardrouter.core.settings_source import env_names, settings_values
+
+ENV_PREFIX = "ROUTER_"
+MAX_FORWARD_RETRIES = 5
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterSettings:
+    """Everything the router is configured with."""
+
+    #: gRPC listen address (host:port).
+    listen: str = "127.0.0.1:50051"
+    #: Port of the Prometheus /metrics endpoint (0 disables it).
+    metrics_port: int = 9464
+    #: Shard map file (YAML or JSON, see `shardrouter.core.shardmap`); reloaded when it changes.
+    shard_map: str = "shard-map.yaml"
+    #: Seconds between checks of the shard map file.
+    reload_interval_s: float = 1.0
+    #: Calls forwarded at once (asyncio: no thread each), and the HTTP/2 streams one client connection
+    #: may open. Past it grpc answers RESOURCE_EXHAUSTED; below it a client's parallel calls on one
+    #: channel are never refused (a small stream cap made grpc reset streams with REFUSED_STREAM).
+    max_calls: int = 1024
+    #: Dev mode passes a caller-sent `x-caller-id` through without TLS. Never in production.
+    dev_mode: bool = False
+    #: The router's own server certificate (PEM file); with tls_key. Empty: no TLS.
+    tls_cert: str = ""
+    #: The server certificate's private key (PEM file).
+    tls_key: str = ""
+    #: CA of callers' client certificates (PEM file): callers need one (mTLS), and the verified
+    #: certificate's common name becomes the forwarded `x-caller-id`.
+    tls_ca: str = ""
+    #: TLS towards the shards: the router's client certificate (PEM file), its identity to the shards,
+    #: which trust it to speak for callers.
+    shard_tls_cert: str = ""
+    #: The client certificate's private key (PEM file).
+    shard_tls_key: str = ""
+    #: The CA that signs the shards' server certificates (PEM file).
+    shard_tls_ca: str = ""
+    #: Largest request accepted (bytes).
+    max_message_bytes: int = 64 * 1024
+    #: Largest request metadata accepted (bytes).
+    max_metadata_bytes: int = 16 * 1024
+    #: Upper bound of the deadline given to a shard when the caller set none, or a longer one (s).
+    #: Above the 30 s that GetTransfer may wait, so a legitimate long poll is never cut short.
+    max_deadline_s: float = 60.0
+    #: Connections (channels) to each shard address, used in turn; more than one spreads a shard's
+    #: calls over its serving processes (`SHARDD_PROCESSES`, which share one port).
+    shard_connections: int = 4
+    #: Extra rounds for a keyed call whose shard could not be reached, after each of the shard's
+    #: daemons was tried once (keyless calls try each daemon once and get no extra rounds).
+    forward_retries: int = 2
+    #: Seconds to finish in-flight calls on SIGTERM.
+    shutdown_grace_s: float = 10.0
+    #: Oldest a caller's connection may get (s, grpc adds +-10% jitter): then the router sends GOAWAY
+    #: and the caller reconnects, so long-lived callers spread over new router pods after a scale-up
+    #: or rollout. 0 keeps connections forever.
+    max_connection_age_s: float = 300.0
+    #: Seconds a connection past its age still has for the calls running on it.
+    max_connection_age_grace_s: float = 30.0
+    #: Log format: "json" or "text".
+    log_format: str = "json"
+    #: Log level: DEBUG, INFO, WARNING or ERROR.
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid router settings: " + "; ".join(problems))
+
+    @property
+    def tls_enabled(self) -> bool:
+        """Whether the router serves TLS."""
+        return bool(self.tls_cert)
+
+    @property
+    def verifies_callers(self) -> bool:
+        """Whether callers must present a client certificate (mTLS), so their identity is known."""
+        return bool(self.tls_cert and self.tls_ca)
+
+    @property
+    def shard_tls_enabled(self) -> bool:
+        """Whether the router speaks TLS to the shards."""
+        return bool(self.shard_tls_cert or self.shard_tls_ca)
+
+    def problems(self) -> list[str]:
+        """Every reason these settings are unusable."""
+        out = []
+        if ":" not in self.listen:
+            out.append("listen must be host:port")
+        if not self.shard_map:
+            out.append("shard_map must name the shard map file")
+        if self.reload_interval_s <= 0:
+            out.append("reload_interval_s must be positive")
+        if self.max_calls < 1:
+            out.append("max_calls must be at least 1")
+        if not 1 <= self.shard_connections <= 64:
+            out.append("shard_connections must be between 1 and 64")
+        if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_ca and not self.tls_cert):
+            out.append("tls_cert and tls_key go together, and tls_ca needs them")
+        if bool(self.shard_tls_cert) != bool(self.shard_tls_key):
+            out.append("shard_tls_cert and shard_tls_key go together")
+        if self.max_message_bytes < 1024 or self.max_metadata_bytes < 1024:
+            out.append("max_message_bytes and max_metadata_bytes must be at least 1024")
+        if self.max_deadline_s <= 0:
+            out.append("max_deadline_s must be positive")
+        if not 0 <= self.forward_retries <= MAX_FORWARD_RETRIES:
+            out.append(f"forward_retries must be between 0 and {MAX_FORWARD_RETRIES}")
+        if self.shutdown_grace_s < 0:
+            out.append("shutdown_grace_s must not be negative")
+        if self.max_connection_age_s < 0 or self.max_connection_age_grace_s < 0:
+            out.append("max_connection_age_s and max_connection_age_grace_s must not be negative")
+        if self.log_format not in ("json", "text"):
+            out.append("log_format must be json or text")
+        return out
+
+
+def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> RouterSettings:
+    """Settings from `--flag value` arguments and `ROUTER_*` variables."""
+    return RouterSettings(
+        **settings_values(RouterSettings, prefix=ENV_PREFIX, prog="router", argv=argv, env=env)
+    )
+
+
+ENV_NAMES = env_names(RouterSettings, ENV_PREFIX)
+
+
+__all__ = [
+    "ENV_NAMES",
+    "ENV_PREFIX",
+    "MAX_FORWARD_RETRIES",
+    "RouterSettings",
+    "parse_settings",
+]

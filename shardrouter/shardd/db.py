@@ -1,0 +1,233 @@
+"""The shard's PostgreSQL pool, the per-call transaction, and the mapping of database failures.
+
+The idempotency interceptor opens the one transaction of a mutating call and publishes its connection
+in a context variable; handlers take it with `current_transaction()`, so the key claim, the handler's
+writes and the stored outcome commit together. Read-only handlers open their own with `read()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+import time
+import uuid
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import psycopg_pool
+from opentelemetry.instrumentation.psycopg import PsycopgInstrumentor
+from opentelemetry.trace import TracerProvider
+from psycopg import errors
+
+from shardrouter.core import tracing
+from shardrouter.core.errors import DeadlineExceeded, Internal, Reason, Unavailable
+
+log = logging.getLogger(__name__)
+
+Connection = psycopg.Connection[Any]
+
+
+@dataclass(frozen=True)
+class CallTransaction:
+    """The open transaction of a guarded call and the idempotency key it claimed."""
+
+    conn: Connection
+    key: uuid.UUID
+
+
+_current: contextvars.ContextVar[CallTransaction | None] = contextvars.ContextVar("shardd_txn", default=None)
+
+
+class Database:
+    """A connection pool to the shard's database with failures mapped to domain errors."""
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        min_size: int = 2,
+        max_size: int = 16,
+        acquire_timeout_s: float = 2.0,
+        transient_retry_ms: int = 250,
+        check_connections: bool = True,
+        tracer_provider: TracerProvider | None = None,
+        traced: bool = False,
+    ) -> None:
+        """`traced`: every pooled connection's statements become spans (OpenTelemetry's psycopg
+        instrumentation, to `tracer_provider` or the global provider); the SQL text is recorded,
+        never the parameters."""
+        if min_size < 1 or max_size < min_size:
+            raise ValueError("pool sizes must satisfy 1 <= min_size <= max_size")
+        if acquire_timeout_s <= 0:
+            raise ValueError("acquire_timeout_s must be positive")
+        self.acquire_timeout_s = acquire_timeout_s
+        #: Where this database's spans go (None: the global provider); background jobs that use the
+        #: pool (the outbox relay) open their job spans on the same provider.
+        self.tracer_provider = tracer_provider
+        self.traced = traced
+        self.transient_retry_ms = transient_retry_ms
+        configure = functools.partial(_trace_statements, tracer_provider=tracer_provider) if traced else None
+        self.checks = ConnectionChecks()
+        self.pool: psycopg_pool.ConnectionPool[Connection] = psycopg_pool.ConnectionPool(
+            dsn,
+            min_size=min_size,
+            max_size=max_size,
+            open=False,
+            name="shardd",
+            # A checkout after a database restart gets a fresh connection instead of a dead one; a
+            # connection back from a call a moment ago is not probed again (one round trip saved).
+            check=self.checks.check if check_connections else None,
+            reset=self.checks.returned if check_connections else None,
+            kwargs={"autocommit": False, "application_name": "shardd"},
+            reconnect_timeout=3600,
+            configure=configure,
+        )
+
+    def open(self, wait_s: float = 30.0) -> None:
+        """Open the pool and wait until `min_size` connections are up."""
+        self.pool.open(wait=True, timeout=wait_s)
+
+    def close(self) -> None:
+        """Close every connection."""
+        self.pool.close()
+
+    @contextmanager
+    def connection(self) -> Iterator[Connection]:
+        """A pooled connection; pool exhaustion and connection failure become UNAVAILABLE fast."""
+        try:
+            with self.pool.connection(timeout=self.acquire_timeout_s) as conn:
+                yield conn
+        except psycopg_pool.PoolTimeout as exc:
+            raise Unavailable(
+                f"the shard's database connections are all busy (waited {self.acquire_timeout_s:g} s); "
+                "nothing was applied, retry with the same idempotency key",
+                reason=Reason.DATABASE_BUSY,
+                retry_after_ms=self.transient_retry_ms,
+            ) from exc
+
+    @contextmanager
+    def read(self) -> Iterator[Connection]:
+        """A connection in a read-only transaction, with database failures mapped."""
+        with mapped_database_errors(self.transient_retry_ms), self.connection() as conn:
+            with conn.transaction():
+                conn.execute("SET TRANSACTION READ ONLY")
+                yield conn
+
+
+class ConnectionChecks:
+    """The pool's liveness probe, only for connections idle in the pool for a while.
+
+    A connection that came back from a call less than `idle_s` ago was alive then; probing it again
+    costs a round trip on every call. One idle longer (across a database restart, say) is probed,
+    so a dead one is replaced before a call gets it. A connection that breaks during a call is
+    discarded by the pool when it is returned.
+    """
+
+    def __init__(self, idle_s: float = 1.0) -> None:
+        self.idle_s = idle_s
+        self.probes = 0  # how many probes ran (for tests and curiosity)
+        self._returned: weakref.WeakKeyDictionary[Connection, float] = weakref.WeakKeyDictionary()
+
+    def returned(self, conn: Connection) -> None:
+        """psycopg_pool's `reset` callback: the connection is back in the pool, alive."""
+        self._returned[conn] = time.monotonic()
+
+    def check(self, conn: Connection) -> None:
+        """psycopg_pool's `check` callback: probe unless the connection was in use a moment ago."""
+        back = self._returned.get(conn)
+        if back is not None and time.monotonic() - back < self.idle_s:
+            return
+        self.probes += 1
+        _check_connection(conn)
+
+
+def _check_connection(conn: Connection) -> None:
+    """psycopg_pool's `check_connection`, through a plain cursor: a liveness probe at every checkout
+    is not a statement worth a span (a traced connection's own cursors would make one)."""
+    was_autocommit = conn.autocommit
+    conn.autocommit = True
+    try:
+        with psycopg.Cursor(conn) as probe:
+            probe.execute("")
+    finally:
+        with contextlib.suppress(Exception):  # a closed connection must not hide the first error
+            conn.autocommit = was_autocommit
+
+
+def _trace_statements(conn: Connection, *, tracer_provider: TracerProvider | None) -> None:
+    # Swaps the connection's cursor factory for a traced one; it sends nothing to the server.
+    PsycopgInstrumentor.instrument_connection(conn, tracer_provider=tracer_provider)
+
+
+def trace_connection(conn: Connection, *, tracer_provider: TracerProvider | None = None) -> bool:
+    """Statement spans for a connection outside the pool (the partition keeper's, the retention
+    job's), when tracing is on (`tracer_provider` given, or an SDK provider installed globally).
+
+    True if the connection is now traced. Pooled connections get theirs from `Database(traced=True)`.
+    """
+    if not tracing.tracing_active(tracer_provider):
+        return False
+    _trace_statements(conn, tracer_provider=tracer_provider)
+    return True
+
+
+@contextmanager
+def bind_transaction(conn: Connection, key: uuid.UUID) -> Iterator[None]:
+    """Make `conn` (which claimed `key`) the current call's transaction for the handlers below."""
+    token = _current.set(CallTransaction(conn, key))
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def current_transaction() -> CallTransaction:
+    """The transaction the idempotency interceptor opened for this call."""
+    call = _current.get()
+    if call is None:
+        raise Internal("a mutating handler ran outside the idempotency interceptor", reason=Reason.INTERNAL)
+    return call
+
+
+@contextmanager
+def mapped_database_errors(retry_after_ms: int) -> Iterator[None]:
+    """Turn transient psycopg failures into UNAVAILABLE / DEADLINE_EXCEEDED (nothing committed)."""
+    try:
+        yield
+    except errors.QueryCanceled as exc:
+        raise DeadlineExceeded(
+            "the call's deadline ran out while the database worked; nothing was applied",
+            reason=Reason.DATABASE_BUSY,
+        ) from exc
+    except (errors.SerializationFailure, errors.DeadlockDetected, errors.LockNotAvailable) as exc:
+        raise Unavailable(
+            f"the database could not order this call against a concurrent one ({exc.sqlstate}); "
+            "nothing was applied, retry with the same idempotency key",
+            reason=Reason.DATABASE_BUSY,
+            retry_after_ms=retry_after_ms,
+        ) from exc
+    except psycopg.OperationalError as exc:
+        log.warning("database unavailable: %s", exc.__class__.__name__)
+        raise Unavailable(
+            "the shard's database is unavailable; nothing was applied, retry with the same idempotency key",
+            reason=Reason.DATABASE_UNAVAILABLE,
+            retry_after_ms=retry_after_ms,
+        ) from exc
+
+
+__all__ = [
+    "CallTransaction",
+    "Connection",
+    "ConnectionChecks",
+    "Database",
+    "bind_transaction",
+    "current_transaction",
+    "mapped_database_errors",
+    "trace_connection",
+]

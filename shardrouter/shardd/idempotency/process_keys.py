@@ -1,0 +1,138 @@
+"""What this daemon process knows about keys without asking the database.
+
+Two answers need no database round trip, no pool connection and no admission slot:
+- a duplicate of a key that a worker thread of this process is working on right now joins that
+  call's flight (`KeyFlights`): if the key turns out completed it gets the same record (one database
+  read for any number of concurrent replays); if the first call claimed it, the duplicate is in flight
+  and answered ABORTED at once, however many duplicates arrive;
+- a key this process completed (or replayed) recently has an immutable outcome (`CompletedKeys`):
+  answered from memory, byte for byte the stored one.
+
+Neither decides anything the database would decide differently: the database still settles every
+claim, between processes too. A completed record never changes until its partition is dropped, and
+the interceptor refuses a key older than the retention window before it looks here, so a cached
+outcome is never stale.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from shardrouter.shardd.idempotency.record import IdempotencyRecord
+
+ScopedKey = tuple[str, str]  # (scope, key)
+
+__all__ = ["CompletedKeys", "KeyFlight", "KeyFlights", "ScopedKey"]
+
+
+class KeyFlight:
+    """One call's work on a key, as its duplicates in this process see it."""
+
+    def __init__(self) -> None:
+        self._settled = threading.Event()
+        #: The database gave the key to this call (its handler runs): duplicates are in flight.
+        self.claimed = False
+        #: The key's completed record, once this call has seen or made it.
+        self.record: IdempotencyRecord | None = None
+
+    def mark_claimed(self) -> None:
+        """The call claimed the key; its duplicates need not wait any longer."""
+        self.claimed = True
+        self._settled.set()
+
+    def wait_settled(self, timeout_s: float) -> bool:
+        """Wait until the call claimed the key or ended; False on time-out."""
+        return self._settled.wait(timeout_s)
+
+    def _end(self, record: IdempotencyRecord | None) -> None:
+        self.record = record
+        self._settled.set()
+
+
+class KeyFlights:
+    """The keys this process's worker threads are working on, each led by one call."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._flights: dict[ScopedKey, KeyFlight] = {}
+
+    def join(self, scoped: ScopedKey) -> tuple[KeyFlight, bool]:
+        """The flight of `scoped`, and whether the caller leads it (no other call was on the key)."""
+        with self._lock:
+            flight = self._flights.get(scoped)
+            if flight is not None:
+                return flight, False
+            flight = self._flights[scoped] = KeyFlight()
+            return flight, True
+
+    def land(self, scoped: ScopedKey, flight: KeyFlight, record: IdempotencyRecord | None) -> None:
+        """The leading call of `flight` ended, with the key's completed record if it has one."""
+        with self._lock:
+            if self._flights.get(scoped) is flight:
+                del self._flights[scoped]
+        flight._end(record)
+
+    def __len__(self) -> int:
+        return len(self._flights)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    record: IdempotencyRecord
+    size: int
+
+
+class CompletedKeys:
+    """A bounded LRU of completed records, by entries and by bytes of stored responses and details."""
+
+    def __init__(self, *, max_entries: int, max_bytes: int) -> None:
+        if max_entries < 0 or max_bytes < 0:
+            raise ValueError("cache bounds must not be negative")
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[ScopedKey, _Entry] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, scoped: ScopedKey) -> IdempotencyRecord | None:
+        """The completed record of `scoped`, if this process has it."""
+        with self._lock:
+            entry = self._entries.get(scoped)
+            if entry is None:
+                return None
+            self._entries.move_to_end(scoped)
+            return entry.record
+
+    def put(self, scoped: ScopedKey, record: IdempotencyRecord) -> None:
+        """Remember a completed record (an in-progress one is never cached)."""
+        assert record.outcome is not None, "only completed records are cached"
+        size = _size_of(record)
+        if self.max_entries == 0 or size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._entries.pop(scoped, None)
+            if old is not None:
+                self._bytes -= old.size
+            self._entries[scoped] = _Entry(record, size)
+            self._bytes += size
+            while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= evicted.size
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes held, as counted for `max_bytes`."""
+        return self._bytes
+
+
+def _size_of(record: IdempotencyRecord) -> int:
+    outcome = record.outcome
+    assert outcome is not None
+    trailers = sum(len(k) + len(v) for k, v in outcome.trailers)
+    # A fixed 512 for the record's own fields and the dictionary's bookkeeping.
+    return 512 + len(outcome.response or b"") + len(outcome.details or b"") + len(outcome.message) + trailers

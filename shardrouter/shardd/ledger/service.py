@@ -1,0 +1,430 @@
+"""The RPC handlers of a shard: public `TransferService` and internal `ShardLedgerService`.
+
+Mutating handlers run inside the transaction the idempotency interceptor opened
+(`current_transaction()`); they raise domain errors and never call `context.abort`. Business
+failures (`NotFound`, `FailedPrecondition`) become the stored outcome of the key.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+import grpc
+from google.protobuf import timestamp_pb2
+
+from shardrouter.core.errors import (
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    NotFound,
+    Reason,
+    Unavailable,
+)
+from shardrouter.core.keys import derived_key, new_key
+from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
+from shardrouter.shardd.db import Database, current_transaction
+from shardrouter.shardd.ledger import store
+from shardrouter.shardd.ledger.store import AccountRow, TransferRow
+from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
+
+MAX_BALANCE = 10**17
+_TRANSFER_STATES = {
+    "pending": transfer_pb2.TRANSFER_STATE_PENDING,
+    "completed": transfer_pb2.TRANSFER_STATE_COMPLETED,
+    "refunded": transfer_pb2.TRANSFER_STATE_REFUNDED,
+}
+_POLL_INTERVAL_S = 0.05
+
+
+class ShardLocator:
+    """Answers which shard owns an account, as seen from one shard."""
+
+    def __init__(self, own_shard_id: str, owner_of: Callable[[str], str] | None = None) -> None:
+        self.own_shard_id = own_shard_id
+        self._owner_of = owner_of
+
+    def shard_of(self, account_id: str) -> str:
+        """The owning shard's id (this shard when no shard map is configured)."""
+        return self._owner_of(account_id) if self._owner_of else self.own_shard_id
+
+    def is_local(self, account_id: str) -> bool:
+        """Whether this shard owns the account."""
+        return self.shard_of(account_id) == self.own_shard_id
+
+
+def credit_key(transfer_id: uuid.UUID) -> uuid.UUID:
+    """The idempotency key of a transfer's cross-shard credit (and of its void)."""
+    return derived_key(transfer_id, "credit")
+
+
+def refund_key(transfer_id: uuid.UUID) -> uuid.UUID:
+    """The idempotency key of a transfer's refund."""
+    return derived_key(transfer_id, "refund")
+
+
+class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
+    """Public API of one shard."""
+
+    def __init__(self, database: Database, locator: ShardLocator) -> None:
+        self._db = database
+        self._locator = locator
+
+    def Transfer(
+        self, request: transfer_pb2.TransferRequest, context: grpc.ServicerContext
+    ) -> transfer_pb2.TransferResponse:
+        """Debit the source; credit the destination here, or queue the credit for its shard."""
+        call = current_transaction()
+        conn = call.conn
+        src, dst = request.source_account_id, request.destination_account_id
+        self._require_local(src)
+        dst_shard = self._locator.shard_of(dst)
+        local = dst_shard == self._locator.own_shard_id
+        accounts = store.lock_accounts(conn, [src, dst] if local else [src])
+        source = _usable_account(accounts.get(src), src, request.amount.currency)
+        if source.balance < request.amount.amount_minor:
+            raise FailedPrecondition(
+                f"insufficient funds: account {src} holds {source.balance} and the transfer needs "
+                f"{request.amount.amount_minor} {request.amount.currency} (minor units)",
+                reason=Reason.INSUFFICIENT_FUNDS,
+                metadata={"account_id": src},
+            )
+        if local:
+            destination = _usable_account(accounts.get(dst), dst, request.amount.currency)
+            _check_limit(destination, request.amount.amount_minor)
+        now = datetime.now(UTC)
+        transfer = TransferRow(
+            id=new_key(),
+            source_account_id=src,
+            destination_account_id=dst,
+            destination_shard_id=dst_shard,
+            amount_minor=request.amount.amount_minor,
+            currency=request.amount.currency,
+            reference=request.reference,
+            state="completed" if local else "pending",
+            created_at=now,
+            updated_at=now,
+        )
+        store.insert_transfer(conn, transfer)
+        store.add_to_balance(conn, src, -transfer.amount_minor)
+        store.insert_entry(
+            conn,
+            account_id=src,
+            amount_minor=-transfer.amount_minor,
+            kind="transfer_out",
+            idempotency_key=call.key,
+            entry_id=new_key(),
+            transfer_id=transfer.id,
+            reference=request.reference,
+        )
+        if local:
+            store.add_to_balance(conn, dst, transfer.amount_minor)
+            store.insert_entry(
+                conn,
+                account_id=dst,
+                amount_minor=transfer.amount_minor,
+                kind="transfer_in",
+                idempotency_key=call.key,
+                entry_id=new_key(),
+                transfer_id=transfer.id,
+                reference=request.reference,
+            )
+        else:
+            credit = ledger_pb2.CreditTransferRequest(
+                transfer_id=str(transfer.id),
+                source_shard_id=self._locator.own_shard_id,
+                source_account_id=src,
+                destination_account_id=dst,
+                amount=request.amount,
+            )
+            store.insert_outbox(
+                conn,
+                transfer_id=transfer.id,
+                destination_shard_id=dst_shard,
+                key=credit_key(transfer.id),
+                payload=credit.SerializeToString(deterministic=True),
+            )
+        return transfer_pb2.TransferResponse(transfer=_transfer_message(transfer, []))
+
+    def Deposit(
+        self, request: transfer_pb2.DepositRequest, context: grpc.ServicerContext
+    ) -> transfer_pb2.DepositResponse:
+        """Credit an account from outside, opening it on its first deposit."""
+        call = current_transaction()
+        account_id, amount = request.account_id, request.amount
+        self._require_local(account_id)
+        store.create_account_if_missing(call.conn, account_id, amount.currency)
+        account = _usable_account(
+            store.lock_accounts(call.conn, [account_id]).get(account_id), account_id, amount.currency
+        )
+        _check_limit(account, amount.amount_minor)
+        balance = store.add_to_balance(call.conn, account_id, amount.amount_minor)
+        entry_id = new_key()
+        store.insert_entry(
+            call.conn,
+            account_id=account_id,
+            amount_minor=amount.amount_minor,
+            kind="deposit",
+            idempotency_key=call.key,
+            entry_id=entry_id,
+            reference=request.reference,
+        )
+        return transfer_pb2.DepositResponse(
+            entry_id=str(entry_id),
+            balance=transfer_pb2.Money(amount_minor=balance, currency=account.currency),
+        )
+
+    def GetBalance(
+        self, request: transfer_pb2.GetBalanceRequest, context: grpc.ServicerContext
+    ) -> transfer_pb2.GetBalanceResponse:
+        """An account's balance and state."""
+        from shardrouter.core.validation import validate_get_balance
+
+        validate_get_balance(request)
+        self._require_local(request.account_id)
+        with self._db.read() as conn:
+            account = store.read_account(conn, request.account_id)
+        if account is None:
+            raise _account_not_found(request.account_id)
+        return transfer_pb2.GetBalanceResponse(
+            account_id=account.id,
+            balance=transfer_pb2.Money(amount_minor=account.balance, currency=account.currency),
+            state=transfer_pb2.ACCOUNT_STATE_OPEN
+            if account.state == "open"
+            else transfer_pb2.ACCOUNT_STATE_CLOSED,
+        )
+
+    def GetTransfer(
+        self, request: transfer_pb2.GetTransferRequest, context: grpc.ServicerContext
+    ) -> transfer_pb2.GetTransferResponse:
+        """A transfer with its delivery history, optionally waiting for it to leave PENDING."""
+        from shardrouter.core.validation import validate_get_transfer
+
+        validate_get_transfer(request)
+        self._require_local(request.source_account_id)
+        transfer_id = uuid.UUID(request.transfer_id)
+        wait_s = request.wait_for_completion_ms / 1000
+        remaining = context.time_remaining()
+        if remaining is not None:
+            wait_s = min(wait_s, max(0.0, remaining - 0.05))
+        give_up = time.monotonic() + wait_s
+        while True:
+            with self._db.read() as conn:
+                transfer = store.read_transfer(conn, transfer_id)
+                attempts = store.attempts_of(conn, transfer_id) if transfer else []
+            if transfer is None or transfer.source_account_id != request.source_account_id:
+                raise NotFound(
+                    f"no transfer {request.transfer_id} from account {request.source_account_id} on this shard",
+                    reason=Reason.TRANSFER_NOT_FOUND,
+                )
+            if transfer.state != "pending" or time.monotonic() >= give_up or not context.is_active():
+                return transfer_pb2.GetTransferResponse(transfer=_transfer_message(transfer, attempts))
+            time.sleep(_POLL_INTERVAL_S)
+
+    def _require_local(self, account_id: str) -> None:
+        owner = self._locator.shard_of(account_id)
+        if owner != self._locator.own_shard_id:
+            raise Unavailable(
+                f"account {account_id} belongs to {owner}, not to {self._locator.own_shard_id}: "
+                "the caller's shard map is out of date; retry through the router",
+                reason=Reason.SHARD_NOT_CONFIGURED,
+                retry_after_ms=500,
+                metadata={"owner_shard_id": owner},
+            )
+
+
+class ShardLedgerServicer(ledger_pb2_grpc.ShardLedgerServiceServicer):
+    """Internal API: the credit leg of cross-shard transfers, its fence, and refunds."""
+
+    def __init__(self, locator: ShardLocator) -> None:
+        self._locator = locator
+
+    def CreditTransfer(
+        self, request: ledger_pb2.CreditTransferRequest, context: grpc.ServicerContext
+    ) -> ledger_pb2.CreditTransferResponse:
+        """Credit the destination account of a transfer debited on another shard."""
+        call = current_transaction()
+        dst, amount = request.destination_account_id, request.amount
+        transfer_id = uuid.UUID(request.transfer_id)
+        if not self._locator.is_local(dst):
+            raise NotFound(
+                f"account {dst} is not on shard {self._locator.own_shard_id}", reason=Reason.ACCOUNT_NOT_FOUND
+            )
+        account = _usable_account(store.lock_accounts(call.conn, [dst]).get(dst), dst, amount.currency)
+        existing = store.entry_of_transfer(call.conn, transfer_id, "transfer_in")
+        if existing is not None:  # belt and braces: a second key for the same credit applies nothing
+            return ledger_pb2.CreditTransferResponse(entry_id=str(existing))
+        _check_limit(account, amount.amount_minor)
+        store.add_to_balance(call.conn, dst, amount.amount_minor)
+        entry_id = new_key()
+        store.insert_entry(
+            call.conn,
+            account_id=dst,
+            amount_minor=amount.amount_minor,
+            kind="transfer_in",
+            idempotency_key=call.key,
+            entry_id=entry_id,
+            transfer_id=transfer_id,
+        )
+        return ledger_pb2.CreditTransferResponse(entry_id=str(entry_id))
+
+    def VoidCredit(
+        self, request: ledger_pb2.VoidCreditRequest, context: grpc.ServicerContext
+    ) -> ledger_pb2.VoidCreditResponse:
+        """Claiming the credit's key is the whole effect: the interceptor stores this outcome."""
+        current_transaction()
+        return ledger_pb2.VoidCreditResponse(transfer_id=request.transfer_id)
+
+    def RefundTransfer(
+        self, request: ledger_pb2.RefundTransferRequest, context: grpc.ServicerContext
+    ) -> ledger_pb2.RefundTransferResponse:
+        """Give a pending transfer's debit back to its source account, once."""
+        call = current_transaction()
+        transfer_id = uuid.UUID(request.transfer_id)
+        transfer = store.read_transfer(call.conn, transfer_id, lock=True)
+        if transfer is None:
+            raise NotFound(f"no transfer {transfer_id} on this shard", reason=Reason.TRANSFER_NOT_FOUND)
+        existing = store.entry_of_transfer(call.conn, transfer_id, "refund")
+        if existing is not None:
+            return ledger_pb2.RefundTransferResponse(entry_id=str(existing))
+        if transfer.state != "pending":
+            raise FailedPrecondition(
+                f"transfer {transfer_id} is {transfer.state}; only a pending transfer can be refunded",
+                reason=Reason.INVALID_REQUEST,
+            )
+        store.lock_accounts(call.conn, [transfer.source_account_id])
+        store.add_to_balance(call.conn, transfer.source_account_id, transfer.amount_minor)
+        entry_id = new_key()
+        store.insert_entry(
+            call.conn,
+            account_id=transfer.source_account_id,
+            amount_minor=transfer.amount_minor,
+            kind="refund",
+            idempotency_key=call.key,
+            entry_id=entry_id,
+            transfer_id=transfer_id,
+            reference=request.reason[:140],
+        )
+        store.set_transfer_state(call.conn, transfer_id, expected="pending", new="refunded")
+        store.mark_refunded(call.conn, transfer_id)
+        return ledger_pb2.RefundTransferResponse(entry_id=str(entry_id))
+
+
+def validate_credit(request: ledger_pb2.CreditTransferRequest) -> None:
+    """State-free checks of a credit (the relay built it, but the shard trusts nothing)."""
+    from shardrouter.core.validation import account_id_problem, money_problems
+
+    problems = money_problems("amount", request.amount, request.HasField("amount"))
+    for name in ("source_account_id", "destination_account_id"):
+        problem = account_id_problem(getattr(request, name))
+        if problem:
+            problems.append(FieldViolation(name, problem))
+    if request.source_account_id and request.source_account_id == request.destination_account_id:
+        problems.append(FieldViolation("destination_account_id", "must differ from source_account_id"))
+    problems += _transfer_id_problems(request.transfer_id)
+    _refuse("CreditTransfer", problems)
+
+
+def validate_transfer_id_only(
+    request: ledger_pb2.VoidCreditRequest | ledger_pb2.RefundTransferRequest,
+) -> None:
+    """The request must name a transfer by its UUID; its reason is short printable text."""
+    problems = _transfer_id_problems(request.transfer_id)
+    if len(request.reason) > 500 or any(not ch.isprintable() for ch in request.reason):
+        problems.append(FieldViolation("reason", "must be at most 500 printable characters"))
+    _refuse(type(request).__name__.removesuffix("Request"), problems)
+
+
+def _transfer_id_problems(transfer_id: str) -> list[FieldViolation]:
+    return (
+        [] if _is_uuid(transfer_id) else [FieldViolation("transfer_id", "must be a UUID in canonical form")]
+    )
+
+
+def _refuse(what: str, problems: list[FieldViolation]) -> None:
+    if problems:
+        summary = "; ".join(f"{p.field} {p.description}" for p in problems)
+        raise InvalidArgument(
+            f"invalid {what} request: {summary}", reason=Reason.INVALID_REQUEST, field_violations=problems
+        )
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        return str(uuid.UUID(text)) == text
+    except ValueError:
+        return False
+
+
+def _usable_account(account: AccountRow | None, account_id: str, currency: str) -> AccountRow:
+    if account is None:
+        raise _account_not_found(account_id)
+    if account.state != "open":
+        raise FailedPrecondition(
+            f"account {account_id} is closed",
+            reason=Reason.ACCOUNT_CLOSED,
+            metadata={"account_id": account_id},
+        )
+    if account.currency != currency:
+        raise FailedPrecondition(
+            f"account {account_id} holds {account.currency}, not {currency}",
+            reason=Reason.CURRENCY_MISMATCH,
+            metadata={"account_id": account_id, "account_currency": account.currency},
+        )
+    return account
+
+
+def _check_limit(account: AccountRow, credit: int) -> None:
+    if account.balance + credit > MAX_BALANCE:
+        raise FailedPrecondition(
+            f"account {account.id} would exceed the balance limit of {MAX_BALANCE} minor units",
+            reason=Reason.BALANCE_LIMIT_EXCEEDED,
+            metadata={"account_id": account.id},
+        )
+
+
+def _account_not_found(account_id: str) -> NotFound:
+    return NotFound(
+        f"account {account_id} does not exist",
+        reason=Reason.ACCOUNT_NOT_FOUND,
+        metadata={"account_id": account_id},
+    )
+
+
+def _timestamp(moment: datetime) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromDatetime(moment)
+    return ts
+
+
+def _transfer_message(transfer: TransferRow, attempts: list[store.AttemptRow]) -> transfer_pb2.Transfer:
+    return transfer_pb2.Transfer(
+        transfer_id=str(transfer.id),
+        source_account_id=transfer.source_account_id,
+        destination_account_id=transfer.destination_account_id,
+        amount=transfer_pb2.Money(amount_minor=transfer.amount_minor, currency=transfer.currency),
+        state=_TRANSFER_STATES[transfer.state],
+        reference=transfer.reference,
+        created_at=_timestamp(transfer.created_at),
+        updated_at=_timestamp(transfer.updated_at),
+        delivery_attempts=[
+            transfer_pb2.DeliveryAttempt(
+                attempted_at=_timestamp(a.attempted_at), status_code=a.status_code, message=a.message
+            )
+            for a in attempts
+        ],
+    )
+
+
+__all__ = [
+    "MAX_BALANCE",
+    "ShardLedgerServicer",
+    "ShardLocator",
+    "TransferServicer",
+    "credit_key",
+    "refund_key",
+    "validate_credit",
+    "validate_transfer_id_only",
+]

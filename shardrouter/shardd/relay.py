@@ -1,0 +1,352 @@
+"""The outbox relay: delivers cross-shard credits at least once; the destination makes them exactly-once.
+
+Workers lock due outbox rows with `FOR UPDATE SKIP LOCKED` (oldest first, in batches), send each
+credit to the destination shard's `CreditTransfer` with the credit's own idempotency key, and mark the
+row delivered only after the destination answered OK. A redelivery after a crash replays the stored
+outcome at the destination, so the credit applies once.
+
+A credit that fails for good (unknown or closed account, currency mismatch) or that is older than
+`relay_max_age_s` goes to `dead_letters` and is compensated by `RefundTransfer` on this shard, keyed
+by the transfer's refund key. Before giving up on age, the relay fences the credit with `VoidCredit`
+under the credit's key, so a slow credit can never land after the refund.
+
+Tracing: the polls run untraced, so an idle relay leaves no spans. A poll that finds work runs it
+in one job span, `outbox.deliver` or `outbox.refund`, whose children are the job's statements and,
+through the `traceparent` it sends, the destination shard's spans of the calls it makes.
+
+TLS: the relay's client certificate is the shard's own (`tls_cert`, `tls_key`, `tls_ca`) and follows
+its rotation as the router's does (`tls.ClientCertificateFiles`): polled at most once a
+second, when a call is about to be made; after a renewal new calls go out on new channels that
+present the new certificate, calls in flight finish on the old ones, and a half-written set is
+skipped (the last good certificate stays in use).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import grpc
+from opentelemetry import trace
+
+from shardrouter.core import tls, tracing
+from shardrouter.core.callers import CALLER_METADATA
+from shardrouter.core.errors import ShardRouterError
+from shardrouter.core.keys import KEY_METADATA
+from shardrouter.core.shardmap import ShardMap
+from shardrouter.internal.v1 import ledger_pb2
+from shardrouter.shardd.db import Database, mapped_database_errors
+from shardrouter.shardd.ledger import store
+from shardrouter.shardd.ledger.service import refund_key
+from shardrouter.shardd.settings import ShardSettings
+
+log = logging.getLogger(__name__)
+
+_PERMANENT = {
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.INVALID_ARGUMENT,
+}
+_INTERNAL = "/shardrouter.internal.v1.ShardLedgerService"
+_IDLE_S = 0.2
+_MAX_BACKOFF_S = 60.0
+#: How often, at most, the client certificate files are checked for a rotation (s).
+_CERT_POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class RelayStats:
+    """What one pass of the relay did."""
+
+    delivered: int = 0
+    postponed: int = 0
+    dead_lettered: int = 0
+    refunded: int = 0
+
+
+class ShardClients:
+    """One channel per peer shard, with keepalive, reused by every worker.
+
+    With TLS the channels are replaced when the client certificate is renewed; the replaced ones are
+    closed once every call that may still run on them has reached its deadline.
+    """
+
+    def __init__(self, settings: ShardSettings, shard_map: Callable[[], ShardMap]) -> None:
+        self._settings = settings
+        self._map = shard_map  # the map in force, read at every call (it is followed without restart)
+        self._channels: dict[str, grpc.Channel] = {}  # by daemon address
+        self._turns = itertools.count()
+        self._lock = threading.Lock()
+        # Start-up: an unreadable certificate file is an error here, as for the server's.
+        self._certificates = (
+            tls.ClientCertificateFiles(settings.tls_cert, settings.tls_key, settings.tls_ca)
+            if settings.tls_enabled
+            else None
+        )
+        self._next_poll = time.monotonic() + _CERT_POLL_S
+        # Channels replaced by a rotation, each with the time after which no call can still run on it.
+        self._retired: list[tuple[float, grpc.Channel]] = []
+
+    def call(
+        self, shard_id: str, method: str, payload: bytes, key: uuid.UUID, timeout_s: float
+    ) -> tuple[grpc.StatusCode, str]:
+        """Send raw request bytes to a shard's internal method; the status and message it answered.
+
+        A shard served by several daemons is tried at each of them in turn until one answers with
+        something other than UNAVAILABLE (the same key everywhere: the shard applies it once).
+        """
+        shard = self._map().shard_by_id(shard_id)
+        if shard is None:
+            raise LookupError(f"shard {shard_id} is not in the shard map")
+        metadata = tuple(
+            tracing.inject_trace_context(
+                [(KEY_METADATA, str(key)), (CALLER_METADATA, f"relay:{self._settings.shard_id}")]
+            )
+        )  # with a current job span, the callee's spans join its trace
+        first = next(self._turns)
+        answer: tuple[grpc.StatusCode, str] = (grpc.StatusCode.UNAVAILABLE, "no address")
+        for i in range(len(shard.addresses)):
+            address = shard.addresses[(first + i) % len(shard.addresses)]
+            rpc = self._channel(address).unary_unary(f"{_INTERNAL}/{method}", None, None)
+            try:
+                rpc(payload, timeout=timeout_s, metadata=metadata)
+            except grpc.RpcError as err:
+                answer = err.code(), err.details() or ""
+                if answer[0] is grpc.StatusCode.UNAVAILABLE:
+                    continue
+                return answer
+            return grpc.StatusCode.OK, ""
+        return answer
+
+    def close(self) -> None:
+        """Close every channel."""
+        with self._lock:
+            for channel in [*self._channels.values(), *(channel for _, channel in self._retired)]:
+                channel.close()
+            self._channels.clear()
+            self._retired.clear()
+
+    def _follow_rotation(self) -> None:
+        """On a renewed client certificate, retire the channels (call with the lock held)."""
+        now = time.monotonic()
+        if self._certificates is None or now < self._next_poll:
+            return
+        self._next_poll = now + _CERT_POLL_S
+        for _, channel in [r for r in self._retired if r[0] <= now]:
+            channel.close()
+        self._retired = [r for r in self._retired if r[0] > now]
+        if self._certificates.changed() is None:  # unchanged, or a half-written set: keep the channels
+            return
+        # A call may still be running on a retired channel until its deadline: close it only after.
+        closes_at = now + self._settings.relay_call_timeout_s + 1
+        self._retired += [(closes_at, channel) for channel in self._channels.values()]
+        log.info("client certificate rotated: new channels to %d shard(s)", len(self._channels))
+        self._channels.clear()
+
+    def _channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            self._follow_rotation()
+            channel = self._channels.get(address)
+            if channel is None:
+                options = [
+                    ("grpc.keepalive_time_ms", 30_000),
+                    ("grpc.enable_retries", 0),  # the outbox is the retry loop
+                    # A shard back from a restart is reached within a second, not after a long backoff.
+                    ("grpc.initial_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", 5_000),
+                ]
+                if self._certificates is not None:
+                    creds = self._certificates.credentials
+                    channel = grpc.secure_channel(address, creds, options=options)
+                else:
+                    channel = grpc.insecure_channel(address, options=options)
+                self._channels[address] = channel
+            return channel
+
+
+class OutboxRelay:
+    """Background workers draining this shard's outbox."""
+
+    def __init__(
+        self, settings: ShardSettings, database: Database, shard_map: Callable[[], ShardMap]
+    ) -> None:
+        self._settings = settings
+        self._db = database
+        self._clients = ShardClients(settings, shard_map)
+        self._tracer_provider = database.tracer_provider
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        """Start the worker threads."""
+        for i in range(self._settings.relay_workers):
+            thread = threading.Thread(target=self._work, name=f"relay-{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        """Stop the workers after their current batch."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=self._settings.relay_call_timeout_s * 2 + 5)
+        self._clients.close()
+
+    def run_once(self) -> RelayStats:
+        """Deliver one batch of due credits, then retry refunds still owed."""
+        stats = self._deliver_batch()
+        refunded = self.refund_owed()
+        return RelayStats(stats.delivered, stats.postponed, stats.dead_lettered, refunded)
+
+    def refund_owed(self, transfer_id: uuid.UUID | None = None) -> int:
+        """Send RefundTransfer for dead letters not yet refunded (or for one, even if refunded)."""
+        # Polled after every batch: looking costs no span, only refunding does.
+        with tracing.untraced(), mapped_database_errors(250), self._db.connection() as conn:
+            with conn.transaction():
+                if transfer_id is None:
+                    letters = store.list_dead_letters(conn, unrefunded_only=True)
+                else:
+                    one = store.read_dead_letter(conn, transfer_id)
+                    letters = [one] if one else []
+        if not letters:
+            return 0
+        with self._job_span("outbox.refund", [letter.transfer_id for letter in letters]) as span:
+            done = self._refund(letters)
+            span.set_attribute("outbox.refunded", done)
+        return done
+
+    def _refund(self, letters: list[store.DeadLetterRow]) -> int:
+        done = 0
+        for letter in letters:
+            request = ledger_pb2.RefundTransferRequest(
+                transfer_id=str(letter.transfer_id), reason=letter.reason
+            )
+            code, message = self._clients.call(
+                self._settings.shard_id,
+                "RefundTransfer",
+                request.SerializeToString(deterministic=True),
+                letter.refund_key,
+                self._settings.relay_call_timeout_s,
+            )
+            if code is grpc.StatusCode.OK:
+                done += 1
+            else:
+                log.warning("refund of %s not confirmed: %s %s", letter.transfer_id, code.name, message)
+        return done
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            try:
+                stats = self.run_once()
+            except (ShardRouterError, LookupError) as exc:
+                log.warning("relay pass failed: %s", exc)
+                stats = RelayStats()
+            except Exception:
+                log.exception("relay pass crashed")
+                stats = RelayStats()
+            if stats.delivered + stats.postponed + stats.dead_lettered == 0:
+                self._stop.wait(_IDLE_S)
+
+    def _job_span(
+        self, name: str, transfer_ids: list[uuid.UUID]
+    ) -> contextlib.AbstractContextManager[trace.Span]:
+        """One span for one job of this relay, naming the transfers it handles."""
+        return tracing.background_job_span(
+            name,
+            tracer_provider=self._tracer_provider,
+            attributes={
+                "shard.id": self._settings.shard_id,
+                "outbox.batch_size": len(transfer_ids),
+                "outbox.transfer_ids": [str(t) for t in transfer_ids],
+            },
+        )
+
+    def _deliver_batch(self) -> RelayStats:
+        # Outermost, so that the job span (entered only once the claim found rows) covers the commit.
+        with contextlib.ExitStack() as job:
+            with mapped_database_errors(250), self._db.connection() as conn, conn.transaction():
+                with tracing.untraced():  # the poll: an idle relay leaves no span
+                    rows = store.claim_due_outbox(conn, self._settings.relay_batch)
+                if not rows:
+                    return RelayStats()
+                span = job.enter_context(self._job_span("outbox.deliver", [r.transfer_id for r in rows]))
+                delivered, postponed, dead = self._deliver(conn, rows)
+                span.set_attributes(
+                    {
+                        "outbox.delivered": delivered,
+                        "outbox.postponed": postponed,
+                        "outbox.dead_lettered": dead,
+                    }
+                )
+        return RelayStats(delivered, postponed, dead)
+
+    def _deliver(self, conn: store.Connection, rows: list[store.OutboxRow]) -> tuple[int, int, int]:
+        """Send each claimed credit and record its outcome in the claiming transaction."""
+        delivered = postponed = dead = 0
+        for row in rows:
+            if self._stop.is_set():
+                break
+            code, message = self._clients.call(
+                row.destination_shard_id,
+                "CreditTransfer",
+                row.payload,
+                row.idempotency_key,
+                self._settings.relay_call_timeout_s,
+            )
+            store.record_attempt(conn, row.transfer_id, code.name, message)
+            if code is grpc.StatusCode.OK:
+                store.mark_delivered(conn, row.id)
+                store.set_transfer_state(conn, row.transfer_id, expected="pending", new="completed")
+                delivered += 1
+            elif code in _PERMANENT:
+                self._dead_letter(conn, row, f"{code.name}: {message}")
+                dead += 1
+            elif self._too_old(row) and self._fence(row):
+                self._dead_letter(
+                    conn, row, f"undelivered after {self._settings.relay_max_age_s} s: {code.name}"
+                )
+                dead += 1
+            else:
+                store.postpone(conn, row.id, _backoff(row.attempts), f"{code.name}: {message}")
+                postponed += 1
+        return delivered, postponed, dead
+
+    def _too_old(self, row: store.OutboxRow) -> bool:
+        return (datetime.now(UTC) - row.created_at).total_seconds() > self._settings.relay_max_age_s
+
+    def _fence(self, row: store.OutboxRow) -> bool:
+        """Void the credit at the destination; True only if it can no longer apply."""
+        request = ledger_pb2.VoidCreditRequest(transfer_id=str(row.transfer_id), reason="relay gave up")
+        code, message = self._clients.call(
+            row.destination_shard_id,
+            "VoidCredit",
+            request.SerializeToString(deterministic=True),
+            row.idempotency_key,
+            self._settings.relay_call_timeout_s,
+        )
+        if code is not grpc.StatusCode.OK:
+            log.info("credit %s not voided (%s %s); keep delivering", row.transfer_id, code.name, message)
+        return code is grpc.StatusCode.OK
+
+    def _dead_letter(self, conn: store.Connection, row: store.OutboxRow, reason: str) -> None:
+        log.warning("credit of transfer %s dead-lettered: %s", row.transfer_id, reason)
+        store.dead_letter(conn, row=row, reason=reason, refund_key=refund_key(row.transfer_id))
+
+
+def _backoff(attempts: int) -> float:
+    delay: float = min(_MAX_BACKOFF_S, 0.2 * 2.0 ** min(attempts, 10))
+    return delay * random.uniform(0.5, 1.5)
+
+
+__all__ = [
+    "OutboxRelay",
+    "RelayStats",
+    "ShardClients",
+]

@@ -1,0 +1,292 @@
+"""Assembles a shard daemon: database, migrations, partitions, interceptors, servicers, relay."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+import grpc
+import psycopg
+from grpc_health.v1 import health
+from opentelemetry import trace
+
+from shardrouter.core import grpcserver, tls, tracing
+from shardrouter.core.error_interceptor import DomainErrorInterceptor
+from shardrouter.core.interceptors import ServerInterceptorBase
+from shardrouter.core.metrics import start_metrics_server
+from shardrouter.core.shardmap import ShardMap, ShardMapError
+from shardrouter.core.shardmap_file import ShardMapFile
+from shardrouter.core.validation import validate_deposit, validate_transfer
+from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
+from shardrouter.shardd import migrations, partitions
+from shardrouter.shardd.admission import Admission, AdmissionInterceptor, AdmissionLimits
+from shardrouter.shardd.db import Database
+from shardrouter.shardd.idempotency import IdempotencyConfig, IdempotencyInterceptor, MutatingMethod
+from shardrouter.shardd.idempotency.outcomes import OutcomeListener
+from shardrouter.shardd.idempotency.process_keys import CompletedKeys
+from shardrouter.shardd.identity import IdentityPolicy
+from shardrouter.shardd.ledger.service import (
+    ShardLedgerServicer,
+    ShardLocator,
+    TransferServicer,
+    validate_credit,
+    validate_transfer_id_only,
+)
+from shardrouter.shardd.observability import ShardMetrics, ShardStateCollector
+from shardrouter.shardd.partition_keeper import PartitionKeeper
+from shardrouter.shardd.settings import ShardSettings
+from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+PUBLIC_SERVICE = transfer_pb2.DESCRIPTOR.services_by_name["TransferService"].full_name
+INTERNAL_SERVICE = ledger_pb2.DESCRIPTOR.services_by_name["ShardLedgerService"].full_name
+# Partitions exist this many months past the current one, so an insert never lacks one.
+MONTHS_AHEAD = 2
+
+
+def mutating_methods() -> list[MutatingMethod]:
+    """Every mutating method of the shard, each guarded by the idempotency interceptor."""
+    return [
+        MutatingMethod(f"/{PUBLIC_SERVICE}/Transfer", validate_transfer),
+        MutatingMethod(f"/{PUBLIC_SERVICE}/Deposit", validate_deposit),
+        # The credit and its void share a scope: whichever claims the credit's key first wins for good.
+        MutatingMethod(f"/{INTERNAL_SERVICE}/CreditTransfer", validate_credit, scope_name="transfer_in"),
+        MutatingMethod(
+            f"/{INTERNAL_SERVICE}/VoidCredit", validate_transfer_id_only, scope_name="transfer_in"
+        ),
+        MutatingMethod(f"/{INTERNAL_SERVICE}/RefundTransfer", validate_transfer_id_only),
+    ]
+
+
+def idempotency_config(settings: ShardSettings) -> IdempotencyConfig:
+    """The interceptor's configuration from the daemon's settings."""
+    return IdempotencyConfig(
+        retention=settings.retention,
+        max_clock_skew=timedelta(seconds=settings.max_clock_skew_s),
+        claim_lock_timeout_ms=settings.claim_lock_timeout_ms,
+        handler_lock_timeout_ms=settings.handler_lock_timeout_ms,
+        in_flight_retry_ms=settings.in_flight_retry_ms,
+    )
+
+
+def prepare_database(dsn: str, retention: timedelta) -> None:
+    """Apply migrations and create every partition a live key could need."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        migrations.apply_migrations(conn)
+        partitions.ensure_partitions(
+            conn,
+            now=datetime.now(UTC),
+            retention=retention,
+            months_ahead=MONTHS_AHEAD,
+        )
+
+
+def _prepare(settings: ShardSettings, database: Database) -> None:
+    """Schema and partitions ready, the pool open; on failure the pool is closed again."""
+    try:
+        prepare_database(settings.dsn, settings.retention)
+        database.open()
+    except BaseException:
+        database.close()
+        raise
+
+
+@dataclass
+class ShardDaemon:
+    """A running shard daemon (what `start_shard` returns)."""
+
+    settings: ShardSettings
+    server: grpc.Server
+    port: int
+    database: Database
+    health: health.HealthServicer
+    #: The followed shard map (None when the daemon runs without one).
+    shard_maps: ShardMapFile | None
+    background: list[object] = field(default_factory=list)
+    #: The daemon's metrics (None when metrics_port is 0) and the port /metrics is served on.
+    metrics: ShardMetrics | None = None
+    metrics_port: int = 0
+
+    @property
+    def shard_map(self) -> ShardMap | None:
+        """The shard map in force."""
+        return self.shard_maps.current if self.shard_maps is not None else None
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Graceful stop: health NOT_SERVING, drain calls, stop the relay, close the pool."""
+        grpcserver.graceful_stop(
+            self.server, self.health, self.settings.shutdown_grace_s if grace_s is None else grace_s
+        )
+        for task in self.background:
+            task.stop()  # type: ignore[attr-defined]
+        if self.metrics is not None:
+            self.metrics.shutdown()  # its registry stops exposing the instruments
+        self.database.close()
+
+
+def start_shard(
+    settings: ShardSettings,
+    *,
+    listeners: Sequence[OutcomeListener] = (),
+    tracer_provider: trace.TracerProvider | None = None,
+    metrics_host: str | None = None,
+) -> ShardDaemon:
+    """Migrate, then serve; health turns SERVING only when the schema is ready.
+
+    Tracing: spans go to `tracer_provider` when given (tests), else to the global provider that
+    `tracing.configure_tracing` installed; with neither, the tracing interceptor is left out.
+    Metrics: with `settings.metrics_port > 0`, /metrics is served on `metrics_host` (default: the
+    host of `settings.listen`, so a loopback daemon exposes its metrics on loopback only).
+    """
+    # Followed like the router's: ownership is decided by the map in force at each call, so from a
+    # new version on this shard refuses the accounts it no longer owns (retryable UNAVAILABLE).
+    shard_maps = (
+        ShardMapFile(settings.shard_map, interval_s=settings.shard_map_reload_s)
+        if settings.shard_map
+        else None
+    )
+    if shard_maps is not None and shard_maps.current.shard_by_id(settings.shard_id) is None:
+        raise ShardMapError(f"shard map {settings.shard_map} has no shard {settings.shard_id!r}")
+    locator = ShardLocator(
+        settings.shard_id, (lambda a: shard_maps.current.shard_for(a).id) if shard_maps else None
+    )
+    metrics = ShardMetrics() if settings.metrics_port > 0 else None
+    # In a multi-process daemon only the first serving process runs the background work; the claim
+    # protocol needs none of it to be safe across processes.
+    runs_background = settings.process_index <= 1
+    traced = tracing.tracing_active(tracer_provider)
+    database = Database(
+        settings.dsn,
+        min_size=settings.pool_min,
+        max_size=settings.pool_max,
+        acquire_timeout_s=settings.pool_timeout_s,
+        transient_retry_ms=settings.transient_retry_ms,
+        tracer_provider=tracer_provider,
+        traced=traced and settings.trace_statements,
+    )
+    # Admission before anything touches the database: a shed call costs no connection. Guarded calls
+    # are admitted by the idempotency interceptor, after the answers it gives from memory.
+    admission = Admission(
+        AdmissionLimits(
+            max_in_flight=settings.max_in_flight,
+            max_waiting=settings.max_waiting,
+            retry_after_ms=settings.in_flight_retry_ms,
+        ),
+        frozenset(settings.trusted_proxies),
+    )
+    guarded = frozenset(m.full_name for m in mutating_methods())
+    interceptor = IdempotencyInterceptor(
+        database=database,
+        methods=mutating_methods(),
+        config=idempotency_config(settings),
+        identity=IdentityPolicy(
+            dev_mode=settings.dev_mode, trusted_proxies=frozenset(settings.trusted_proxies)
+        ),
+        listeners=[*listeners, *([metrics.observe] if metrics else [])],
+        tracer=tracing.get_tracer(tracer_provider) if traced else None,
+        shard_id=settings.shard_id,
+        admission=admission,
+        completed=CompletedKeys(
+            max_entries=settings.replay_cache_entries, max_bytes=settings.replay_cache_mb * 1024 * 1024
+        ),
+    )
+    interceptors: list[ServerInterceptorBase] = []
+    if traced:
+        interceptors.append(tracing.server_interceptor(tracer_provider))  # first: the SERVER span
+    interceptors.append(AdmissionInterceptor(admission, skip=guarded))
+    interceptors += [DomainErrorInterceptor(skip=set(guarded)), interceptor]
+    server = grpcserver.new_server(
+        workers=settings.workers,
+        max_calls=settings.max_calls,
+        interceptors=interceptors,
+        options=grpcserver.server_options(
+            max_message_bytes=settings.max_message_bytes,
+            max_metadata_bytes=settings.max_metadata_bytes,
+            max_streams=settings.max_calls,
+            share_port=settings.processes > 1,
+        ),
+    )
+    transfer_pb2_grpc.add_TransferServiceServicer_to_server(TransferServicer(database, locator), server)
+    ledger_pb2_grpc.add_ShardLedgerServiceServicer_to_server(ShardLedgerServicer(locator), server)
+    health_servicer = grpcserver.add_health_and_reflection(server, [PUBLIC_SERVICE, INTERNAL_SERVICE])
+    credentials = (
+        tls.server_credentials(settings.tls_cert, settings.tls_key, settings.tls_ca)
+        if settings.tls_enabled
+        else None
+    )
+    if settings.processes > 1:
+        # One of several processes on a shared port: the kernel hands it connections as soon as it
+        # listens, so it listens only once it can serve (its parent already migrated the schema).
+        _prepare(settings, database)
+        port = grpcserver.bind(server, settings.listen, credentials)
+        server.start()
+    else:
+        port = grpcserver.bind(server, settings.listen, credentials)
+        server.start()  # health answers NOT_SERVING while the schema is prepared
+        try:
+            _prepare(settings, database)
+        except BaseException:  # database unreachable, or SIGTERM during a migration: leave nothing running
+            server.stop(0)
+            raise
+    daemon = ShardDaemon(settings, server, port, database, health_servicer, shard_maps, metrics=metrics)
+    if shard_maps is not None:
+        shard_maps.start()
+        daemon.background.append(shard_maps)
+    # Keeps months ahead partitioned while the daemon runs, whether or not the retention CronJob does.
+    if runs_background:
+        keeper = PartitionKeeper(settings.dsn, retention=settings.retention, months_ahead=MONTHS_AHEAD)
+        keeper.start()
+        daemon.background.append(keeper)
+    if metrics is not None and runs_background:
+        collector = ShardStateCollector(database, retention=settings.retention, metrics=metrics)
+        collector.start()
+        daemon.background.append(collector)
+    if metrics is not None:
+        host = metrics_host if metrics_host is not None else grpcserver.listen_host(settings.listen)
+        metrics_port = settings.metrics_port + max(0, settings.process_index - 1)
+        metrics_server = start_metrics_server(metrics_port, metrics.registry, host=host)
+        daemon.background.append(metrics_server)
+        daemon.metrics_port = metrics_server.port
+    if shard_maps is not None and settings.relay_workers > 0 and runs_background:
+        from shardrouter.shardd.relay import OutboxRelay
+
+        maps = shard_maps
+        relay = OutboxRelay(settings, database, lambda: maps.current)
+        relay.start()
+        daemon.background.append(relay)
+    grpcserver.mark_serving(health_servicer, [PUBLIC_SERVICE, INTERNAL_SERVICE])
+    if settings.workers <= settings.max_in_flight + settings.max_waiting:
+        log.warning(
+            "workers (%d) do not exceed max_in_flight + max_waiting (%d): calls past the admission limits "
+            "queue for a thread instead of being answered at once",
+            settings.workers,
+            settings.max_in_flight + settings.max_waiting,
+        )
+    if not settings.tls_enabled and not settings.dev_mode:
+        log.warning("no TLS and not in dev mode: every call will be refused as unauthenticated")
+    if settings.process_index:
+        log.info(
+            "shard %s serving on port %d (process %d of %d)",
+            settings.shard_id,
+            port,
+            settings.process_index,
+            settings.processes,
+        )
+    else:
+        log.info("shard %s serving on port %d", settings.shard_id, port)
+    return daemon
+
+
+__all__ = [
+    "INTERNAL_SERVICE",
+    "MONTHS_AHEAD",
+    "PUBLIC_SERVICE",
+    "ShardDaemon",
+    "idempotency_config",
+    "mutating_methods",
+    "prepare_database",
+    "start_shard",
+]

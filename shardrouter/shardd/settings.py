@@ -1,0 +1,177 @@
+"""The one typed settings object of a shard daemon, read from flags and `SHARDD_*` environment.
+
+Flags win over the environment, which wins over the defaults; the defaults run locally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+from shardrouter.core.settings_source import env_names, settings_values
+
+ENV_PREFIX = "SHARDD_"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardSettings:
+    """Everything a shard daemon is configured with."""
+
+    #: This shard's id, as in the shard map.
+    shard_id: str = "shard-0"
+    #: libpq connection string of the shard's own database.
+    dsn: str = "postgresql://postgres@127.0.0.1:5432/postgres"
+    #: gRPC listen address (host:port).
+    listen: str = "127.0.0.1:50061"
+    #: Port of the Prometheus /metrics endpoint (0 disables it).
+    metrics_port: int = 9465
+    #: Shard map file; needed to route credits to other shards. Empty: a single-shard system.
+    shard_map: str = ""
+    #: Seconds between checks of the shard map file (followed without a restart, as the router does).
+    shard_map_reload_s: float = 1.0
+    #: gRPC worker threads. Keep more than `max_in_flight + max_waiting`: the spare threads answer shed
+    #: calls at once instead of letting them queue behind busy ones.
+    workers: int = 64
+    #: Serving processes of this daemon, all on the one `listen` port (SO_REUSEPORT; the kernel spreads
+    #: connections among them). A Python process uses about one core: more processes use more cores.
+    #: The first one also runs the background work (relay, partition keeper) and serves /metrics on
+    #: metrics_port; process i serves its own /metrics on metrics_port + i - 1.
+    processes: int = 1
+    #: Set by a multi-process daemon for each of its serving processes (1..processes); leave at 0.
+    process_index: int = 0
+    #: Calls open at once (running or queued for a thread), and the HTTP/2 streams one client
+    #: connection may open; past it grpc answers RESOURCE_EXHAUSTED. Admission sheds long before.
+    max_calls: int = 1024
+    #: Database connections kept open even when idle.
+    pool_min: int = 2
+    #: Most database connections (what the database serves at once for this daemon).
+    pool_max: int = 16
+    #: Longest wait for a free connection (s); then UNAVAILABLE with RetryInfo.
+    pool_timeout_s: float = 2.0
+    #: RetryInfo delay after a transient database failure (ms).
+    transient_retry_ms: int = 250
+    #: Idempotency keys expire after this many days.
+    retention_days: int = 30
+    #: Keys dated this far in the future are still accepted.
+    max_clock_skew_s: int = 300
+    #: Bounded lock wait when claiming a key (ms); also how long a duplicate waits for its twin's read.
+    claim_lock_timeout_ms: int = 50
+    #: Lock wait allowed to handlers on hot account rows (ms).
+    handler_lock_timeout_ms: int = 2000
+    #: RetryInfo delay for an in-flight duplicate (ms).
+    in_flight_retry_ms: int = 100
+    #: Outbox relay worker threads delivering cross-shard credits (0: no relay).
+    relay_workers: int = 2
+    #: Outbox rows a relay worker takes at once.
+    relay_batch: int = 32
+    #: Age after which an undeliverable credit is voided and dead-lettered (s).
+    relay_max_age_s: int = 6 * 3600
+    #: Deadline of one delivery call to another shard (s).
+    relay_call_timeout_s: float = 5.0
+    #: Dead letters may be replayed by hand for this long; retention must outlast it.
+    dead_letter_replay_days: int = 7
+    #: Admission (shardd/admission.py): calls in flight (running, or waiting briefly for one of the
+    #: pool_max connections) before the shard counts as saturated; past it a caller holding its fair
+    #: share (max_in_flight / callers in flight) is shed at once.
+    max_in_flight: int = 32
+    #: Calls admitted beyond saturation for callers under their fair share; past max_in_flight +
+    #: max_waiting every call is shed.
+    max_waiting: int = 16
+    #: Completed keys kept in memory for replays without a database read (0: none).
+    replay_cache_entries: int = 10_000
+    #: Most memory those kept keys' stored responses may use (MiB).
+    replay_cache_mb: int = 16
+    #: Largest request accepted (bytes).
+    max_message_bytes: int = 64 * 1024
+    #: Largest request metadata accepted (bytes).
+    max_metadata_bytes: int = 16 * 1024
+    #: mTLS: the daemon's server certificate (PEM file); with tls_key. Empty: no TLS.
+    tls_cert: str = ""
+    #: mTLS: the server certificate's private key (PEM file).
+    tls_key: str = ""
+    #: mTLS: the CA that signs callers' client certificates (PEM file); callers must present one.
+    tls_ca: str = ""
+    #: Client certificate common names allowed to speak for a caller via `x-caller-id`.
+    trusted_proxies: tuple[str, ...] = ("router",)
+    #: Dev mode believes `x-caller-id` without TLS. Never in production.
+    dev_mode: bool = False
+    #: Seconds to finish in-flight calls on SIGTERM.
+    shutdown_grace_s: float = 10.0
+    #: With tracing on, also a span per SQL statement (psycopg instrumentation); the transaction span
+    #: is always there. Off saves most of tracing's cost on a busy shard (scripts/bench_tracing_overhead.py).
+    trace_statements: bool = True
+    #: Log format: "json" or "text".
+    log_format: str = "json"
+    #: Log level: DEBUG, INFO, WARNING or ERROR.
+    log_level: str = "INFO"
+    #: One INFO line per guarded call (logger shardd.calls: key, outcome, code, duration); false keeps
+    #: only its warnings (failed calls) and saves a little CPU on every call.
+    log_calls: bool = True
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid shardd settings: " + "; ".join(problems))
+
+    @property
+    def retention(self) -> timedelta:
+        """Key retention window."""
+        return timedelta(days=self.retention_days)
+
+    @property
+    def tls_enabled(self) -> bool:
+        """Whether mTLS is configured."""
+        return bool(self.tls_cert)
+
+    def problems(self) -> list[str]:
+        """Every reason these settings are unusable."""
+        out = []
+        if self.workers < 1 or self.max_calls < 1:
+            out.append("workers and max_calls must be at least 1")
+        if not 1 <= self.processes <= 64 or not 0 <= self.process_index <= self.processes:
+            out.append("processes must be between 1 and 64, process_index between 0 and processes")
+
+        if not 1 <= self.pool_min <= self.pool_max:
+            out.append("pool sizes must satisfy 1 <= pool_min <= pool_max")
+        if self.shard_map_reload_s <= 0:
+            out.append("shard_map_reload_s must be positive")
+        if self.max_in_flight < 1 or self.max_waiting < 0:
+            out.append("max_in_flight must be at least 1 and max_waiting at least 0")
+        if self.replay_cache_entries < 0 or self.replay_cache_mb < 0:
+            out.append("replay_cache_entries and replay_cache_mb must not be negative")
+        if self.transient_retry_ms < 1:
+            out.append("transient_retry_ms must be at least 1")
+        if self.retention_days < 1:
+            out.append("retention_days must be at least 1")
+        if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_ca and not self.tls_cert):
+            out.append("tls_cert and tls_key go together, and tls_ca needs them")
+        if self.log_format not in ("json", "text"):
+            out.append("log_format must be json or text")
+        # The source document's late-replay failure: a key that expires before its slowest retry
+        # path (relay redelivery, then a manual dead-letter replay) lets that retry apply twice.
+        slowest = timedelta(seconds=self.relay_max_age_s) + timedelta(days=self.dead_letter_replay_days)
+        if self.retention < slowest * 2:
+            out.append(
+                f"retention_days={self.retention_days} must be at least twice the slowest retry path "
+                f"(relay_max_age_s + dead_letter_replay_days = {slowest}), or a late replay could apply twice"
+            )
+        return out
+
+
+def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> ShardSettings:
+    """Settings from `--flag value` arguments and `SHARDD_*` variables."""
+    return ShardSettings(
+        **settings_values(ShardSettings, prefix=ENV_PREFIX, prog="shardd", argv=argv, env=env)
+    )
+
+
+ENV_NAMES = env_names(ShardSettings, ENV_PREFIX)
+
+
+__all__ = [
+    "ENV_NAMES",
+    "ENV_PREFIX",
+    "ShardSettings",
+    "parse_settings",
+]

@@ -1,0 +1,118 @@
+"""Versioned shard maps with several daemons per shard, and the rule a follower applies on reload."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardrouter.core.shardmap import ShardMapError, parse_shard_map, shard_map_document
+from shardrouter.core.shardmap_file import ShardMapFile
+
+
+def _doc(version: int | None, *addresses: str) -> dict[str, object]:
+    shard0: dict[str, object] = {"id": "shard-0", "slot_ranges": [[0, 8191]]}
+    if len(addresses) == 1:
+        shard0["address"] = addresses[0]
+    else:
+        shard0["addresses"] = list(addresses)
+    doc: dict[str, object] = {
+        "slots": 16384,
+        "shards": [shard0, {"id": "shard-1", "address": "127.0.0.1:2000", "slot_ranges": [[8192, 16383]]}],
+    }
+    if version is not None:
+        doc["version"] = version
+    return doc
+
+
+def test_a_shard_may_list_several_daemons() -> None:
+    shard_map = parse_shard_map(_doc(3, "127.0.0.1:1000", "127.0.0.1:1001"), source="t")
+    assert shard_map.version == 3
+    assert shard_map.shards[0].addresses == ("127.0.0.1:1000", "127.0.0.1:1001")
+    assert shard_map.shards[0].address == "127.0.0.1:1000"
+    assert shard_map.addresses() == {"127.0.0.1:1000", "127.0.0.1:1001", "127.0.0.1:2000"}
+    # The document round-trips, version and addresses included.
+    assert parse_shard_map(shard_map_document(shard_map), source="t") == shard_map
+
+
+def test_an_unversioned_map_is_version_0() -> None:
+    assert parse_shard_map(_doc(None, "127.0.0.1:1000"), source="t").version == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"version": -1}, "'version' must be a non-negative integer"),
+        ({"version": "7"}, "'version' must be a non-negative integer"),
+        ({"version": True}, "'version' must be a non-negative integer"),
+    ],
+)
+def test_bad_versions_are_refused(change: dict[str, object], problem: str) -> None:
+    with pytest.raises(ShardMapError, match=problem):
+        parse_shard_map({**_doc(1, "127.0.0.1:1000"), **change}, source="t")
+
+
+@pytest.mark.parametrize(
+    ("shard0", "problem"),
+    [
+        ({"address": "a:1", "addresses": ["b:2"]}, "needs 'address' (host:port) or 'addresses'"),
+        ({}, "needs 'address' (host:port) or 'addresses'"),
+        ({"addresses": []}, "addresses must be a non-empty list"),
+        ({"addresses": ["a:1", "nocolon"]}, "addresses entry 'nocolon' must be host:port"),
+        ({"addresses": ["a:1", "a:1"]}, "lists an address twice"),
+        (
+            {"addresses": ["a:1", "127.0.0.1:2000"]},
+            "address 127.0.0.1:2000 is given to both shard-0 and shard-1",
+        ),
+    ],
+)
+def test_bad_address_lists_are_refused(shard0: dict[str, object], problem: str) -> None:
+    doc = _doc(1, "x:1")
+    shards = doc["shards"]
+    assert isinstance(shards, list)
+    shards[0] = {"id": "shard-0", "slot_ranges": [[0, 8191]], **shard0}
+    with pytest.raises(ShardMapError) as caught:
+        parse_shard_map(doc, source="t")
+    assert problem in str(caught.value)
+
+
+def _write(path: Path, doc: dict[str, object]) -> None:
+    path.write_text(yaml.safe_dump(doc))
+
+
+def test_a_follower_takes_only_a_higher_version(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "shard-map.yaml"
+    _write(path, _doc(5, "127.0.0.1:1000"))
+    follower = ShardMapFile(path)
+    assert follower.version == 5
+
+    _write(path, _doc(4, "127.0.0.1:1999"))  # a stale copy: refused
+    assert follower.check() is False
+    assert follower.version == 5 and follower.current.shards[0].address == "127.0.0.1:1000"
+    assert "older than the map in force" in caplog.text
+
+    _write(path, _doc(5, "127.0.0.1:1998"))  # changed without a new version: refused
+    assert follower.check() is False
+    assert follower.current.shards[0].address == "127.0.0.1:1000"
+    assert "kept version 5" in caplog.text
+
+    _write(path, _doc(6, "127.0.0.1:1000", "127.0.0.1:1001"))
+    assert follower.check() is True
+    assert follower.version == 6 and follower.current.shards[0].addresses == (
+        "127.0.0.1:1000",
+        "127.0.0.1:1001",
+    )
+
+    _write(path, _doc(None, "127.0.0.1:1000"))  # dropping the version is going back to 0: refused
+    assert follower.check() is False
+    assert follower.version == 6
+
+
+def test_unversioned_maps_replace_each_other(tmp_path: Path) -> None:
+    path = tmp_path / "shard-map.yaml"
+    _write(path, _doc(None, "127.0.0.1:1000"))
+    follower = ShardMapFile(path)
+    _write(path, _doc(None, "127.0.0.1:1001"))
+    assert follower.check() is True
+    assert follower.current.shards[0].address == "127.0.0.1:1001"
