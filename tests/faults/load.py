@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import psycopg
 
-from shardrouter.core.keys import new_key
+from shardrouter.core.keys import KEY_METADATA, new_key
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 
 #: Status codes a caller retries: the answer may change on a later attempt.
@@ -98,6 +98,8 @@ class LoadResult:
     amounts: dict[str, int] = field(default_factory=dict)  # key -> amount deposited
     counts: Counter[str] = field(default_factory=Counter)  # "duplicates sent", "attempts", transient codes
     errors: list[BaseException] = field(default_factory=list)  # operations that raised
+    #: (monotonic start, seconds until answered OK) of every copy answered OK, retries included
+    latencies: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def completed(self) -> set[str]:
@@ -204,6 +206,7 @@ class DepositLoad:
         rng = random.Random(f"{self._seed}:{n}")  # one generator per operation: no sharing across threads
         key, amount, copies = str(new_key()), rng.randint(1, 100), rng.choice([1, 2, 3])
         outcomes: list[str] = []  # this thread's own figures, added to the shared ones at the end
+        latencies: list[tuple[float, float]] = []
         counts: Counter[str] = Counter({"duplicates sent": copies - 1})
         with self._lock:  # registered before the first send: a key counts as an operation once sent
             self._result.outcomes[key], self._result.amounts[key] = [], amount
@@ -213,7 +216,10 @@ class DepositLoad:
         )
         try:
             for _ in range(copies):
+                started = time.monotonic()
                 outcomes.append(self._send(request, key, rng, counts))
+                if outcomes[-1] == "OK":
+                    latencies.append((started, time.monotonic() - started))
         except BaseException as err:
             with self._lock:
                 self._result.errors.append(err)
@@ -222,6 +228,7 @@ class DepositLoad:
             with self._lock:
                 self._result.outcomes[key].extend(outcomes)
                 self._result.counts.update(counts)
+                self._result.latencies.extend(latencies)
 
     def _send(
         self, request: transfer_pb2.DepositRequest, key: str, rng: random.Random, counts: Counter[str]
@@ -231,7 +238,7 @@ class DepositLoad:
         while True:
             counts["attempts"] += 1
             try:
-                self._stub.Deposit(request, metadata=[("idempotency-key", key)], timeout=self._call_timeout_s)
+                self._stub.Deposit(request, metadata=[(KEY_METADATA, key)], timeout=self._call_timeout_s)
                 return "OK"
             except grpc.RpcError as err:
                 code = err.code()
