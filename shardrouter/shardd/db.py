@@ -203,7 +203,7 @@ def mapped_database_errors(retry_after_ms: int) -> Iterator[None]:
     except errors.QueryCanceled as exc:
         raise DeadlineExceeded(
             "the call's deadline ran out while the database worked; nothing was applied",
-            reason=Reason.DATABASE_BUSY,
+            reason=Reason.DEADLINE_EXCEEDED,
         ) from exc
     except (errors.SerializationFailure, errors.DeadlockDetected, errors.LockNotAvailable) as exc:
         raise Unavailable(

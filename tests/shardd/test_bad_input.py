@@ -26,7 +26,7 @@ What grpcio lets a client send (found by trying, grpcio 1.85):
   protobuf is refused by the decoder whatever its label. Framing errors (compressed flag without an
   encoding, upper-case header names) are answered by grpc core with INTERNAL.
 
-The raw HTTP/2 tests need the `h2` package, which is not a declared dependency: they skip without it.
+The raw HTTP/2 tests use the `h2` package (a dev dependency).
 """
 
 from __future__ import annotations
@@ -602,10 +602,10 @@ class H2Answer:
 
 @pytest.fixture(scope="module")
 def h2_call(lab: Lab) -> Callable[..., H2Answer]:
-    """Send one gRPC-over-HTTP/2 request by hand (needs the `h2` package; skipped without it)."""
-    h2_connection = pytest.importorskip("h2.connection")
-    h2_config = pytest.importorskip("h2.config")
-    h2_events = pytest.importorskip("h2.events")
+    """Send one gRPC-over-HTTP/2 request by hand (with the `h2` package)."""
+    import h2.config as h2_config
+    import h2.connection as h2_connection
+    import h2.events as h2_events
 
     def send(
         path: str,
