@@ -46,8 +46,19 @@ class TestCA:
         self.ca_path = folder / "ca.crt"
         self.ca_path.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, common_name: str, *, server: bool = False) -> CertFiles:
-        """A certificate for `common_name` (for 127.0.0.1 and localhost if `server`)."""
+    def issue(self, common_name: str, *, server: bool = False, client: bool | None = None) -> CertFiles:
+        """A certificate for `common_name` (for 127.0.0.1 and localhost if `server`); `client`: also for
+        client authentication (default: only when not `server`). A shard's certificate is both, as
+        cert-manager issues `shardd-tls`: its relay presents it to the other shards."""
+        client = not server if client is None else client
+        usages = [
+            u
+            for u, wanted in (
+                (ExtendedKeyUsageOID.SERVER_AUTH, server),
+                (ExtendedKeyUsageOID.CLIENT_AUTH, client),
+            )
+            if wanted
+        ]
         key = ec.generate_private_key(ec.SECP256R1())
         now = dt.datetime.now(dt.UTC)
         builder = (
@@ -59,9 +70,7 @@ class TestCA:
             .not_valid_before(now - dt.timedelta(minutes=5))
             .not_valid_after(now + dt.timedelta(days=1))
             .add_extension(
-                x509.ExtendedKeyUsage(
-                    [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]
-                ),
+                x509.ExtendedKeyUsage(usages),
                 critical=False,
             )
         )
@@ -84,17 +93,21 @@ class TestCA:
         return CertFiles(cert_path, key_path, self.ca_path)
 
 
-def publish_like_a_secret(folder: Path, version: str, cert: bytes, key: bytes) -> None:
-    """Put `cert` and `key` in `folder/version` and flip `folder/..data` to it in one atomic rename,
-    as a Kubernetes Secret volume updates (`tls.crt` -> `..data/tls.crt` links stay as they are)."""
+def publish_like_a_secret(
+    folder: Path, version: str, cert: bytes, key: bytes, ca: bytes | None = None
+) -> None:
+    """Put `cert` and `key` (and `ca` as ca.crt) in `folder/version` and flip `folder/..data` to it in
+    one atomic rename, as a Kubernetes Secret volume updates (`tls.crt` -> `..data/tls.crt` links stay
+    as they are)."""
     import os
 
     target = folder / version
     target.mkdir()
-    (target / "tls.crt").write_bytes(cert)
-    (target / "tls.key").write_bytes(key)
+    files = {"tls.crt": cert, "tls.key": key, **({"ca.crt": ca} if ca is not None else {})}
+    for name, data in files.items():
+        (target / name).write_bytes(data)
     (folder / "..data_tmp").symlink_to(version)
     os.replace(folder / "..data_tmp", folder / "..data")
-    for name in ("tls.crt", "tls.key"):
+    for name in files:
         if not (folder / name).is_symlink():
             (folder / name).symlink_to(Path("..data") / name)

@@ -9,9 +9,6 @@ receiving shard). Before issue #17 the relay read its certificate once, and the 
 
 from __future__ import annotations
 
-import datetime as dt
-import ipaddress
-import os
 import threading
 import time
 import uuid
@@ -24,10 +21,6 @@ import grpc
 import psycopg
 import pytest
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from shardrouter.core.shardmap import ShardMap, even_shard_map, shard_map_document
 from shardrouter.localcluster.postgres import LocalPostgres, free_port
@@ -36,55 +29,16 @@ from shardrouter.shardd.relay import ShardClients
 from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import key_metadata, make_settings, money
-from tests.tls import TestCA
+from tests.tls import TestCA, publish_like_a_secret
 
 CREDIT = "/shardrouter.internal.v1.ShardLedgerService/CreditTransfer"
 SHARDS = ("shard-0", "shard-1")
 
 
 def _issue(ca: TestCA, common_name: str) -> tuple[bytes, bytes]:
-    """A shard's certificate as cert-manager issues it (`shardd-tls`): server and client auth, since the
-    relay presents the shard's own certificate to the other shards. PEM certificate and key."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
-        .issuer_name(ca.cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-            critical=False,
-        )
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .sign(ca.key, hashes.SHA256())
-    )
-    return cert.public_bytes(serialization.Encoding.PEM), key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-
-
-def _publish(folder: Path, version: str, cert: bytes, key: bytes, ca: bytes) -> None:
-    """A Kubernetes Secret volume update of `tls.crt`, `tls.key` and `ca.crt`: write `folder/version`,
-    then flip `..data` to it in one rename (like `tests.tls.publish_like_a_secret`, with the CA)."""
-    target = folder / version
-    target.mkdir()
-    files = {"tls.crt": cert, "tls.key": key, "ca.crt": ca}
-    for name, data in files.items():
-        (target / name).write_bytes(data)
-    (folder / "..data_tmp").symlink_to(version)
-    os.replace(folder / "..data_tmp", folder / "..data")
-    for name in files:
-        if not (folder / name).is_symlink():
-            (folder / name).symlink_to(Path("..data") / name)
+    """A shard's certificate (server and client auth: the relay presents it to the other shards)."""
+    files = ca.issue(common_name, server=True, client=True)
+    return files.cert.read_bytes(), files.key.read_bytes()
 
 
 @dataclass
@@ -138,7 +92,7 @@ def tls_shards(postgres: LocalPostgres, tmp_path: Path) -> Iterator[tuple[TlsSha
     for sid in SHARDS:
         folders[sid] = tmp_path / f"{sid}-tls"
         folders[sid].mkdir()
-        _publish(folders[sid], "v1", *_issue(ca, sid), ca.ca_path.read_bytes())
+        publish_like_a_secret(folders[sid], "v1", *_issue(ca, sid), ca.ca_path.read_bytes())
         name = f"x{uuid.uuid4().hex[:10]}"
         postgres.create_database(name)
         dsns[sid] = postgres.dsn_for(name)
@@ -232,8 +186,8 @@ def test_credits_are_delivered_with_the_renewed_certificate_after_a_rotation(
     ca_folder.mkdir()
     new_ca = TestCA(ca_folder)
     renewed = _issue(new_ca, "shard-0-renewed")
-    _publish(cluster.folders["shard-0"], "v2", *renewed, new_ca.ca_path.read_bytes())
-    _publish(
+    publish_like_a_secret(cluster.folders["shard-0"], "v2", *renewed, new_ca.ca_path.read_bytes())
+    publish_like_a_secret(
         cluster.folders["shard-1"], "v2", *_issue(new_ca, "shard-1-renewed"), new_ca.ca_path.read_bytes()
     )
     # The receiving shard restarts (a rollout, a node drain): the relay must connect again, and the old
@@ -246,7 +200,9 @@ def test_credits_are_delivered_with_the_renewed_certificate_after_a_rotation(
     # A half-written renewal (the certificate not yet a certificate) is skipped: the relay keeps the last
     # good certificate, also for the new connection the next restart of the receiver forces.
     caplog.clear()
-    _publish(cluster.folders["shard-0"], "v3", b"not a certificate", renewed[1], new_ca.ca_path.read_bytes())
+    publish_like_a_secret(
+        cluster.folders["shard-0"], "v3", b"not a certificate", renewed[1], new_ca.ca_path.read_bytes()
+    )
     cluster.restart("shard-1")
     time.sleep(relay._CERT_POLL_S + 0.1)  # the relay's next call checks the files again
     third = _transfer(cluster, new_ca, src, dst, 300)
@@ -298,7 +254,7 @@ def test_a_call_in_flight_during_a_rotation_finishes_on_the_old_channel(
     server.start()
     folder = tmp_path / "shard-0-tls"
     folder.mkdir()
-    _publish(folder, "v1", *_issue(ca, "shard-0"), ca.ca_path.read_bytes())
+    publish_like_a_secret(folder, "v1", *_issue(ca, "shard-0"), ca.ca_path.read_bytes())
     settings = make_settings(
         "postgresql://unused",
         tls_cert=str(folder / "tls.crt"),
@@ -312,7 +268,7 @@ def test_a_call_in_flight_during_a_rotation_finishes_on_the_old_channel(
         with futures.ThreadPoolExecutor(max_workers=1) as pool:
             slow = pool.submit(clients.call, "shard-1", "CreditTransfer", b"slow", uuid.uuid4(), 5.0)
             assert ledger.slow_started.wait(5)
-            _publish(folder, "v2", *_issue(ca, "shard-0-renewed"), ca.ca_path.read_bytes())
+            publish_like_a_secret(folder, "v2", *_issue(ca, "shard-0-renewed"), ca.ca_path.read_bytes())
             time.sleep(0.1)
             fast = clients.call("shard-1", "CreditTransfer", b"fast", uuid.uuid4(), 5.0)
             assert fast == (grpc.StatusCode.OK, "")
