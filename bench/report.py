@@ -214,6 +214,7 @@ def growth_rows(result: RunResult) -> list[list[str]]:
             f"{g['p99_ms']:.2f}",
             f"{g['throughput'] / base - 1:+.0%}" if base else "-",
             f"{g['retention_s']:.3f}",
+            f"{g.get('retention_dropped_rows', 0):,} in {len(g.get('retention_dropped', []))}",
             f"{g['load_s']:.0f}",
         ]
         for g in growth
@@ -229,6 +230,7 @@ GROWTH_HEADER = [
     "p99 ms",
     "vs empty",
     "retention s",
+    "dropped rows in partitions",
     "load s",
 ]
 TARGET_HEADER = ["target", "figure", "required", "status"]

@@ -438,6 +438,9 @@ class _Cells:
                 conn.execute("CHECKPOINT")
                 rows = conn.execute("SELECT count(*) FROM idempotency_record").fetchone()
                 cell = self._load(f"growth-{_size_label(size)}", spec, concurrency)
+                # A retention run at this size must have work: a month past the window holding a
+                # tenth as many keys again, which the run detaches and drops (the hot table stays).
+                expired_rows = self._load_expired_month(conn, max(1, size // 10), response)
                 retention_started = time.monotonic()
                 retention = run_retention(
                     system.dsn("shard_a"), retention=RETENTION, months_ahead=MONTHS_AHEAD
@@ -459,9 +462,34 @@ class _Cells:
                         "p50_ms": cell.latency["p50_ms"],
                         "retention_s": retention_s,
                         "retention_dropped": list(retention.dropped),
+                        "retention_dropped_rows": expired_rows,
                     }
                 )
                 self.progress(f"  retention run at {size:,} rows: {retention_s:.3f} s")
+
+    @staticmethod
+    def _load_expired_month(conn: psycopg.Connection[Any], rows: int, response: bytes) -> int:
+        """Fill the month before the retention window's oldest with `rows` completed keys."""
+        from datetime import UTC, datetime
+
+        from shardrouter.shardd.partitions import Month, create_partition
+
+        now = datetime.now(UTC)
+        kept = Month.of(now - RETENTION)
+        expired = Month.of(kept.start() - timedelta(days=1))
+        create_partition(conn, expired)
+        conn.execute(
+            _EXPIRED_INSERT,
+            {
+                "scope": DEPOSIT_SCOPE,
+                "method": DEPOSIT_METHOD,
+                "response": response,
+                "n": rows,
+                "newest": now - expired.end() + timedelta(hours=1),
+                "width": expired.end() - expired.start() - timedelta(hours=2),
+            },
+        )
+        return rows
 
     def _best_concurrency(self, scenario: str) -> int | None:
         cells = [c for c in self.result.cells if c.scenario == scenario]
@@ -471,6 +499,17 @@ class _Cells:
 #: Completed Deposit records with key times ascending over the span before now (so the key index grows
 #: at its right edge as with live keys), in the live keys' scope: the index the claims search is the
 #: one that grows.
+#: Keys spread over one month that lies wholly past the retention window (see _load_expired_month).
+_EXPIRED_INSERT = """
+INSERT INTO idempotency_record
+    (scope, key, key_time, method, request_hash, state, status_code, status_message, response, trailers,
+     created_at, completed_at)
+SELECT %(scope)s, k, uuid_extract_timestamp(k), %(method)s, sha256(int8send(-g)), 'completed', 0, '',
+       %(response)s, '[]'::jsonb, uuid_extract_timestamp(k), uuid_extract_timestamp(k)
+FROM (SELECT g, uuidv7(-(%(newest)s::interval + %(width)s::interval * (g::float8 / %(n)s))) AS k
+      FROM generate_series(1::bigint, %(n)s::bigint) AS g) AS s
+"""
+
 _BULK_INSERT = """
 INSERT INTO idempotency_record
     (scope, key, key_time, method, request_hash, state, status_code, status_message, response, trailers,

@@ -42,7 +42,7 @@ def test_tiny_run_prints_a_table_with_non_zero_figures(tmp_path: Path) -> None:
             "--scenarios",
             "pgbench-limit,shard-deposit",
             "--growth",
-            "none",
+            "0,3000",
             "--accounts",
             "50",
             "--json",
@@ -57,7 +57,7 @@ def test_tiny_run_prints_a_table_with_non_zero_figures(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = result.stdout
     assert "shard-deposit" in table and "pgbench-limit" in table and "targets:" in table
-    cells = json.loads(out.read_text())["cells"]
+    cells = [c for c in json.loads(out.read_text())["cells"] if not c["scenario"].startswith("growth-")]
     assert {(c["scenario"], c["concurrency"]) for c in cells} == {
         ("pgbench-limit", 1),
         ("pgbench-limit", 4),
@@ -73,5 +73,11 @@ def test_tiny_run_prints_a_table_with_non_zero_figures(tmp_path: Path) -> None:
     for cell in shard_cells:
         assert cell["cpu_s"]["postgres"] > 0 and cell["cpu_s"]["client"] > 0, cell
         assert cell["cpu_s"]["shard-a"] > 0 and cell["peak_rss_kb"]["shard-a"] > 0, cell
+    # A retention run at each size has a month past the window to drop, so it measures real work.
+    growth = json.loads(out.read_text())["growth"]
+    assert [g["size"] for g in growth] == [0, 3000] and growth[1]["rows"] >= 3000
+    for row in growth:
+        assert row["retention_dropped_rows"] > 0 and len(row["retention_dropped"]) == 1, row
+        assert row["throughput"] > 0, row
     # Nothing left behind: the harness removes its temp dirs.
     assert set(temp_root.glob("shard-router-bench-*")) <= before
