@@ -220,6 +220,9 @@ class _GuardedCall:
             self._method.validate(request)
             scope = f"{self._method.scope_prefix}|{collaborators.identity.caller_of(context, metadata)}"
             span.set_attribute("idempotency.scope", scope)
+            # Fields this shard does not know cannot change what it does, so they are not part of the
+            # request: a newer client's retry through an older one is the same request, not a reuse.
+            request.DiscardUnknownFields()
             request_hash = hashlib.sha256(
                 method.encode() + b"\x00" + request.SerializeToString(deterministic=True)
             ).digest()
