@@ -1,4 +1,4 @@
-"""shardclient: the caller library of shard-router.
+"""shardrouter.client: the caller library of shard-router.
 
 One business operation = one durable `Operation` with one UUIDv7 idempotency key, stored before
 the first network call and sent unchanged on every retry, so the shard applies it exactly once:
