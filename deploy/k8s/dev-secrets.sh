@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Create the Secrets that overlays/dev expects, with throw-away values made on the spot:
 #
-#   shardd-db-shard-N        keys password (the dev PostgreSQL's) and dsn (what shardd-N uses)
+#   shardd-db-shard-N        keys password (the dev PostgreSQL's) and dsn (what shard N's daemons use)
 #   shardd-tls               tls.crt/tls.key/ca.crt: shardd's server certificate, also the relay's
-#                            client certificate (CN shardd, DNS shardd and shardd-N.shardd[...])
+#                            client certificate (CN shardd, DNS shardd and shardd-shard-N[...])
 #   router-shard-client-tls  tls.crt/tls.key/ca.crt: the router's client certificate (CN router:
 #                            the name shardd trusts to pass on callers' x-caller-id)
 #
@@ -60,11 +60,12 @@ issue() {
     -extfile "$1.ext" -out "$1.crt" 2>/dev/null
 }
 
-# gRPC does not accept a wildcard such as *.shardd for shardd-0.shardd, so every pod is named.
-sans="DNS:shardd,DNS:shardd.$namespace,DNS:shardd.$namespace.svc"
+# `shardd` is the probes' server name; shardd-shard-N is shard N's Service, what the router and
+# the relay dial (every shard is named: gRPC does not match wildcards reliably).
+sans="DNS:shardd"
 for ((i = 0; i < shards; i++)); do
-  sans="$sans,DNS:shardd-$i.shardd,DNS:shardd-$i.shardd.$namespace.svc"
-  sans="$sans,DNS:shardd-$i.shardd.$namespace.svc.cluster.local"
+  sans="$sans,DNS:shardd-shard-$i,DNS:shardd-shard-$i.$namespace.svc"
+  sans="$sans,DNS:shardd-shard-$i.$namespace.svc.cluster.local"
 done
 issue shardd shardd serverAuth,clientAuth "$sans"
 issue router router clientAuth

