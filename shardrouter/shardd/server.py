@@ -207,6 +207,8 @@ def start_shard(
             max_metadata_bytes=settings.max_metadata_bytes,
             max_streams=settings.max_calls,
             share_port=settings.processes > 1,
+            max_connection_age_s=settings.max_connection_age_s,
+            max_connection_age_grace_s=settings.max_connection_age_grace_s,
         ),
     )
     transfer_pb2_grpc.add_TransferServiceServicer_to_server(TransferServicer(database, locator), server)

@@ -98,6 +98,12 @@ class ShardSettings:
     dev_mode: bool = False
     #: Seconds to finish in-flight calls on SIGTERM.
     shutdown_grace_s: float = 10.0
+    #: Oldest a client's connection may get (s, +-10% jitter): then GOAWAY and the client reconnects,
+    #: so a router's connections spread again over a shard's daemons after one was replaced (behind
+    #: a Kubernetes Service a reconnect lands on any ready pod). 0 keeps connections forever.
+    max_connection_age_s: float = 300.0
+    #: Seconds a connection past its age still has for the calls running on it.
+    max_connection_age_grace_s: float = 30.0
     #: With tracing on, also a span per SQL statement (psycopg instrumentation); the transaction span
     #: is always there. Off saves most of tracing's cost on a busy shard (scripts/bench_tracing_overhead.py).
     trace_statements: bool = True
@@ -134,6 +140,8 @@ class ShardSettings:
 
         if not 1 <= self.pool_min <= self.pool_max:
             out.append("pool sizes must satisfy 1 <= pool_min <= pool_max")
+        if self.max_connection_age_s < 0 or self.max_connection_age_grace_s < 0:
+            out.append("max_connection_age_s and max_connection_age_grace_s must not be negative")
         if self.shard_map_reload_s <= 0:
             out.append("shard_map_reload_s must be positive")
         if self.max_in_flight < 1 or self.max_waiting < 0:

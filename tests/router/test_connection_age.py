@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
 from shardrouter.v1 import transfer_pb2
+from tests.connections import connection_drops
 from tests.processes import router_process
 from tests.router.fakeshard import FakeShard, SeenCall, single_shard_map, start_fake_shard
 
@@ -26,30 +26,6 @@ def fake() -> Iterator[FakeShard]:
         yield shard
     finally:
         shard.stop()
-
-
-def _connection_drops(address: str, watch_s: float, during: threading.Event | None = None) -> int:
-    """How often a caller's channel lost its READY connection while it kept calling for `watch_s`."""
-    drops = 0
-    last: list[grpc.ChannelConnectivity] = []
-    lock = threading.Lock()
-
-    def on_change(state: grpc.ChannelConnectivity) -> None:
-        nonlocal drops
-        with lock:
-            if last and last[-1] is grpc.ChannelConnectivity.READY and state is not state.READY:
-                drops += 1
-            last.append(state)
-
-    with grpc.insecure_channel(address) as channel:
-        channel.subscribe(on_change, try_to_connect=True)
-        call = channel.unary_unary(GET_BALANCE)
-        deadline = time.monotonic() + watch_s
-        while time.monotonic() < deadline:
-            call(PROBE, timeout=5)  # every call succeeds: an aged connection is replaced at once
-            time.sleep(0.05)
-        channel.unsubscribe(on_change)
-    return drops
 
 
 def test_connections_are_aged_out_and_running_calls_finish(tmp_path, fake: FakeShard) -> None:
@@ -74,7 +50,7 @@ def test_connections_are_aged_out_and_running_calls_finish(tmp_path, fake: FakeS
             future = channel.unary_unary(GET_BALANCE).future(PROBE, timeout=10)
             assert future.result(timeout=10) == PROBE
         fake.reset()
-        assert _connection_drops(router.address, watch_s=3.5) >= 2
+        assert connection_drops(router.address, GET_BALANCE, PROBE, watch_s=3.5) >= 2
     finally:
         router.kill()
 
@@ -86,6 +62,6 @@ def test_without_an_age_connections_stay(tmp_path, fake: FakeShard) -> None:
     router = router_process(tmp_path, shard_map=shard_map, extra_env={"ROUTER_MAX_CONNECTION_AGE_S": "0"})
     router.start()
     try:
-        assert _connection_drops(router.address, watch_s=3.5) == 0
+        assert connection_drops(router.address, GET_BALANCE, PROBE, watch_s=3.5) == 0
     finally:
         router.kill()
