@@ -147,12 +147,23 @@ class LocalPostgres:
             os.chown(path, self._user.pw_uid, self._user.pw_gid)
 
     def _run(self, cmd: list[str], check: bool = True) -> None:
-        kwargs: dict[str, object] = {}
         if self._user is not None:
-            kwargs["user"] = self._user.pw_uid
-            kwargs["group"] = self._user.pw_gid
-            kwargs["extra_groups"] = []
-        result = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120, **kwargs)  # type: ignore[call-overload]
+            # The user switch is setpriv's, not subprocess's (user=, group=): with those Python forks
+            # the whole (multi-threaded, gRPC-serving) test or cluster process instead of using vfork,
+            # and the forked child was seen to crash before exec under load.
+            setpriv = shutil.which("setpriv")
+            if setpriv is None:
+                raise RuntimeError(
+                    "running PostgreSQL as root needs setpriv (util-linux) to drop to its own user"
+                )
+            cmd = [
+                setpriv,
+                f"--reuid={self._user.pw_uid}",
+                f"--regid={self._user.pw_gid}",
+                "--clear-groups",
+                *cmd,
+            ]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
         if check and result.returncode != 0:
             raise RuntimeError(
                 f"{Path(cmd[0]).name} failed ({result.returncode}): {result.stderr.strip()[-2000:]}"
@@ -261,8 +272,8 @@ class ReplicatedPostgres:
         if (data / "PG_VERSION").exists():
             return
         data.mkdir(parents=True, exist_ok=True)
-        os.chmod(data, 0o700)
-        self.standby._own(data)
+        self.standby._own(data)  # the parents traversable by the server user, the folder its own
+        os.chmod(data, 0o700)  # PostgreSQL refuses a data directory others can enter
         self.standby._run(
             [
                 str(POSTGRES_BIN_PATH / "pg_basebackup"),
@@ -349,18 +360,18 @@ class ReplicatedPostgres:
             time.sleep(0.01)
 
     def promote(self, timeout_s: float = 30.0) -> None:
-        """Promote the standby (`pg_ctl promote`, waiting until it accepts writes)."""
-        self.standby._run(
-            [
-                str(POSTGRES_BIN_PATH / "pg_ctl"),
-                "-D",
-                str(self.standby.data_dir),
-                "-w",
-                "-t",
-                str(int(timeout_s)),
-                "promote",
-            ]
-        )
+        """Promote the standby (`SELECT pg_promote()`, waiting until it accepts writes).
+
+        SQL rather than `pg_ctl promote`: running a binary as the server user makes Python fork()
+        (no vfork with `user=`), and a fork while gRPC and load threads run in the calling process
+        crashed the child now and then (SIGSEGV/SIGBUS before exec) in the failover drill.
+        """
+        import psycopg
+
+        with psycopg.connect(self.standby.dsn, autocommit=True, connect_timeout=5) as conn:
+            row = conn.execute("SELECT pg_promote(true, %s)", (max(1, int(timeout_s)),)).fetchone()
+        if row is None or row[0] is not True:
+            raise TimeoutError(f"standby on port {self.standby.port} not promoted after {timeout_s} s")
         self.promoted = True
 
     def destroy(self) -> None:
