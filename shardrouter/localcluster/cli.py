@@ -30,6 +30,11 @@ def main(argv: Sequence[str]) -> int:
         help="shard daemons per shard, over its one database (default 1; 2 or more survive losing one)",
     )
     up.add_argument(
+        "--standby",
+        action="store_true",
+        help="run each shard's PostgreSQL as a primary plus a synchronous streaming standby",
+    )
+    up.add_argument(
         "--data-dir", type=Path, default=None, help=f"where data lives (default {default_data_dir()})"
     )
     up.add_argument("--port", type=int, default=50051, help="router port on 127.0.0.1 (default 50051)")
@@ -65,6 +70,7 @@ def main(argv: Sequence[str]) -> int:
         data_dir=args.data_dir or default_data_dir(),
         shards=args.shards,
         replicas=args.replicas,
+        standby=args.standby,
         router_port=args.port,
         metrics=not args.no_metrics,
         otlp_endpoint=args.otlp_endpoint,

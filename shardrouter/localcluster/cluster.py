@@ -1,6 +1,7 @@
-"""A whole shard-router system on one machine: a PostgreSQL per shard, one or more `shardd` processes
-per shard (`replicas`, all over the shard's one database), and the router, each a separate process on
-loopback. Used by `shard-router dev up` and the e2e tests.
+"""A whole shard-router system on one machine: a PostgreSQL per shard (optionally a primary plus a
+synchronous standby, `standby`), one or more `shardd` processes per shard (`replicas`, all over the
+shard's one database), and the router, each a separate process on loopback. Used by
+`shard-router dev up` and the e2e tests.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shardrouter.core.shardmap import even_shard_map, shard_map_document
-from shardrouter.localcluster.postgres import LocalPostgres, free_port
+from shardrouter.localcluster.postgres import LocalPostgres, ReplicatedPostgres, free_port
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,9 @@ class LocalCluster:
     #: Shard daemons per shard, each a process of its own over the shard's database; the shard map
     #: lists them all and the router spreads calls over them.
     replicas: int = 1
+    #: Run each shard's PostgreSQL as a primary plus a synchronous streaming standby: a commit is
+    #: acknowledged only once the standby has it (see `ReplicatedPostgres`).
+    standby: bool = False
     router_port: int = 50051
     #: Serve /metrics of every process on a free loopback port (see `metrics_urls`).
     metrics: bool = False
@@ -95,7 +99,7 @@ class LocalCluster:
     otlp_endpoint: str = ""
     #: Process name -> its /metrics port, filled by `start` when `metrics` is on.
     metrics_ports: dict[str, int] = field(default_factory=dict)
-    databases: list[LocalPostgres] = field(default_factory=list)
+    databases: list[LocalPostgres | ReplicatedPostgres] = field(default_factory=list)
     shard_daemons: list[Daemon] = field(default_factory=list)
     router: Daemon | None = None
 
@@ -151,10 +155,13 @@ class LocalCluster:
 
     def _start_databases(self) -> None:
         for i in range(self.shards):
-            db = LocalPostgres(self.data_dir / f"pg-shard-{i}")
+            where = self.data_dir / (f"pg-shard-{i}-replicated" if self.standby else f"pg-shard-{i}")
+            db: LocalPostgres | ReplicatedPostgres = (
+                ReplicatedPostgres(where) if self.standby else LocalPostgres(where)
+            )
+            self.databases.append(db)  # before start: a failed start is still stopped
             db.start()
-            db.create_database("shardd")
-            self.databases.append(db)
+            (db.primary if isinstance(db, ReplicatedPostgres) else db).create_database("shardd")
 
     @property
     def metrics_urls(self) -> dict[str, str]:
@@ -183,7 +190,7 @@ class LocalCluster:
         """The daemons serving one shard."""
         return [d for d in self.shard_daemons if d.env["SHARDD_SHARD_ID"] == shard_id]
 
-    def _shardd(self, shard_id: str, name: str, port: int, db: LocalPostgres) -> Daemon:
+    def _shardd(self, shard_id: str, name: str, port: int, db: LocalPostgres | ReplicatedPostgres) -> Daemon:
         env = {
             **self._env(),
             "SHARDD_SHARD_ID": shard_id,

@@ -248,12 +248,15 @@ class ReplicatedPostgres:
         """Make and start the primary, then the standby from a base backup; wait until it streams."""
         self.primary.init()
         names = f'"{self.STANDBY_NAME}"' if self.synchronous else ""
-        with (self.primary.data_dir / "postgresql.conf").open("a") as conf:
-            conf.write(
-                "\n# streaming replication to one standby\nwal_level = replica\nmax_wal_senders = 5\n"
-                "max_replication_slots = 5\nhot_standby = on\nwal_sender_timeout = 5s\n"
-                f"synchronous_standby_names = '{names}'\nsynchronous_commit = on\n"
-            )
+        conf_path = self.primary.data_dir / "postgresql.conf"
+        marker = "\n# streaming replication to one standby\n"
+        if marker not in conf_path.read_text():  # once: a data directory kept between runs has it
+            with conf_path.open("a") as conf:
+                conf.write(
+                    f"{marker}wal_level = replica\nmax_wal_senders = 5\n"
+                    "max_replication_slots = 5\nhot_standby = on\nwal_sender_timeout = 5s\n"
+                    f"synchronous_standby_names = '{names}'\nsynchronous_commit = on\n"
+                )
         self.primary.start(timeout_s)
         import psycopg
 
@@ -264,6 +267,7 @@ class ReplicatedPostgres:
                 (self.SLOT, self.SLOT),
             )
         self._base_backup()
+        self._follow_primary_port()
         self.standby.start(timeout_s)
         self.wait_streaming(timeout_s)
 
@@ -311,6 +315,21 @@ class ReplicatedPostgres:
         if self.standby._user is not None:
             for path in data.rglob("*"):
                 os.chown(path, self.standby._user.pw_uid, self.standby._user.pw_gid)
+
+    def _follow_primary_port(self) -> None:
+        """Point the standby at the primary's port of this run (ports are picked afresh per run)."""
+        auto = self.standby.data_dir / "postgresql.auto.conf"
+        conninfo = (
+            f"host=127.0.0.1 port={self.primary.port} user=postgres "
+            f"application_name={self.STANDBY_NAME} connect_timeout=2"
+        )
+        lines = [line for line in auto.read_text().splitlines() if not line.startswith("primary_conninfo")]
+        auto.write_text("\n".join([*lines, f"primary_conninfo = '{conninfo}'"]) + "\n")
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the standby, then the primary."""
+        self.standby.stop(mode)
+        self.primary.stop(mode)
 
     def replication(self) -> list[dict[str, object]]:
         """The primary's `pg_stat_replication` rows (application_name, state, sync_state, lags)."""
