@@ -4,12 +4,14 @@ The rule groups come from the rendered PrometheusRule (`kubectl kustomize deploy
 written as a plain rules file into a temporary directory next to copies of the unit-test files in
 deploy/k8s/monitoring/tests/. `promtool check rules` checks the full rules (annotation templates
 included); the unit tests run on a copy without annotations, so that they compare alerts by their
-labels. Without promtool (Debian's `prometheus` package; .ci/run installs it) these tests fail, they
-do not skip.
+labels. promtool comes with Debian's `prometheus` package, which .ci/run installs; CI sets
+SHARD_ROUTER_REQUIRE_PROMTOOL=1, so there a missing promtool fails these tests. Elsewhere (the
+README's test command on a machine without it) they are skipped with a line saying what to install.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from concurrent import futures
@@ -24,14 +26,18 @@ from tests.deploy.test_k8s_manifests import K8S, objects
 UNIT_TESTS = K8S / "monitoring" / "tests"
 
 
+_MISSING = (
+    "promtool is not installed: the alert rules are checked with `promtool test rules` "
+    "(Debian/Ubuntu: `apt-get install --no-install-recommends prometheus`; or a Prometheus release tarball)"
+)
+
+
 def promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
-        pytest.fail(
-            "promtool is not installed: the alert rules are checked with `promtool test rules` "
-            "(Debian/Ubuntu: `apt-get install prometheus`; or a Prometheus release tarball)",
-            pytrace=False,
-        )
+        if os.environ.get("SHARD_ROUTER_REQUIRE_PROMTOOL") == "1":
+            pytest.fail(_MISSING, pytrace=False)
+        pytest.skip(_MISSING)
     return path
 
 
@@ -163,7 +169,11 @@ def test_alerts_use_the_jobs_and_labels_the_monitors_make() -> None:
         assert f"< {cluster['spec']['instances'] - 1}" in standby_lost
 
 
-def test_missing_promtool_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_promtool_fails_where_it_is_required(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shutil, "which", lambda name, *args, **kwargs: None)
+    monkeypatch.setenv("SHARD_ROUTER_REQUIRE_PROMTOOL", "1")
     with pytest.raises(pytest.fail.Exception, match="promtool is not installed"):
+        promtool()
+    monkeypatch.delenv("SHARD_ROUTER_REQUIRE_PROMTOOL")
+    with pytest.raises(pytest.skip.Exception, match="promtool is not installed"):
         promtool()
