@@ -5,60 +5,11 @@ Import `shardrouter.client` instead: this alias re-exports its public names and 
 
 import warnings
 
-from shardrouter.client import (
-    AmountError,
-    Attempt,
-    DuplicateOperation,
-    ErrorDetails,
-    InvalidOperation,
-    Operation,
-    OperationKind,
-    OperationState,
-    OperationStore,
-    Outcome,
-    RetryPolicy,
-    RpcFailure,
-    SendResult,
-    SqliteOperationStore,
-    TransferClient,
-    UnknownOperation,
-    Verdict,
-    channel_options,
-    classify,
-    exponent,
-    format_amount,
-    load_service_config,
-    parse_amount,
-)
+from shardrouter.client import *  # noqa: F403 - exactly shardrouter.client's public names
+from shardrouter.client import __all__ as __all__
 
 warnings.warn(
     "the shardclient package is now shardrouter.client; import that instead",
     DeprecationWarning,
     stacklevel=2,
 )
-
-__all__ = [
-    "AmountError",
-    "Attempt",
-    "DuplicateOperation",
-    "ErrorDetails",
-    "InvalidOperation",
-    "Operation",
-    "OperationKind",
-    "OperationState",
-    "OperationStore",
-    "Outcome",
-    "RetryPolicy",
-    "RpcFailure",
-    "SendResult",
-    "SqliteOperationStore",
-    "TransferClient",
-    "UnknownOperation",
-    "Verdict",
-    "channel_options",
-    "classify",
-    "exponent",
-    "format_amount",
-    "load_service_config",
-    "parse_amount",
-]
