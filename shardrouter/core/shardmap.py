@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import re
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,18 +93,22 @@ class ShardMap:
         return [r[0] for r in self.ranges]
 
 
-def even_shard_map(addresses: dict[str, str], slots: int = DEFAULT_SLOTS) -> ShardMap:
-    """A map that splits the slots evenly over the given shards, in order."""
+def even_shard_map(
+    addresses: Mapping[str, str | Sequence[str]], slots: int = DEFAULT_SLOTS, *, version: int = 0
+) -> ShardMap:
+    """A map that splits the slots evenly over the given shards, in order; a shard's value is its
+    address or the list of its daemons' addresses."""
     items = list(addresses.items())
     raw = {
+        "version": version,
         "slots": slots,
         "shards": [
             {
                 "id": shard_id,
-                "address": address,
+                **({"address": where} if isinstance(where, str) else {"addresses": list(where)}),
                 "slot_ranges": [[i * slots // len(items), (i + 1) * slots // len(items) - 1]],
             }
-            for i, (shard_id, address) in enumerate(items)
+            for i, (shard_id, where) in enumerate(items)
         ],
     }
     return parse_shard_map(raw, source="<generated>")

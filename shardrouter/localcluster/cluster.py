@@ -123,11 +123,11 @@ class LocalCluster:
             ports = {name: free_port() for names_of in names.values() for name in names_of}
             if self.metrics:
                 self.metrics_ports = {name: free_port() for name in [*ports, "router"]}
-            document = shard_map_document(even_shard_map({sid: f"{sid}:0" for sid in names}))
-            document["version"] = 1
-            for entry in document["shards"]:
-                entry.pop("address")
-                entry["addresses"] = [f"127.0.0.1:{ports[name]}" for name in names[entry["id"]]]
+            shard_map = even_shard_map(
+                {sid: [f"127.0.0.1:{ports[name]}" for name in names_of] for sid, names_of in names.items()},
+                version=1,
+            )
+            document = shard_map_document(shard_map)
             self.shard_map_path.write_text(yaml.safe_dump(document, sort_keys=False))
             for i, (shard_id, names_of) in enumerate(names.items()):
                 for name in names_of:
