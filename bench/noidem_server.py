@@ -25,7 +25,7 @@ from shardrouter.core.keys import KEY_METADATA, parse_key
 from shardrouter.core.logs import configure_logging
 from shardrouter.core.termination import TerminationSignals
 from shardrouter.shardd import server as shard_server
-from shardrouter.shardd.admission import Admission, AdmissionInterceptor, AdmissionLimits
+from shardrouter.shardd.admission import AdmissionInterceptor
 from shardrouter.shardd.db import Database, bind_transaction, mapped_database_errors
 from shardrouter.shardd.ledger.service import ShardLocator, TransferServicer
 from shardrouter.shardd.settings import parse_settings
@@ -81,14 +81,7 @@ def main() -> int:
         acquire_timeout_s=settings.pool_timeout_s,
         transient_retry_ms=settings.transient_retry_ms,
     )
-    admission = Admission(
-        AdmissionLimits(
-            max_in_flight=settings.max_in_flight,
-            max_waiting=settings.max_waiting,
-            retry_after_ms=settings.in_flight_retry_ms,
-        ),
-        frozenset(settings.trusted_proxies),
-    )
+    admission = shard_server.admission_from(settings)  # the shard's own limits: a fair comparison
     server = grpcserver.new_server(
         workers=settings.workers,
         max_calls=settings.max_calls,

@@ -127,6 +127,18 @@ class ShardDaemon:
         self.database.close()
 
 
+def admission_from(settings: ShardSettings) -> Admission:
+    """The daemon's admission limits, as its settings give them."""
+    return Admission(
+        AdmissionLimits(
+            max_in_flight=settings.max_in_flight,
+            max_waiting=settings.max_waiting,
+            retry_after_ms=settings.in_flight_retry_ms,
+        ),
+        frozenset(settings.trusted_proxies),
+    )
+
+
 def start_shard(
     settings: ShardSettings,
     *,
@@ -169,14 +181,7 @@ def start_shard(
     )
     # Admission before anything touches the database: a shed call costs no connection. Guarded calls
     # are admitted by the idempotency interceptor, after the answers it gives from memory.
-    admission = Admission(
-        AdmissionLimits(
-            max_in_flight=settings.max_in_flight,
-            max_waiting=settings.max_waiting,
-            retry_after_ms=settings.in_flight_retry_ms,
-        ),
-        frozenset(settings.trusted_proxies),
-    )
+    admission = admission_from(settings)
     guarded = frozenset(m.full_name for m in mutating_methods())
     interceptor = IdempotencyInterceptor(
         database=database,
@@ -287,6 +292,7 @@ __all__ = [
     "MONTHS_AHEAD",
     "PUBLIC_SERVICE",
     "ShardDaemon",
+    "admission_from",
     "idempotency_config",
     "mutating_methods",
     "prepare_database",
