@@ -156,6 +156,20 @@ def one(target: str, kind: str, name: str) -> dict[str, Any]:
     return found[0]
 
 
+def ports_open_to_namespace(policy: dict[str, Any], namespace: str) -> set[int]:
+    """The ports a NetworkPolicy's ingress rules open to pods of one namespace (by its name label)."""
+    return {
+        port["port"]
+        for rule in policy["spec"]["ingress"]
+        if any(
+            peer.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name")
+            == namespace
+            for peer in rule["from"]
+        )
+        for port in rule["ports"]
+    }
+
+
 def pod_spec(obj: dict[str, Any]) -> dict[str, Any] | None:
     """The pod template spec of a workload, or None."""
     template = pod_template(obj)
@@ -1012,16 +1026,7 @@ def test_every_serving_process_metrics_port_is_declared_and_reachable(target: st
         # Prometheus (namespace `monitoring`) may reach every process's port.
         policy = one(target, "NetworkPolicy", "shardd")
         assert selects(policy["spec"]["podSelector"], pod_template(deployment)["metadata"]["labels"])  # type: ignore[index]
-        scrapable = {
-            port["port"]
-            for rule in policy["spec"]["ingress"]
-            if any(
-                peer.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name")
-                == "monitoring"
-                for peer in rule["from"]
-            )
-            for port in rule["ports"]
-        }
+        scrapable = ports_open_to_namespace(policy, "monitoring")
         assert set(expected.values()) <= scrapable, (expected, scrapable)
         # The annotations can name one port: process 1's, which also carries the database gauges.
         annotations = pod_template(deployment)["metadata"]["annotations"]  # type: ignore[index]
@@ -1526,25 +1531,7 @@ def test_prod_database_pods_are_monitored_and_reachable_by_the_operator() -> Non
     assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
     for cluster in of_kind("prod", "Cluster"):
         policy = one("prod", "NetworkPolicy", cluster["metadata"]["name"])
-        operator_ports = {
-            port["port"]
-            for rule in policy["spec"]["ingress"]
-            if any(
-                peer.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name")
-                == "cnpg-system"
-                for peer in rule["from"]
-            )
-            for port in rule["ports"]
-        }
+        operator_ports = ports_open_to_namespace(policy, "cnpg-system")
         assert operator_ports == {8000, 5432}
-        scrape_ports = {
-            port["port"]
-            for rule in policy["spec"]["ingress"]
-            if any(
-                peer.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name")
-                == "monitoring"
-                for peer in rule["from"]
-            )
-            for port in rule["ports"]
-        }
+        scrape_ports = ports_open_to_namespace(policy, "monitoring")
         assert 9187 in scrape_ports
