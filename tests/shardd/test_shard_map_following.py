@@ -19,18 +19,15 @@ from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.conftest import key_metadata, make_settings, money
 
 
-def _doc(version: int, first: str, second: str) -> dict[str, object]:
+def _doc(version: int, ports: dict[str, int], first: str, second: str) -> dict[str, object]:
     """shard `first` owns the lower half of the slots, `second` the upper half."""
     return {
         "version": version,
         "shards": [
-            {"id": first, "address": f"127.0.0.1:{PORTS[first]}", "slot_ranges": [[0, 8191]]},
-            {"id": second, "address": f"127.0.0.1:{PORTS[second]}", "slot_ranges": [[8192, 16383]]},
+            {"id": first, "address": f"127.0.0.1:{ports[first]}", "slot_ranges": [[0, 8191]]},
+            {"id": second, "address": f"127.0.0.1:{ports[second]}", "slot_ranges": [[8192, 16383]]},
         ],
     }
-
-
-PORTS: dict[str, int] = {}
 
 
 def _deposit(stub: transfer_pb2_grpc.TransferServiceStub, account: str) -> grpc.StatusCode:
@@ -48,10 +45,10 @@ def _deposit(stub: transfer_pb2_grpc.TransferServiceStub, account: str) -> grpc.
 def test_a_shard_follows_the_map_and_refuses_what_it_no_longer_owns(
     postgres: LocalPostgres, tmp_path: Path
 ) -> None:
-    PORTS.update({"shard-a": free_port(), "shard-b": free_port()})
+    ports = {"shard-a": free_port(), "shard-b": free_port()}
     map_path = tmp_path / "shard-map.yaml"
-    map_path.write_text(yaml.safe_dump(_doc(1, "shard-a", "shard-b")))
-    v1 = parse_shard_map(_doc(1, "shard-a", "shard-b"), source="v1")
+    map_path.write_text(yaml.safe_dump(_doc(1, ports, "shard-a", "shard-b")))
+    v1 = parse_shard_map(_doc(1, ports, "shard-a", "shard-b"), source="v1")
     account = next(a for a in (f"acct-{i}" for i in range(1000)) if v1.shard_for(a).id == "shard-b")
     name = f"x{uuid.uuid4().hex[:10]}"
     postgres.create_database(name)
@@ -59,7 +56,7 @@ def test_a_shard_follows_the_map_and_refuses_what_it_no_longer_owns(
         make_settings(
             postgres.dsn_for(name),
             shard_id="shard-b",
-            listen=f"127.0.0.1:{PORTS['shard-b']}",
+            listen=f"127.0.0.1:{ports['shard-b']}",
             shard_map=str(map_path),
             shard_map_reload_s=0.05,
             relay_workers=0,
@@ -71,7 +68,7 @@ def test_a_shard_follows_the_map_and_refuses_what_it_no_longer_owns(
         assert _deposit(stub, account) is grpc.StatusCode.OK
 
         # Version 2 gives the account's half to shard-a.
-        map_path.write_text(yaml.safe_dump(_doc(2, "shard-b", "shard-a")))
+        map_path.write_text(yaml.safe_dump(_doc(2, ports, "shard-b", "shard-a")))
         deadline = time.monotonic() + 5
         while daemon.shard_map is not None and daemon.shard_map.version != 2 and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -87,13 +84,13 @@ def test_a_shard_follows_the_map_and_refuses_what_it_no_longer_owns(
         assert ERROR_DOMAIN in str(caught.value.trailing_metadata())
 
         # A stale copy of version 1 comes back (a lagging ConfigMap replica): it is refused.
-        map_path.write_text(yaml.safe_dump(_doc(1, "shard-a", "shard-b")))
+        map_path.write_text(yaml.safe_dump(_doc(1, ports, "shard-a", "shard-b")))
         time.sleep(0.4)
         assert daemon.shard_map.version == 2
         assert _deposit(stub, account) is grpc.StatusCode.UNAVAILABLE
 
         # Version 3 gives it back.
-        map_path.write_text(yaml.safe_dump(_doc(3, "shard-a", "shard-b")))
+        map_path.write_text(yaml.safe_dump(_doc(3, ports, "shard-a", "shard-b")))
         deadline = time.monotonic() + 5
         while daemon.shard_map.version != 3 and time.monotonic() < deadline:
             time.sleep(0.02)
