@@ -19,7 +19,15 @@ from bench.run import RunResult
 ROLES: dict[str, list[str]] = {
     "client": ["client"],
     "router": ["router"],
-    "shard": ["shard-a", "shard-b", "shard-a-nocache", "shard-a-holder", "noidem", "capture"],
+    "shard": [
+        "shard-a",
+        "shard-b",
+        "shard-a-nocache",
+        "shard-a-holder",
+        "shard-a-nopipeline",
+        "noidem",
+        "capture",
+    ],
     "pg": ["postgres"],
 }
 
@@ -146,6 +154,8 @@ def _stand(result: RunResult, cell: CellResult) -> str:
     if cell.scenario == "noidem-deposit" and first:
         overhead = 1 - first.throughput / cell.throughput
         return f"best; interceptor costs {overhead:.0%} (<=15%: {_status(overhead <= 0.15)})"
+    if cell.scenario == "shard-deposit-nopipeline" and first:
+        return f"best; {cell.throughput / first.throughput:.2f}x the pipelined shard"
     if cell.scenario == "pgbench-deposit" and first:
         return f"best; shard reaches {first.throughput / cell.throughput:.0%} of it"
     if cell.scenario == "conflict":

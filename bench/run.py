@@ -6,6 +6,7 @@ Scenarios (rows of the table; `python -m bench --list` prints this):
   pgbench-transfer  the same for a same-shard Transfer
   pgbench-limit     one Deposit's writes folded into one CTE statement: the limit
   shard-deposit     Deposit with new keys, straight to the shard daemon
+  shard-deposit-nopipeline  the same to a daemon with SHARDD_DB_PIPELINE=false (12 round trips, less CPU)
   shard-transfer    same-shard Transfer with new keys, straight to the shard daemon
   noidem-deposit    the same Deposit handler without the idempotency interceptor (bench/noidem_server.py)
   router-deposit    Deposit with new keys through the router
@@ -49,6 +50,7 @@ SCENARIOS = (
     "pgbench-transfer",
     "pgbench-limit",
     "shard-deposit",
+    "shard-deposit-nopipeline",
     "shard-transfer",
     "noidem-deposit",
     "router-deposit",
@@ -281,6 +283,13 @@ class _Cells:
                 database="shard_a",
                 extra={"SHARDD_HANDLER_LOCK_TIMEOUT_MS": "600000", "SHARDD_RELAY_WORKERS": "0"},
             )
+        if "shard-deposit-nopipeline" in grpc_rows:
+            system.start_shard(
+                "shard-a-nopipeline",
+                shard_id="shard-a",
+                database="shard_a",
+                extra={"SHARDD_DB_PIPELINE": "false", "SHARDD_RELAY_WORKERS": "0"},
+            )
         if "replay-db" in grpc_rows:
             system.start_shard(
                 "shard-a-nocache",
@@ -298,6 +307,8 @@ class _Cells:
         concurrencies = self.options.concurrencies
         if scenario == "shard-deposit":
             spec = LoadSpec(self._address("shard-a"), accounts=accounts)
+        elif scenario == "shard-deposit-nopipeline":
+            spec = LoadSpec(self._address("shard-a-nopipeline"), accounts=accounts)
         elif scenario == "shard-transfer":
             spec = LoadSpec(self._address("shard-a"), method="transfer", accounts=accounts, amount=1)
         elif scenario == "noidem-deposit":

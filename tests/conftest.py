@@ -107,6 +107,15 @@ def shard(database: str) -> Iterator[ShardDaemon]:
     daemon.stop(0.5)
 
 
+@pytest.fixture(params=[True, False], ids=["pipelined", "unpipelined"])
+def shard_in_each_pipeline_mode(database: str, request: pytest.FixtureRequest) -> Iterator[ShardDaemon]:
+    """The `shard` fixture twice: guarded calls in psycopg's pipeline mode, and one statement per
+    round trip (`SHARDD_DB_PIPELINE=false`). Modules whose claims must hold in both override `shard`."""
+    daemon = start_shard(make_settings(database, db_pipeline=request.param))
+    yield daemon
+    daemon.stop(0.5)
+
+
 @pytest.fixture
 def stub(shard: ShardDaemon) -> Iterator[transfer_pb2_grpc.TransferServiceStub]:
     """A TransferService client of the `shard` fixture."""

@@ -24,6 +24,7 @@ class DomainErrorInterceptor(UnaryInterceptor):
     """Maps `ShardRouterError` to status + rich details for every unary method not in `skip`."""
 
     def __init__(self, skip: Collection[str] = ()) -> None:
+        super().__init__()
         self._skip = frozenset(skip)
 
     def applies_to(self, method: str) -> bool:

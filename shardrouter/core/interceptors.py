@@ -23,9 +23,14 @@ else:
 class UnaryInterceptor(ServerInterceptorBase):
     """A server interceptor that wraps the unary-unary handlers of the methods it `applies_to`.
 
-    Subclasses give `wrap` (the new handler); streaming methods, unknown methods and methods it does
-    not apply to pass through untouched.
+    Subclasses give `wrap` (the new handler, a function of the method and the handler alone);
+    streaming methods, unknown methods and methods it does not apply to pass through untouched.
     """
+
+    def __init__(self) -> None:
+        #: method -> (the handler wrapped, its wrapper). grpc asks every interceptor for the handler
+        #: on every call, and the handler below is the same object each time: its wrapper is made once.
+        self._wrapped: dict[str, tuple[MethodHandler, MethodHandler]] = {}
 
     def intercept_service(
         self,
@@ -37,7 +42,13 @@ class UnaryInterceptor(ServerInterceptorBase):
         method = handler_call_details.method
         if handler is None or handler.unary_unary is None or not self.applies_to(method):
             return handler
-        return self.wrap(method, handler)
+        known = self._wrapped.get(method)
+        if known is not None and known[0] is handler:
+            return known[1]
+        # Two threads may both get here for a new method; each wrapper is as good as the other.
+        wrapper = self.wrap(method, handler)
+        self._wrapped[method] = (handler, wrapper)
+        return wrapper
 
     def applies_to(self, method: str) -> bool:
         """Whether to wrap `method` (a full path such as /shardrouter.v1.TransferService/Transfer)."""

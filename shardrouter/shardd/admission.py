@@ -119,6 +119,7 @@ class AdmissionInterceptor(UnaryInterceptor):
     admit their calls themselves: the idempotency interceptor's)."""
 
     def __init__(self, admission: Admission, skip: frozenset[str] = frozenset()) -> None:
+        super().__init__()
         self._admission = admission
         self._skip = skip
 

@@ -176,6 +176,7 @@ def start_shard(
         max_size=settings.pool_max,
         acquire_timeout_s=settings.pool_timeout_s,
         transient_retry_ms=settings.transient_retry_ms,
+        pipeline=settings.db_pipeline,
         tracer_provider=tracer_provider,
         traced=traced and settings.trace_statements,
     )

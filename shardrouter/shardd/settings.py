@@ -51,6 +51,9 @@ class ShardSettings:
     pool_timeout_s: float = 2.0
     #: RetryInfo delay after a transient database failure (ms).
     transient_retry_ms: int = 250
+    #: Send a guarded call's statements in psycopg's pipeline mode (5 round trips per Deposit, not
+    #: 12). It costs Python CPU, so on loopback to a CPU-bound database it is slower (bench/README.md).
+    db_pipeline: bool = True
     #: Idempotency keys expire after this many days.
     retention_days: int = 30
     #: Keys dated this far in the future are still accepted.

@@ -17,8 +17,15 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from shardrouter.core.keys import new_key
+from shardrouter.shardd.server import ShardDaemon
 from shardrouter.v1 import transfer_pb2
 from tests.conftest import deposit, key_metadata, money
+
+
+@pytest.fixture
+def shard(shard_in_each_pipeline_mode: ShardDaemon) -> ShardDaemon:
+    """Every test here runs against a pipelined and an unpipelined shard."""
+    return shard_in_each_pipeline_mode
 
 
 def _details(err: grpc.RpcError) -> dict[str, object]:

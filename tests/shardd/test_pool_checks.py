@@ -48,3 +48,18 @@ def test_a_connection_that_died_while_idle_is_replaced_before_a_call_gets_it(
             conn.commit()
     finally:
         db.close()
+
+
+def test_a_connection_is_back_in_the_pool_as_soon_as_the_call_leaves_it(database: str) -> None:
+    # Without a `reset` callback psycopg_pool returns a connection in the caller's thread; with one,
+    # every return went through a worker thread (measured: 13% of a busy shard's GIL time).
+    db = Database(database, min_size=1, max_size=1)
+    db.open()
+    try:
+        for _ in range(20):
+            with db.connection() as conn:
+                conn.execute("SELECT 1")
+                conn.commit()
+            assert db.pool.get_stats()["pool_available"] == 1
+    finally:
+        db.close()

@@ -85,6 +85,7 @@ class TracingServerInterceptor(UnaryInterceptor):
         *,
         untraced_prefixes: Sequence[str] = UNTRACED_PREFIXES,
     ) -> None:
+        super().__init__()
         self._tracer = get_tracer(tracer_provider)
         self._untraced = tuple(untraced_prefixes)
 

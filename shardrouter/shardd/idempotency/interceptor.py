@@ -149,6 +149,7 @@ class IdempotencyInterceptor(UnaryInterceptor):
         #: Completed records kept in memory for replays (None: a default-sized cache).
         completed: CompletedKeys | None = None,
     ) -> None:
+        super().__init__()
         self._methods: Mapping[str, MutatingMethod] = {m.full_name: m for m in methods}
         self._with = Collaborators(
             database=database,
@@ -381,9 +382,9 @@ class _GuardedCall:
             mapped_database_errors(db.transient_retry_ms),
             db.connection() as conn,
         ):
-            # Pipeline mode: statements whose results are not fetched (BEGIN, SAVEPOINT, inserts,
-            # the stored outcome, COMMIT) go out with the next fetched one (store.py's timeline).
-            with conn.pipeline(), conn.transaction():
+            # In pipeline mode (the default), statements whose results are not fetched go out with
+            # the next fetched one (store.py's timeline).
+            with db.call_transaction(conn):
                 claim = store.claim_key(
                     conn,
                     scope=call.scope,

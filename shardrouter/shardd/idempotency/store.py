@@ -12,9 +12,9 @@ Timeline of one key inside the claiming transaction:
         no rows  -> EXISTING: the twin committed just now; its record is read and replayed
     COMMIT   -- the record becomes visible together with the handler's writes, or not at all
 
-The interceptor runs the transaction in psycopg's pipeline mode: a statement whose result nobody
-fetches (BEGIN, SAVEPOINT, an INSERT without RETURNING, the outcome UPDATE, COMMIT) travels with the
-next one that is fetched, so a Deposit costs 5 round trips instead of 12.
+The interceptor runs the transaction in psycopg's pipeline mode unless `SHARDD_DB_PIPELINE=false`:
+a statement whose result nobody fetches (BEGIN, SAVEPOINT, an INSERT without RETURNING, the outcome
+UPDATE, COMMIT) travels with the next one that is fetched, so a Deposit costs 5 round trips, not 12.
 
 A replay of a completed key is therefore a plain read: it never waits for, nor takes, a lock, so any
 number of concurrent replays of one key all get the stored answer. The advisory lock answers an
