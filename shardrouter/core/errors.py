@@ -42,6 +42,7 @@ class Reason:
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # the caller's deadline ran out while the database worked
     SHARD_UNAVAILABLE = "SHARD_UNAVAILABLE"
     SHARD_NOT_CONFIGURED = "SHARD_NOT_CONFIGURED"
+    SLOT_RANGE_MOVING = "SLOT_RANGE_MOVING"  # the account's slot is fenced: it is moving to another shard
     RATE_LIMITED = "RATE_LIMITED"
     SHARD_SATURATED = "SHARD_SATURATED"
     UNAUTHENTICATED = "UNAUTHENTICATED"

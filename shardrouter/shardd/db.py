@@ -223,6 +223,15 @@ def mapped_database_errors(retry_after_ms: int) -> Iterator[None]:
             "the call's deadline ran out while the database worked; nothing was applied",
             reason=Reason.DEADLINE_EXCEEDED,
         ) from exc
+    except errors.ObjectNotInPrerequisiteState as exc:
+        if not _slot_fenced(exc):
+            raise
+        raise Unavailable(
+            "the account's slot range is moving to another shard and takes no writes here now; nothing "
+            "was applied, retry with the same idempotency key (the new owner will answer it)",
+            reason=Reason.SLOT_RANGE_MOVING,
+            retry_after_ms=retry_after_ms,
+        ) from exc
     except (errors.SerializationFailure, errors.DeadlockDetected, errors.LockNotAvailable) as exc:
         raise Unavailable(
             f"the database could not order this call against a concurrent one ({exc.sqlstate}); "
@@ -239,7 +248,16 @@ def mapped_database_errors(retry_after_ms: int) -> Iterator[None]:
         ) from exc
 
 
+#: The HINT of the error a slot fence raises (migration 6, `refuse_fenced_write`).
+SLOT_FENCED_HINT = "shardrouter:slot-fenced"
+
+
+def _slot_fenced(exc: psycopg.Error) -> bool:
+    return exc.diag.message_hint == SLOT_FENCED_HINT
+
+
 __all__ = [
+    "SLOT_FENCED_HINT",
     "CallTransaction",
     "Connection",
     "ConnectionChecks",

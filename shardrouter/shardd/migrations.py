@@ -15,6 +15,31 @@ log = logging.getLogger(__name__)
 
 _MIGRATION_LOCK = 0x5348_4152_4431  # "SHARD1": one advisory lock id for all schema changes
 
+#: Every table whose rows belong to an account's slot (column `account_hash`): what a move copies,
+#: and what a slot fence guards.
+FENCED_TABLES = (
+    "accounts",
+    "ledger_entries",
+    "transfers",
+    "outbox",
+    "delivery_attempts",
+    "dead_letters",
+    "idempotency_record",
+)
+
+
+
+def _crc32_table() -> str:
+    """The 256 entries of the CRC-32 (IEEE, reflected) byte table as a PostgreSQL array literal."""
+    entries = []
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0xEDB88320 if crc & 1 else 0)
+        entries.append(str(crc))
+    return "{" + ",".join(entries) + "}"
+
+
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (
         1,
@@ -151,6 +176,99 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
         ALTER TABLE idempotency_record ADD COLUMN first_traceparent text;
         """,
     ),
+    (
+        6,
+        "the routing hash of every row that moves with an account, and slot fences",
+        """
+        -- An account's slot is crc32(UTF-8 id) % slots (shardrouter.core.shardmap). Moving a slot
+        -- range selects rows by it in a publication's row filter, which may not call functions of
+        -- ours, so every row that belongs to an account stores that CRC-32 (slot-count free):
+        -- WHERE account_hash % 16384 BETWEEN lo AND hi. Computed in the database (generated columns
+        -- and triggers), so no writer can leave it out. Adding a stored generated column rewrites
+        -- the table once, under an exclusive lock.
+        CREATE FUNCTION account_hash(account_id text) RETURNS bigint
+            LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $$
+        DECLARE
+            crc_table constant bigint[] := '@CRC_TABLE@';
+            bytes constant bytea := convert_to(account_id, 'UTF8');
+            crc bigint := 4294967295;
+        BEGIN
+            FOR i IN 0 .. length(bytes) - 1 LOOP
+                crc := (crc >> 8) # crc_table[((crc # get_byte(bytes, i)) & 255) + 1];
+            END LOOP;
+            RETURN crc # 4294967295;
+        END $$;
+
+        ALTER TABLE accounts ADD COLUMN account_hash bigint NOT NULL
+            GENERATED ALWAYS AS (account_hash(id)) STORED;
+        ALTER TABLE ledger_entries ADD COLUMN account_hash bigint NOT NULL
+            GENERATED ALWAYS AS (account_hash(account_id)) STORED;
+        -- A transfer lives with its source account (its debit, outbox row and delivery history).
+        ALTER TABLE transfers ADD COLUMN account_hash bigint NOT NULL
+            GENERATED ALWAYS AS (account_hash(source_account_id)) STORED;
+
+        -- The transfer's rows elsewhere take its hash when they are written.
+        CREATE FUNCTION take_transfer_account_hash() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            SELECT t.account_hash INTO NEW.account_hash FROM transfers t WHERE t.id = NEW.transfer_id;
+            RETURN NEW;
+        END $$;
+        ALTER TABLE outbox ADD COLUMN account_hash bigint;
+        ALTER TABLE delivery_attempts ADD COLUMN account_hash bigint;
+        ALTER TABLE dead_letters ADD COLUMN account_hash bigint;
+        UPDATE outbox o SET account_hash = t.account_hash FROM transfers t WHERE t.id = o.transfer_id;
+        UPDATE delivery_attempts d SET account_hash = t.account_hash
+            FROM transfers t WHERE t.id = d.transfer_id;
+        UPDATE dead_letters d SET account_hash = t.account_hash FROM transfers t WHERE t.id = d.transfer_id;
+        ALTER TABLE outbox ALTER COLUMN account_hash SET NOT NULL;
+        ALTER TABLE delivery_attempts ALTER COLUMN account_hash SET NOT NULL;
+        ALTER TABLE dead_letters ALTER COLUMN account_hash SET NOT NULL;
+        CREATE TRIGGER outbox_account_hash BEFORE INSERT OR UPDATE OF transfer_id ON outbox
+            FOR EACH ROW EXECUTE FUNCTION take_transfer_account_hash();
+        CREATE TRIGGER delivery_attempts_account_hash BEFORE INSERT OR UPDATE OF transfer_id
+            ON delivery_attempts FOR EACH ROW EXECUTE FUNCTION take_transfer_account_hash();
+        CREATE TRIGGER dead_letters_account_hash BEFORE INSERT OR UPDATE OF transfer_id ON dead_letters
+            FOR EACH ROW EXECUTE FUNCTION take_transfer_account_hash();
+
+        -- The routing account's hash of the call that made a record (NULL: a method routed by a
+        -- transfer id alone, or a record from before this migration).
+        ALTER TABLE idempotency_record ADD COLUMN account_hash bigint;
+
+        -- A fenced slot range takes no writes on this shard, whoever sends them: the cut-over of a
+        -- move fences the range on its old owner before its last catch-up.
+        CREATE TABLE slot_fences (
+            move_id     text        PRIMARY KEY,
+            slots       integer     NOT NULL CHECK (slots > 0),
+            first_slot  integer     NOT NULL CHECK (first_slot >= 0),
+            last_slot   integer     NOT NULL CHECK (last_slot >= first_slot AND last_slot < slots),
+            created_at  timestamptz NOT NULL DEFAULT now()
+        );
+        CREATE FUNCTION refuse_fenced_write() RETURNS trigger LANGUAGE plpgsql AS $$
+        DECLARE
+            fence slot_fences;
+        BEGIN
+            SELECT * INTO fence FROM slot_fences f
+                WHERE (TG_OP <> 'DELETE' AND NEW.account_hash % f.slots BETWEEN f.first_slot AND f.last_slot)
+                   OR (TG_OP <> 'INSERT' AND OLD.account_hash % f.slots BETWEEN f.first_slot AND f.last_slot)
+                LIMIT 1;
+            IF FOUND THEN
+                RAISE EXCEPTION 'the row of % is in a slot range that is moving to another shard (move %)',
+                    TG_TABLE_NAME, fence.move_id
+                    USING ERRCODE = 'object_not_in_prerequisite_state', HINT = 'shardrouter:slot-fenced';
+            END IF;
+            RETURN NULL;
+        END $$;
+        -- AFTER, not BEFORE: a BEFORE trigger sees generated columns not yet computed.
+        @FENCE_TRIGGERS@
+        """.replace("@CRC_TABLE@", _crc32_table()).replace(
+            "@FENCE_TRIGGERS@",
+            "\n        ".join(
+                f"CREATE TRIGGER {table}_fence AFTER INSERT OR UPDATE OR DELETE ON {table}"
+                " FOR EACH ROW EXECUTE FUNCTION refuse_fenced_write();"
+                for table in FENCED_TABLES
+            ),
+        ),
+    ),
 )
 
 
@@ -190,6 +308,7 @@ LATEST_VERSION = MIGRATIONS[-1][0]
 
 
 __all__ = [
+    "FENCED_TABLES",
     "LATEST_VERSION",
     "MIGRATIONS",
     "apply_migrations",

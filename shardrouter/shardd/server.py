@@ -50,10 +50,15 @@ MONTHS_AHEAD = 2
 def mutating_methods() -> list[MutatingMethod]:
     """Every mutating method of the shard, each guarded by the idempotency interceptor."""
     return [
-        MutatingMethod(f"/{PUBLIC_SERVICE}/Transfer", validate_transfer),
-        MutatingMethod(f"/{PUBLIC_SERVICE}/Deposit", validate_deposit),
+        MutatingMethod(f"/{PUBLIC_SERVICE}/Transfer", validate_transfer, account_field="source_account_id"),
+        MutatingMethod(f"/{PUBLIC_SERVICE}/Deposit", validate_deposit, account_field="account_id"),
         # The credit and its void share a scope: whichever claims the credit's key first wins for good.
-        MutatingMethod(f"/{INTERNAL_SERVICE}/CreditTransfer", validate_credit, scope_name="transfer_in"),
+        MutatingMethod(
+            f"/{INTERNAL_SERVICE}/CreditTransfer",
+            validate_credit,
+            scope_name="transfer_in",
+            account_field="destination_account_id",
+        ),
         MutatingMethod(
             f"/{INTERNAL_SERVICE}/VoidCredit", validate_transfer_id_only, scope_name="transfer_in"
         ),

@@ -83,10 +83,14 @@ def test_two_serving_processes_share_a_port_and_survive_a_kill(database: str, tm
         children = _serving_processes(process, 2, timeout_s=30)
         assert len(children) == 2, process.log_text()
         assert not port_is_free(process.address)
-        while time.monotonic() < deadline and not all(
-            f"process {i} of 2" in process.log_text() for i in (1, 2)
-        ):  # each says so once it serves calls and /metrics
+        # Each says so once it serves calls and /metrics ("(process i of 2)"; the parent's own
+        # "started serving process i of 2" comes before that, so it must not match).
+        def serving() -> bool:
+            return all(f"(process {i} of 2)" in process.log_text() for i in (1, 2))
+
+        while time.monotonic() < deadline and not serving():
             time.sleep(0.1)
+        assert serving(), process.log_text()
 
         assert _deposits(process.address, connections=12, each=3) == []
         served = [_metric(metrics + i, "shardd_requests_total") for i in range(2)]

@@ -83,6 +83,9 @@ class MutatingMethod:
     validate: Callable[[Any], None]
     #: Keys are unique per (scope name, caller). Methods that must fence each other share one name.
     scope_name: str = ""
+    #: The request field naming the account the call is routed by; its records move with that
+    #: account's slot when the slot moves to another shard ("": routed by something else).
+    account_field: str = ""
 
     @property
     def scope_prefix(self) -> str:
@@ -100,6 +103,8 @@ class KeyedRequest:
     request: Message
     #: SHA-256 of the method name and the request's deterministic serialisation.
     request_hash: bytes
+    #: The account the call is routed by, if its method names one.
+    account_id: str | None = None
 
     @property
     def scoped_key(self) -> ScopedKey:
@@ -228,7 +233,9 @@ class _GuardedCall:
                 method.encode() + b"\x00" + request.SerializeToString(deterministic=True)
             ).digest()
             try:
-                call = KeyedRequest(scope, key, moment, request, request_hash)
+                account_field = self._method.account_field
+                account_id = str(getattr(request, account_field)) if account_field else None
+                call = KeyedRequest(scope, key, moment, request, request_hash, account_id)
                 outcome, kind = self._answer(context, call, span)
             except ShardRouterError:
                 raise
@@ -392,6 +399,7 @@ class _GuardedCall:
                     key_time=call.key_time,
                     method=self._method.full_name,
                     request_hash=call.request_hash,
+                    account_id=call.account_id,
                     claim_lock_timeout_ms=config.claim_lock_timeout_ms,
                     handler_lock_timeout_ms=config.handler_lock_timeout_ms,
                     statement_timeout_ms=_statement_timeout_ms(context),

@@ -56,6 +56,7 @@ def claim_key(
     key_time: datetime,
     method: str,
     request_hash: bytes,
+    account_id: str | None = None,
     claim_lock_timeout_ms: int,
     handler_lock_timeout_ms: int,
     statement_timeout_ms: int | None = None,
@@ -64,6 +65,8 @@ def claim_key(
     """Try to claim a key in the caller's open transaction. Never SELECT-then-INSERT.
 
     `statement_timeout_ms` bounds every later statement of the transaction (the caller's deadline).
+    `account_id`: the account the call is routed by; the record stores its hash, so it moves with
+    the account's slot.
     """
     # One round trip for the settings, the replay read and the advisory lock: round trips are most
     # of a call's cost (scripts/bench_concurrency_model.py). The lock is only tried when no committed
@@ -96,11 +99,20 @@ def claim_key(
     try:
         inserted = conn.execute(
             "INSERT INTO idempotency_record"
-            " (scope, key, key_time, method, request_hash, state, first_traceparent)"
-            " VALUES (%s, %s, %s, %s, %s, 'in_progress', %s)"
+            " (scope, key, key_time, method, request_hash, state, first_traceparent, account_hash)"
+            " VALUES (%s, %s, %s, %s, %s, 'in_progress', %s, account_hash(%s))"
             " ON CONFLICT (scope, key, key_time) DO NOTHING"
             " RETURNING created_at, set_config('lock_timeout', %s, true)",
-            (scope, key, key_time, method, request_hash, traceparent, f"{handler_lock_timeout_ms}ms"),
+            (
+                scope,
+                key,
+                key_time,
+                method,
+                request_hash,
+                traceparent,
+                account_id,
+                f"{handler_lock_timeout_ms}ms",
+            ),
         ).fetchone()
     except errors.LockNotAvailable:
         # The transaction is now aborted; the caller answers "in flight" and rolls it back.
