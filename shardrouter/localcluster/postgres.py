@@ -74,6 +74,8 @@ class LocalPostgres:
                 "\n# shard-router local cluster\nfsync = on\nsynchronous_commit = on\n"
                 "max_connections = 200\nshared_buffers = 64MB\nlisten_addresses = '127.0.0.1'\n"
                 "unix_socket_directories = ''\n"
+                # Moving slot ranges between shards copies with logical replication (issue 18).
+                "wal_level = logical\n"
             )
 
     def start(self, timeout_s: float = 30.0) -> None:
@@ -260,7 +262,7 @@ class ReplicatedPostgres:
         if marker not in conf_path.read_text():  # once: a data directory kept between runs has it
             with conf_path.open("a") as conf:
                 conf.write(
-                    f"{marker}wal_level = replica\nmax_wal_senders = 5\n"
+                    f"{marker}wal_level = logical\nmax_wal_senders = 5\n"
                     "max_replication_slots = 5\nhot_standby = on\nwal_sender_timeout = 5s\n"
                     f"synchronous_standby_names = '{names}'\nsynchronous_commit = on\n"
                 )

@@ -28,7 +28,6 @@ FENCED_TABLES = (
 )
 
 
-
 def _crc32_table() -> str:
     """The 256 entries of the CRC-32 (IEEE, reflected) byte table as a PostgreSQL array literal."""
     entries = []
@@ -251,7 +250,9 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
                 WHERE (TG_OP <> 'DELETE' AND NEW.account_hash % f.slots BETWEEN f.first_slot AND f.last_slot)
                    OR (TG_OP <> 'INSERT' AND OLD.account_hash % f.slots BETWEEN f.first_slot AND f.last_slot)
                 LIMIT 1;
-            IF FOUND THEN
+            -- The move that fenced the range deletes the rows it moved out (and nothing else).
+            IF FOUND AND NOT (TG_OP = 'DELETE'
+                              AND coalesce(current_setting('shardrouter.moving_out', true), '') = fence.move_id) THEN
                 RAISE EXCEPTION 'the row of % is in a slot range that is moving to another shard (move %)',
                     TG_TABLE_NAME, fence.move_id
                     USING ERRCODE = 'object_not_in_prerequisite_state', HINT = 'shardrouter:slot-fenced';
@@ -268,6 +269,28 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
                 for table in FENCED_TABLES
             ),
         ),
+    ),
+    (
+        7,
+        "the journal of slot range moves",
+        """
+        -- One row per move out of this shard, written by `shard-router reshard` (shardrouter.reshard)
+        -- on the old owner. Every object the move creates is recorded here before it is created,
+        -- so a resumed or aborted move knows what to finish or remove.
+        CREATE TABLE slot_moves (
+            move_id          text        PRIMARY KEY,
+            slots            integer     NOT NULL CHECK (slots > 0),
+            first_slot       integer     NOT NULL CHECK (first_slot >= 0),
+            last_slot        integer     NOT NULL CHECK (last_slot >= first_slot AND last_slot < slots),
+            source_shard_id  text        NOT NULL,
+            target_shard_id  text        NOT NULL CHECK (target_shard_id <> source_shard_id),
+            phase            text        NOT NULL,
+            objects          jsonb       NOT NULL DEFAULT '[]',
+            figures          jsonb       NOT NULL DEFAULT '{}',
+            created_at       timestamptz NOT NULL DEFAULT now(),
+            updated_at       timestamptz NOT NULL DEFAULT now()
+        );
+        """,
     ),
 )
 

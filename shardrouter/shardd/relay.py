@@ -126,6 +126,10 @@ class ShardClients:
             return grpc.StatusCode.OK, ""
         return answer
 
+    def owner_of(self, account_id: str) -> str:
+        """The id of the shard that owns an account in the map in force."""
+        return self._map().shard_for(account_id).id
+
     def close(self) -> None:
         """Close every channel."""
         with self._lock:
@@ -294,7 +298,7 @@ class OutboxRelay:
             if self._stop.is_set():
                 break
             code, message = self._clients.call(
-                row.destination_shard_id,
+                self._destination_of(row),
                 "CreditTransfer",
                 row.payload,
                 row.idempotency_key,
@@ -318,14 +322,25 @@ class OutboxRelay:
                 postponed += 1
         return delivered, postponed, dead
 
+    def _destination_of(self, row: store.OutboxRow) -> str:
+        """The shard that owns the credit's account now: the one named when the transfer was made,
+        unless its slot has moved since (then the map in force names the new owner)."""
+        account = ledger_pb2.CreditTransferRequest.FromString(row.payload).destination_account_id
+        return self._clients.owner_of(account) if account else row.destination_shard_id
+
     def _too_old(self, row: store.OutboxRow) -> bool:
         return (datetime.now(UTC) - row.created_at).total_seconds() > self._settings.relay_max_age_s
 
     def _fence(self, row: store.OutboxRow) -> bool:
         """Void the credit at the destination; True only if it can no longer apply."""
-        request = ledger_pb2.VoidCreditRequest(transfer_id=str(row.transfer_id), reason="relay gave up")
+        credit = ledger_pb2.CreditTransferRequest.FromString(row.payload)
+        request = ledger_pb2.VoidCreditRequest(
+            transfer_id=str(row.transfer_id),
+            reason="relay gave up",
+            destination_account_id=credit.destination_account_id,
+        )
         code, message = self._clients.call(
-            row.destination_shard_id,
+            self._destination_of(row),
             "VoidCredit",
             request.SerializeToString(deterministic=True),
             row.idempotency_key,

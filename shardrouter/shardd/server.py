@@ -60,7 +60,10 @@ def mutating_methods() -> list[MutatingMethod]:
             account_field="destination_account_id",
         ),
         MutatingMethod(
-            f"/{INTERNAL_SERVICE}/VoidCredit", validate_transfer_id_only, scope_name="transfer_in"
+            f"/{INTERNAL_SERVICE}/VoidCredit",
+            validate_transfer_id_only,
+            scope_name="transfer_in",
+            account_field="destination_account_id",
         ),
         MutatingMethod(f"/{INTERNAL_SERVICE}/RefundTransfer", validate_transfer_id_only),
     ]

@@ -83,6 +83,7 @@ def test_two_serving_processes_share_a_port_and_survive_a_kill(database: str, tm
         children = _serving_processes(process, 2, timeout_s=30)
         assert len(children) == 2, process.log_text()
         assert not port_is_free(process.address)
+
         # Each says so once it serves calls and /metrics ("(process i of 2)"; the parent's own
         # "started serving process i of 2" comes before that, so it must not match).
         def serving() -> bool:

@@ -228,3 +228,24 @@ def test_after_the_drain_no_write_to_the_fenced_slots_commits_under_load(stub, d
     )
     assert outcomes["moving"] > 0
     print(f"\nfence under load: {outcomes['ok']} applied, {outcomes['moving']} refused SLOT_RANGE_MOVING")
+
+
+def test_only_the_fencing_move_deletes_its_rows_and_changes_nothing(stub, db, database):
+    deposit(stub, "fenced-acct", 100)
+    fences.raise_fence(db, _fence_of("fenced-acct", move_id="move-7"))
+    with psycopg.connect(database) as mover:
+        mover.execute("SET shardrouter.moving_out = 'move-8'")  # another move's name: refused
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState):
+            mover.execute("DELETE FROM idempotency_record WHERE account_hash = account_hash('fenced-acct')")
+        mover.rollback()
+        mover.execute("SET shardrouter.moving_out = 'move-7'")
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState):  # the move may only delete
+            mover.execute("UPDATE accounts SET balance = 1 WHERE id = 'fenced-acct'")
+        mover.rollback()
+        mover.execute("SET shardrouter.moving_out = 'move-7'")
+        deleted = mover.execute(
+            "DELETE FROM idempotency_record WHERE account_hash = account_hash('fenced-acct')"
+        ).rowcount
+        mover.commit()
+    assert deleted == 1
+    assert db.execute("SELECT count(*) FROM idempotency_record").fetchone()[0] == 0

@@ -27,12 +27,14 @@ class CreditTransferResponse(_message.Message):
     def __init__(self, entry_id: _Optional[str] = ...) -> None: ...
 
 class VoidCreditRequest(_message.Message):
-    __slots__ = ("transfer_id", "reason")
+    __slots__ = ("transfer_id", "reason", "destination_account_id")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_ACCOUNT_ID_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     reason: str
-    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    destination_account_id: str
+    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ..., destination_account_id: _Optional[str] = ...) -> None: ...
 
 class VoidCreditResponse(_message.Message):
     __slots__ = ("transfer_id",)

@@ -100,7 +100,7 @@ def claim_key(
         inserted = conn.execute(
             "INSERT INTO idempotency_record"
             " (scope, key, key_time, method, request_hash, state, first_traceparent, account_hash)"
-            " VALUES (%s, %s, %s, %s, %s, 'in_progress', %s, account_hash(%s))"
+            " VALUES (%s, %s, %s, %s, %s, 'in_progress', %s, account_hash(nullif(%s, '')))"
             " ON CONFLICT (scope, key, key_time) DO NOTHING"
             " RETURNING created_at, set_config('lock_timeout', %s, true)",
             (

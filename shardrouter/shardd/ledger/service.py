@@ -332,6 +332,13 @@ def validate_transfer_id_only(
 ) -> None:
     """The request must name a transfer by its UUID; its reason is short printable text."""
     problems = _transfer_id_problems(request.transfer_id)
+    account = getattr(request, "destination_account_id", "")  # VoidCredit's; empty from older relays
+    if account:
+        from shardrouter.core.validation import account_id_problem
+
+        problem = account_id_problem(account)
+        if problem is not None:
+            problems.append(FieldViolation("destination_account_id", problem))
     if len(request.reason) > 500 or any(not ch.isprintable() for ch in request.reason):
         problems.append(FieldViolation("reason", "must be at most 500 printable characters"))
     _refuse(type(request).__name__.removesuffix("Request"), problems)
