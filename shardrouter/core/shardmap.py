@@ -24,6 +24,7 @@ back (see `ShardMapFile`).
 from __future__ import annotations
 
 import bisect
+import os
 import re
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -134,6 +135,27 @@ def shard_map_document(shard_map: ShardMap) -> dict[str, Any]:
     }
 
 
+def write_shard_map(path: str | Path, shard_map: ShardMap) -> None:
+    """Write the map to its file atomically: a reader sees the old file or the new, never half.
+
+    The new file is written and flushed beside the old one, then renamed over it, and the folder
+    flushed, so after a crash the file holds one whole map.
+    """
+    target = Path(path)
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    text = yaml.safe_dump(shard_map_document(shard_map), sort_keys=False)
+    with temporary.open("w", encoding="utf-8") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(temporary, target)
+    folder = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
 def load_shard_map(path: str | Path) -> ShardMap:
     """Read and check a shard map file; ShardMapError names the file and the problem."""
     source = str(path)
@@ -238,4 +260,5 @@ __all__ = [
     "load_shard_map",
     "parse_shard_map",
     "shard_map_document",
+    "write_shard_map",
 ]

@@ -20,7 +20,7 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shardrouter.core.shardmap import even_shard_map, shard_map_document
+from shardrouter.core.shardmap import even_shard_map, write_shard_map
 from shardrouter.localcluster.postgres import LocalPostgres, ReplicatedPostgres, free_port
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,11 @@ class LocalCluster:
         """The shard map file the router and the relays read."""
         return self.data_dir / "shard-map.yaml"
 
+    @property
+    def databases_path(self) -> Path:
+        """Shard id -> its database's DSN (YAML), for `shard-router reshard`."""
+        return self.data_dir / "databases.yaml"
+
     def start(self) -> None:
         """Start everything; on any failure stop what was started."""
         if self.shards < 1 or self.replicas < 1:
@@ -127,8 +132,12 @@ class LocalCluster:
                 {sid: [f"127.0.0.1:{ports[name]}" for name in names_of] for sid, names_of in names.items()},
                 version=1,
             )
-            document = shard_map_document(shard_map)
-            self.shard_map_path.write_text(yaml.safe_dump(document, sort_keys=False))
+            write_shard_map(self.shard_map_path, shard_map)
+            self.databases_path.write_text(
+                yaml.safe_dump(
+                    {sid: db.dsn_for("shardd") for sid, db in zip(names, self.databases, strict=True)}
+                )
+            )
             for i, (shard_id, names_of) in enumerate(names.items()):
                 for name in names_of:
                     self.shard_daemons.append(self._shardd(shard_id, name, ports[name], self.databases[i]))

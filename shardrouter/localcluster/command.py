@@ -1,5 +1,6 @@
-"""The `shard-router` command: `dev ...` runs the local cluster, everything else is the caller's
-command (`shardclient.cli`).
+"""The `shard-router` command: `dev ...` runs the local cluster, `reshard ...` moves slot ranges
+between shards (`shardrouter.reshard.cli`), everything else is the caller's command
+(`shardrouter.client.cli`).
 
 It lives here, at the top of the layers, because it is the one program that offers both; the caller
 library below never imports the local cluster.
@@ -18,6 +19,11 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `shard-router`; returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["reshard"]:
+        from shardrouter.localcluster.cluster import default_data_dir
+        from shardrouter.reshard import cli as reshard_cli
+
+        return reshard_cli.main(args[1:], default_dir=default_data_dir())
     if args[:1] == ["dev"]:
         try:  # its PostgreSQL wheel loads only when asked for, and only the `local` extra brings it
             from shardrouter.localcluster import cli as cluster_cli

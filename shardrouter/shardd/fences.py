@@ -92,7 +92,8 @@ def drain(
         with conn.transaction():
             rows = conn.execute(
                 "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
-                " AND pid <> pg_backend_pid() AND xact_start < %s ORDER BY pid",
+                " AND pid <> pg_backend_pid() AND backend_type = 'client backend' AND xact_start < %s"
+                " ORDER BY pid",
                 (fenced_at,),
             ).fetchall()
         pids = [int(r[0]) for r in rows]

@@ -292,6 +292,52 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
         );
         """,
     ),
+    (
+        8,
+        "routing hashes set by triggers, so logical replication copies them",
+        """
+        -- A move replicates rows with a row filter on account_hash, so UPDATEs and DELETEs need a
+        -- replica identity holding it (REPLICA IDENTITY FULL while the move runs), and PostgreSQL
+        -- refuses a replica identity with unpublished generated columns, while publishing them
+        -- fails against the subscriber's own generated column. Plain columns, set by BEFORE
+        -- triggers, replicate like any other; the trigger fires only when the account id is
+        -- written, so a balance update no longer recomputes the hash either. Triggers do not fire
+        -- in a subscription's apply worker: the target keeps the copied value.
+        ALTER TABLE accounts ALTER COLUMN account_hash DROP EXPRESSION;
+        ALTER TABLE ledger_entries ALTER COLUMN account_hash DROP EXPRESSION;
+        ALTER TABLE transfers ALTER COLUMN account_hash DROP EXPRESSION;
+        CREATE FUNCTION set_account_hash_of_id() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN NEW.account_hash := account_hash(NEW.id); RETURN NEW; END $$;
+        CREATE FUNCTION set_account_hash_of_account() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN NEW.account_hash := account_hash(NEW.account_id); RETURN NEW; END $$;
+        CREATE FUNCTION set_account_hash_of_source() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN NEW.account_hash := account_hash(NEW.source_account_id); RETURN NEW; END $$;
+        CREATE TRIGGER accounts_account_hash BEFORE INSERT OR UPDATE OF id, account_hash ON accounts
+            FOR EACH ROW EXECUTE FUNCTION set_account_hash_of_id();
+        CREATE TRIGGER ledger_entries_account_hash
+            BEFORE INSERT OR UPDATE OF account_id, account_hash ON ledger_entries
+            FOR EACH ROW EXECUTE FUNCTION set_account_hash_of_account();
+        CREATE TRIGGER transfers_account_hash
+            BEFORE INSERT OR UPDATE OF source_account_id, account_hash ON transfers
+            FOR EACH ROW EXECUTE FUNCTION set_account_hash_of_source();
+        """,
+    ),
+    (
+        9,
+        "outbox and delivery attempt ids drawn from a block of their own per database",
+        """
+        -- A move copies rows with their ids, so two shards must not hand out the same ones: each
+        -- database's sequences jump to a random block of 2^40 ids (one of about four million), so
+        -- rows made after this migration collide across shards with a chance of about one in four
+        -- million per pair; a move checks the ranges before it copies (shardrouter.reshard).
+        SELECT setval(pg_get_serial_sequence('outbox', 'id'),
+                      greatest((SELECT last_value FROM outbox_id_seq),
+                               (1 + floor(random() * 4194303))::bigint << 40));
+        SELECT setval(pg_get_serial_sequence('delivery_attempts', 'id'),
+                      greatest((SELECT last_value FROM delivery_attempts_id_seq),
+                               (1 + floor(random() * 4194303))::bigint << 40));
+        """,
+    ),
 )
 
 

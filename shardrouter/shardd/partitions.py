@@ -175,6 +175,14 @@ def _create_and_attach(conn: Connection, month: Month) -> None:
     )
     # The bounds CHECK only served to skip the attach scan; the partition constraint replaces it.
     _ddl(conn, sql.SQL("ALTER TABLE {t} DROP CONSTRAINT IF EXISTS {c}").format(t=table, c=bounds))
+    # While a slot range moves out (shardrouter.reshard), its publication filters rows by
+    # account_hash, and an UPDATE of a partition whose replica identity lacks that column fails.
+    moving = conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname LIKE %s)", ("shardrouter\\_move\\_%",)
+    )
+    row = moving.fetchone()
+    if row is not None and row[0]:
+        _ddl(conn, sql.SQL("ALTER TABLE {t} REPLICA IDENTITY FULL").format(t=table))
 
 
 @contextmanager

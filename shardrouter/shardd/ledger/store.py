@@ -215,6 +215,10 @@ def claim_due_outbox(conn: Connection, limit: int) -> list[OutboxRow]:
         rows = cur.execute(
             "SELECT id, transfer_id, destination_shard_id, idempotency_key, payload, attempts, created_at"
             " FROM outbox WHERE delivered_at IS NULL AND dead_lettered_at IS NULL AND next_attempt_at <= now()"
+            # A fenced slot (moving, or moved out) takes no writes here: its rows wait for the
+            # move, and then for their new owner's relay.
+            " AND NOT EXISTS (SELECT 1 FROM slot_fences f"
+            "  WHERE outbox.account_hash %% f.slots BETWEEN f.first_slot AND f.last_slot)"
             " ORDER BY next_attempt_at, id LIMIT %s FOR UPDATE SKIP LOCKED",
             (limit,),
         ).fetchall()

@@ -1,0 +1,200 @@
+"""`shard-router reshard`: move a slot range to another shard, see moves, resume or abort one.
+
+    shard-router reshard --slots 0-1023 --to shard-2     # plan, copy, catch up, cut over, clean up
+    shard-router reshard status [MOVE]                   # every move (or one), phase and figures
+    shard-router reshard resume MOVE                     # after a crash or a stop: go on from the journal
+    shard-router reshard abort MOVE                      # roll back a move that has not committed
+
+It needs the shard map file (the one routers and shard daemons follow: the move commits by
+replacing it) and each shard's database DSN, from a YAML file of `shard-id: DSN` (`--databases`)
+or `--dsn shard-id=DSN`. The local cluster (`shard-router dev up`) writes both into its data
+directory, which is the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import psycopg
+import yaml
+
+from shardrouter.core.shardmap import ShardMapError, load_shard_map
+from shardrouter.reshard.journal import MoveRecord
+from shardrouter.reshard.move import Move, MoveSettings, ShardDatabases, find_move, list_moves, start_move
+from shardrouter.reshard.plan import MoveError, Phase, parse_slot_range
+from shardrouter.shardd.fences import DrainTimeout
+
+_COMMANDS = ("status", "resume", "abort")
+
+
+def _parser(default_dir: Path | None) -> argparse.ArgumentParser:
+    where = f" (default: {default_dir}/%s, the local cluster's)" if default_dir else ""
+    parser = argparse.ArgumentParser(
+        prog="shard-router reshard",
+        description="Move a slot range, its accounts' rows and idempotency records, to another shard.",
+    )
+    parser.add_argument(
+        "command", nargs="?", choices=_COMMANDS, help="status, resume or abort (default: a new move)"
+    )
+    parser.add_argument("move_id", nargs="?", help="the move, for status, resume and abort")
+    parser.add_argument("--slots", help="the range to move, FIRST-LAST (inclusive), e.g. 0-1023")
+    parser.add_argument("--to", dest="target", help="the shard that takes the range")
+    parser.add_argument(
+        "--map", type=Path, help="the shard map file" + (where % "shard-map.yaml" if where else "")
+    )
+    parser.add_argument(
+        "--databases", type=Path, help="YAML of shard-id: DSN" + (where % "databases.yaml" if where else "")
+    )
+    parser.add_argument(
+        "--dsn", action="append", default=[], metavar="SHARD=DSN", help="a shard's DSN (repeatable)"
+    )
+    parser.add_argument(
+        "--stop-after",
+        choices=[p.value for p in Phase if p not in (Phase.PLANNED, Phase.DONE, Phase.ABORTED)],
+        help="stop once this phase is reached (copy now, cut over later with resume)",
+    )
+    parser.add_argument(
+        "--cutover-lag-bytes",
+        type=int,
+        default=MoveSettings.cutover_lag_bytes,
+        help="cut over once the new owner is this close behind (default %(default)s)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=MoveSettings.drain_timeout_s,
+        help="seconds the fence waits for older transactions before ending them (default %(default)s)",
+    )
+    parser.add_argument("--json", action="store_true", help="status as JSON")
+    return parser
+
+
+def _databases(args: argparse.Namespace, default_dir: Path | None) -> ShardDatabases:
+    dsns: dict[str, str] = {}
+    path = args.databases or (default_dir / "databases.yaml" if default_dir else None)
+    if path is not None and (args.databases is not None or path.exists()):
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as exc:
+            raise MoveError(f"--databases {path}: cannot read it: {exc}") from exc
+        if not isinstance(loaded, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()
+        ):
+            raise MoveError(f"--databases {path}: must be a mapping of shard id to DSN")
+        dsns.update(loaded)
+    for item in args.dsn:
+        shard, sep, dsn = item.partition("=")
+        if not sep or not shard or not dsn:
+            raise MoveError(f"--dsn {item!r}: give SHARD=DSN")
+        dsns[shard] = dsn
+    if not dsns:
+        raise MoveError("no shard databases given: --databases FILE or --dsn SHARD=DSN")
+    return ShardDatabases(dsns)
+
+
+def _map_path(args: argparse.Namespace, default_dir: Path | None) -> Path:
+    path: Path | None = args.map or (default_dir / "shard-map.yaml" if default_dir else None)
+    if path is None:
+        raise MoveError("no shard map given: --map FILE")
+    return path
+
+
+def _print_progress(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+def _describe(record: MoveRecord) -> str:
+    p, f = record.plan, record.figures
+    parts = [
+        f"{p.move_id}: slots {p.first_slot}-{p.last_slot} {p.source} -> {p.target}, {record.phase.value}"
+    ]
+    if "rows_moved" in f:
+        parts.append(f"rows moved {sum(f['rows_moved'].values())}")
+    elif "rows_copied" in f:
+        parts.append(f"rows copied {f['rows_copied']}")
+    if "lag_bytes" in f and record.phase in (Phase.COPIED, Phase.PREPARED):
+        parts.append(f"lag {f['lag_bytes']} bytes")
+    if "write_pause_s" in f:
+        parts.append(f"write pause {f['write_pause_s']} s")
+    seconds = [f"{k[:-2]} {f[k]}" for k in f if k.endswith("_s") and k != "write_pause_s"]
+    if seconds:
+        parts.append("seconds: " + ", ".join(seconds))
+    return "; ".join(parts)
+
+
+def _run(move: Move, stop_after: str | None) -> int:
+    until = Phase(stop_after) if stop_after else Phase.DONE
+    record = move.run(until=until)
+    print(_describe(record))
+    if record.phase is not Phase.DONE:
+        print(
+            f"stopped after {record.phase.value}; go on with: shard-router reshard resume {record.plan.move_id}"
+        )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, *, default_dir: Path | None = None) -> int:
+    """Entry point; returns the exit code (2: the move cannot start or go on, with the reason)."""
+    args = _parser(default_dir).parse_args(argv)
+    try:
+        databases = _databases(args, default_dir)
+        settings = MoveSettings(cutover_lag_bytes=args.cutover_lag_bytes, drain_timeout_s=args.drain_timeout)
+        if args.command == "status":
+            moves = [find_move(databases, args.move_id)] if args.move_id else list_moves(databases)
+            if args.json:
+                print(json.dumps([_as_json(m) for m in moves], indent=2))
+            else:
+                print("\n".join(_describe(m) for m in moves) or "no moves")
+            return 0
+        map_path = _map_path(args, default_dir)
+        if args.command in ("resume", "abort"):
+            if not args.move_id:
+                raise MoveError(f"reshard {args.command} needs the move's id (see reshard status)")
+            record = find_move(databases, args.move_id)
+            with Move(
+                record, map_path=map_path, databases=databases, settings=settings, progress=_print_progress
+            ) as mv:
+                if args.command == "abort":
+                    print(_describe(mv.abort()))
+                    return 0
+                return _run(mv, args.stop_after)
+        if not args.slots or not args.target:
+            raise MoveError("a move needs --slots FIRST-LAST and --to SHARD")
+        first, last = parse_slot_range(args.slots, load_shard_map(map_path).slots)
+        record = start_move(map_path, databases, first, last, args.target)
+        _print_progress(
+            f"move {record.plan.move_id}: slots {first}-{last} from {record.plan.source} to {record.plan.target}"
+        )
+        with Move(
+            record, map_path=map_path, databases=databases, settings=settings, progress=_print_progress
+        ) as mv:
+            return _run(mv, args.stop_after)
+    except (MoveError, ShardMapError, DrainTimeout) as exc:
+        print(f"shard-router reshard: {exc}", file=sys.stderr)
+        return 2
+    except psycopg.OperationalError as exc:
+        print(
+            f"shard-router reshard: a shard database is unreachable: {exc}; resume the move", file=sys.stderr
+        )
+        return 2
+
+
+def _as_json(record: MoveRecord) -> dict[str, object]:
+    p = record.plan
+    return {
+        "move_id": p.move_id,
+        "slots": [p.first_slot, p.last_slot],
+        "source": p.source,
+        "target": p.target,
+        "phase": record.phase.value,
+        "objects": [o.as_json() for o in record.objects],
+        "figures": record.figures,
+    }
+
+
+__all__ = ["main"]

@@ -1,0 +1,490 @@
+"""One move, phase by phase: prepare, copy, catch up, fence, verify, commit, clean up.
+
+Each phase is safe to repeat, and the journal (`journal.py`, in the old owner's database) says
+which phase was reached and which objects exist, so `run` resumes a move after a crash at any
+step and `abort` removes everything an unfinished move made. Ownership changes in one place, at
+one moment: the shard map file, replaced atomically with the range given to the new owner and a
+higher version. Before that the old owner is fenced by its database (no write to the range can
+commit there) and the new owner is fenced too (until the map names it, it takes only the
+replicated rows); after it, the old owner stays fenced for that range for good. A crash between
+the two fences and the map can leave the range unavailable for a moment, never with two owners
+taking writes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from shardrouter.core.shardmap import ShardMap, load_shard_map, write_shard_map
+from shardrouter.reshard import journal, replication
+from shardrouter.reshard.journal import MoveObject, MoveRecord
+from shardrouter.reshard.plan import (
+    ACTIVE_PHASES,
+    MoveError,
+    MovePlan,
+    Phase,
+    moved_map,
+    owns_range,
+    plan_move,
+)
+from shardrouter.reshard.verify import rows_in_range, verify
+from shardrouter.shardd import fences, partitions
+from shardrouter.shardd.fences import SlotFence
+from shardrouter.shardd.migrations import schema_version
+
+Progress = Callable[[str], None]
+
+#: The order rows are deleted in, children before the rows they reference.
+_DELETE_ORDER = (
+    "dead_letters",
+    "delivery_attempts",
+    "outbox",
+    "ledger_entries",
+    "transfers",
+    "idempotency_record",
+    "accounts",
+)
+#: The serial ids of moved tables: copied as they are, so they must not meet the new owner's.
+_SEQUENCES = (("outbox", "id"), ("delivery_attempts", "id"))
+#: Ids a shard may still hand out during a move, beyond its sequence's position.
+_ID_MARGIN = 1 << 32
+_MIN_SCHEMA = 9
+
+
+@dataclass(frozen=True)
+class MoveSettings:
+    """How a move waits and when it cuts over."""
+
+    #: Cut over once the subscriber is within this many bytes of the old owner's WAL.
+    cutover_lag_bytes: int = 256 * 1024
+    copy_timeout_s: float = 600.0
+    catch_up_timeout_s: float = 300.0
+    #: How long the fence waits for older transactions before ending them.
+    drain_timeout_s: float = 5.0
+    final_sync_timeout_s: float = 60.0
+    poll_s: float = 0.05
+
+
+@dataclass(frozen=True)
+class ShardDatabases:
+    """Where each shard's database is: shard id -> DSN, and optionally the connection string the
+    new owner's server uses to reach the old owner (default: the same DSN)."""
+
+    dsns: dict[str, str]
+    replication_dsns: dict[str, str] | None = None
+
+    def dsn(self, shard_id: str) -> str:
+        """The DSN of one shard's database."""
+        try:
+            return self.dsns[shard_id]
+        except KeyError:
+            raise MoveError(
+                f"no database is known for shard {shard_id!r} (known: {', '.join(sorted(self.dsns))})"
+            ) from None
+
+    def replication_dsn(self, shard_id: str) -> str:
+        """How another shard's server reaches this one's database."""
+        return (self.replication_dsns or {}).get(shard_id) or self.dsn(shard_id)
+
+
+def _connect(dsn: str) -> psycopg.Connection[Any]:
+    return psycopg.connect(dsn, autocommit=True, connect_timeout=10)
+
+
+def start_move(
+    map_path: Path, databases: ShardDatabases, first_slot: int, last_slot: int, target: str
+) -> MoveRecord:
+    """Check and journal a new move (nothing is created yet)."""
+    shard_map = load_shard_map(map_path)
+    plan = plan_move(shard_map, first_slot, last_slot, target)
+    with _connect(databases.dsn(plan.source)) as source, _connect(databases.dsn(plan.target)) as dest:
+        for shard, conn in ((plan.source, source), (plan.target, dest)):
+            version = schema_version(conn)
+            if version < _MIN_SCHEMA:
+                raise MoveError(
+                    f"{shard}'s database is at schema {version}; start its shardd once to migrate it"
+                )
+        for conn in (source, dest):
+            for other in journal.active_moves(conn):
+                o = other.plan
+                if o.first_slot <= plan.last_slot and o.last_slot >= plan.first_slot:
+                    raise MoveError(
+                        f"move {o.move_id} of slots {o.first_slot}-{o.last_slot} is still {other.phase}: "
+                        f"finish it (reshard resume {o.move_id}) or abort it first"
+                    )
+        held = {t: n for t, n in rows_in_range(dest, plan).items() if n}
+        if held:
+            raise MoveError(
+                f"{plan.target} already holds rows of slots {plan.first_slot}-{plan.last_slot} ({held}); "
+                "a move may only copy into an empty range"
+            )
+        for fence in fences.fences(dest):
+            inside = fence.first_slot >= plan.first_slot and fence.last_slot <= plan.last_slot
+            overlaps = fence.first_slot <= plan.last_slot and fence.last_slot >= plan.first_slot
+            if overlaps and not inside:
+                raise MoveError(
+                    f"{plan.target} has a fence of slots {fence.first_slot}-{fence.last_slot} (move "
+                    f"{fence.move_id}) that crosses this range; move that range back whole"
+                )
+        return journal.create_move(source, plan)
+
+
+class Move:
+    """Drives one journaled move; `run` takes it to the end, `abort` undoes it."""
+
+    def __init__(
+        self,
+        record: MoveRecord,
+        *,
+        map_path: Path,
+        databases: ShardDatabases,
+        settings: MoveSettings | None = None,
+        progress: Progress | None = None,
+    ) -> None:
+        self.record = record
+        self.plan: MovePlan = record.plan
+        self._map_path = map_path
+        self._databases = databases
+        self._settings = settings or MoveSettings()
+        self._progress = progress or (lambda _: None)
+        self._source = _connect(databases.dsn(self.plan.source))
+        self._target = _connect(databases.dsn(self.plan.target))
+
+    def close(self) -> None:
+        """Close the connections."""
+        self._source.close()
+        self._target.close()
+
+    def __enter__(self) -> Move:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def _fence(self) -> SlotFence:
+        p = self.plan
+        return SlotFence(p.move_id, p.slots, p.first_slot, p.last_slot)
+
+    def run(self, *, until: Phase = Phase.DONE) -> MoveRecord:
+        """Take the move from its journaled phase to `until` (default: the end)."""
+        steps: dict[Phase, Callable[[], None]] = {
+            Phase.PLANNED: self._prepare,
+            Phase.PREPARED: self._copy,
+            Phase.COPIED: self._catch_up,
+            Phase.CAUGHT_UP: self._cut_over,
+            Phase.FENCED: self._verify,
+            Phase.VERIFIED: self._commit,
+            Phase.COMMITTED: self._clean_up,
+        }
+        if self.record.phase is Phase.ABORTED:
+            raise MoveError(f"move {self.plan.move_id} was aborted; start a new one")
+        while self.record.phase.rank < until.rank:
+            steps[self.record.phase]()
+        return self.record
+
+    # The phases. Each ends by journaling the next phase; each may run again after a crash.
+
+    def _prepare(self) -> None:
+        started = time.monotonic()
+        p, name = self.plan, self.plan.object_name
+        self._record("fence", p.move_id, p.target)
+        fences.raise_fence(self._target, self._fence)
+        with self._target.transaction():  # moved-out markers of earlier moves of this range
+            self._target.execute(
+                "DELETE FROM slot_fences WHERE move_id <> %s AND slots = %s"
+                " AND first_slot >= %s AND last_slot <= %s",
+                (p.move_id, p.slots, p.first_slot, p.last_slot),
+            )
+        have = set(partitions.existing_partitions(self._target))
+        for month in partitions.existing_partitions(self._source):
+            if month not in have:
+                self._record("partition", month.table, p.target)
+                partitions.create_partition(self._target, month)
+        id_spans = self._check_id_spaces()
+        self._record("replica_identity", "full", p.source)
+        replication.set_replica_identity(self._source, full=True)
+        self._record("publication", name, p.source)
+        replication.create_publication(self._source, name, p)
+        # Again: a partition attached meanwhile must be FULL too (the keeper checks for moves).
+        replication.set_replica_identity(self._source, full=True)
+        self._record("slot", name, p.source)
+        replication.create_slot(self._source, name)
+        self._phase(Phase.PREPARED, prepare_s=round(time.monotonic() - started, 3), id_spans=id_spans)
+
+    def _copy(self) -> None:
+        started = time.monotonic()
+        name = self.plan.object_name
+        self._record("subscription", name, self.plan.target)
+        replication.create_subscription(
+            self._target,
+            name,
+            source_conninfo=self._databases.replication_dsn(self.plan.source),
+            publication=name,
+            slot=name,
+        )
+        deadline = started + self._settings.copy_timeout_s
+        shown = 0.0
+        while True:
+            state = replication.copy_state(self._target, name)
+            if state.copied:
+                break
+            if time.monotonic() - shown >= 1.0:
+                shown = time.monotonic()
+                copied = sum(rows_in_range(self._target, self.plan).values())
+                journal.add_figures(self._source, self.record, rows_copied=copied)
+                self._progress(f"copying: {state.ready}/{state.tables} tables done, {copied} rows so far")
+            self._check_stream(deadline, "the initial copy")
+            time.sleep(self._settings.poll_s)
+        copied = sum(rows_in_range(self._target, self.plan).values())
+        self._phase(Phase.COPIED, copy_s=round(time.monotonic() - started, 3), rows_copied=copied)
+
+    def _catch_up(self) -> None:
+        started = time.monotonic()
+        deadline = started + self._settings.catch_up_timeout_s
+        shown = 0.0
+        while True:
+            replication.wake_stream(self._source)
+            lag = replication.slot_lag_bytes(self._source, self.plan.object_name)
+            if lag is None:
+                raise MoveError(f"the replication slot {self.plan.object_name} is gone; abort the move")
+            if lag <= self._settings.cutover_lag_bytes:
+                break
+            if time.monotonic() - shown >= 1.0:
+                shown = time.monotonic()
+                journal.add_figures(self._source, self.record, lag_bytes=lag)
+                self._progress(f"catching up: {lag} bytes behind")
+            self._check_stream(deadline, "catching up")
+            time.sleep(self._settings.poll_s)
+        self._phase(
+            Phase.CAUGHT_UP, catch_up_s=round(time.monotonic() - started, 3), lag_bytes_at_cutover=lag
+        )
+
+    def _cut_over(self) -> None:
+        self._record("fence", self.plan.move_id, self.plan.source)
+        fenced_at = fences.raise_fence(self._source, self._fence)
+        fenced_unix = time.time()
+        started = time.monotonic()
+        fences.drain(self._source, fenced_at, timeout_s=self._settings.drain_timeout_s, end_stragglers=True)
+        drained = time.monotonic()
+        final = replication.current_lsn(self._source)
+        deadline = drained + self._settings.final_sync_timeout_s
+        while True:
+            replication.wake_stream(self._source)
+            lag = replication.slot_lag_bytes(self._source, self.plan.object_name, upto=final)
+            if lag == 0:
+                break
+            if lag is None:
+                raise MoveError(f"the replication slot {self.plan.object_name} is gone; abort the move")
+            self._check_stream(deadline, "the final catch-up")
+            time.sleep(self._settings.poll_s)
+        self._phase(
+            Phase.FENCED,
+            fenced_at_unix=self.record.figures.get("fenced_at_unix", fenced_unix),
+            drain_s=round(drained - started, 3),
+            final_sync_s=round(time.monotonic() - drained, 3),
+            final_lsn=final,
+        )
+
+    def _verify(self) -> None:
+        started = time.monotonic()
+        result = verify(self._source, self._target, self.plan)
+        if result.problems:
+            raise MoveError(
+                "verification failed, the move stops here (abort it to roll back): "
+                + "; ".join(result.problems)
+            )
+        self._phase(
+            Phase.VERIFIED,
+            verify_s=round(time.monotonic() - started, 3),
+            rows_moved={t: d.rows for t, d in result.target.items()},
+        )
+
+    def _commit(self) -> None:
+        started = time.monotonic()
+        replication.drop_subscription(self._target, self.plan.object_name)
+        current = load_shard_map(self._map_path)
+        if not owns_range(current, self.plan.target, self.plan.first_slot, self.plan.last_slot):
+            if not owns_range(current, self.plan.source, self.plan.first_slot, self.plan.last_slot):
+                raise MoveError(
+                    f"the shard map {self._map_path} no longer gives slots {self.plan.first_slot}-"
+                    f"{self.plan.last_slot} to {self.plan.source}; someone changed it during the move"
+                )
+            new: ShardMap = moved_map(current, self.plan)
+            write_shard_map(self._map_path, new)  # the commit point
+            self._progress(
+                f"committed: shard map version {new.version} gives the range to {self.plan.target}"
+            )
+        fences.lower_fence(self._target, self.plan.move_id)
+        pause = time.time() - float(self.record.figures.get("fenced_at_unix", time.time()))
+        self._phase(
+            Phase.COMMITTED, commit_s=round(time.monotonic() - started, 3), write_pause_s=round(pause, 3)
+        )
+
+    def _clean_up(self) -> None:
+        started = time.monotonic()
+        name = self.plan.object_name
+        replication.drop_slot(self._source, name)
+        replication.drop_publication(self._source, name)
+        replication.set_replica_identity(self._source, full=False)
+        deleted = self._delete_range(self._source)
+        # The source's fence stays: it marks the range as moved out, refusing any stray write.
+        self._phase(
+            Phase.DONE, clean_up_s=round(time.monotonic() - started, 3), rows_deleted_at_source=deleted
+        )
+
+    # Abort.
+
+    def abort(self) -> MoveRecord:
+        """Undo a move that has not committed: every object it made, and the rows it copied."""
+        if self.record.phase in (Phase.COMMITTED, Phase.DONE):
+            raise MoveError(
+                f"move {self.plan.move_id} has committed (the map gives the range to {self.plan.target}); "
+                f"resume it to finish the clean-up instead"
+            )
+        if self.record.phase is Phase.ABORTED:
+            return self.record
+        current = load_shard_map(self._map_path)
+        if owns_range(current, self.plan.target, self.plan.first_slot, self.plan.last_slot):
+            raise MoveError(
+                f"the shard map already gives slots {self.plan.first_slot}-{self.plan.last_slot} to "
+                f"{self.plan.target}: the move committed; resume it instead"
+            )
+        name = self.plan.object_name
+        replication.drop_subscription(self._target, name)
+        replication.drop_slot(self._source, name)
+        replication.drop_publication(self._source, name)
+        replication.set_replica_identity(self._source, full=False)
+        removed = self._delete_range(self._target)
+        for obj in self.record.has("partition", self.plan.target):
+            month = next(
+                (m for m in partitions.existing_partitions(self._target) if m.table == obj.name), None
+            )
+            if month is not None and self._is_empty(self._target, obj.name):
+                partitions.drop_partition(self._target, month)
+        fences.lower_fence(self._target, self.plan.move_id)
+        fences.lower_fence(self._source, self.plan.move_id)
+        self._phase(Phase.ABORTED, aborted_from=self.record.phase.value, rows_removed_at_target=removed)
+        return self.record
+
+    # Helpers.
+
+    def _phase(self, phase: Phase, **figures: Any) -> None:
+        journal.set_phase(self._source, self.record, phase, **figures)
+        self._progress(f"{phase.value}: " + ", ".join(f"{k}={v}" for k, v in figures.items()))
+
+    def _record(self, kind: str, name: str, shard: str) -> None:
+        journal.record_object(self._source, self.record, MoveObject(kind, name, shard))
+
+    def _check_stream(self, deadline: float, what: str) -> None:
+        if time.monotonic() < deadline:
+            return
+        errors = replication.apply_errors(self._target, self.plan.object_name)
+        hint = (
+            f"; the subscription has met {errors} error(s): see {self.plan.target}'s PostgreSQL log "
+            "(a row of the range the new owner already had?)"
+            if errors
+            else ""
+        )
+        states = replication.copy_state(self._target, self.plan.object_name).states
+        waiting = {t: s for t, s in states.items() if s != "r"}
+        tables = f" (tables not yet copied, by state: {waiting})" if waiting else ""
+        raise MoveError(
+            f"{what} did not finish in time{tables}{hint}; resume the move to wait longer, or abort it"
+        )
+
+    def _check_id_spaces(self) -> dict[str, list[int]]:
+        """Refuse a move whose copied ids could meet ids the new owner has or will hand out."""
+        spans: dict[str, list[int]] = {}
+        for table, column in _SEQUENCES:
+            moved = _id_span(self._source, table, column, self.plan)
+            theirs = _id_span(self._target, table, column, None)
+            if moved is None:
+                continue
+            # The old owner may still add rows to the range until the fence: up to _ID_MARGIN.
+            low, high = moved[0], max(moved[1], _sequence_value(self._source, table, column)) + _ID_MARGIN
+            t_low = theirs[0] if theirs else _sequence_value(self._target, table, column)
+            t_high = _sequence_value(self._target, table, column) + _ID_MARGIN
+            if low <= t_high and t_low <= high:
+                raise MoveError(
+                    f"{table}.{column}: the ids of the moving rows ({low}..{high}) meet ids {self.plan.target} "
+                    f"uses ({t_low}..{t_high}); shards migrated to schema 9 or later draw ids from blocks of "
+                    "their own, rows from before cannot move"
+                )
+            spans[table] = [low, high]
+        return spans
+
+    def _delete_range(self, conn: psycopg.Connection[Any]) -> int:
+        """Delete the range's rows here, as the fencing move (the one writer its fence lets in)."""
+        deleted = 0
+        with conn.transaction():
+            conn.execute("SELECT set_config('shardrouter.moving_out', %s, true)", (self.plan.move_id,))
+            for table in _DELETE_ORDER:
+                cur = conn.execute(
+                    sql.SQL("DELETE FROM {} t WHERE {}").format(
+                        sql.Identifier(table), sql.SQL(self.plan.row_filter("t.account_hash"))
+                    )
+                )
+                deleted += cur.rowcount
+        return deleted
+
+    @staticmethod
+    def _is_empty(conn: psycopg.Connection[Any], table: str) -> bool:
+        row = conn.execute(
+            sql.SQL("SELECT NOT EXISTS (SELECT 1 FROM {})").format(sql.Identifier(table))
+        ).fetchone()
+        return bool(row and row[0])
+
+
+def _id_span(
+    conn: psycopg.Connection[Any], table: str, column: str, plan: MovePlan | None
+) -> tuple[int, int] | None:
+    """The smallest and largest id of a table (of the plan's slots only, with a plan)."""
+    where = sql.SQL(plan.row_filter("t.account_hash")) if plan else sql.SQL("true")
+    row = conn.execute(
+        sql.SQL("SELECT min({c}), max({c}) FROM {t} t WHERE {w}").format(
+            c=sql.Identifier(column), t=sql.Identifier(table), w=where
+        )
+    ).fetchone()
+    return None if row is None or row[0] is None else (int(row[0]), int(row[1]))
+
+
+def _sequence_value(conn: psycopg.Connection[Any], table: str, column: str) -> int:
+    row = conn.execute(
+        "SELECT coalesce(s.last_value, 0) FROM pg_sequences s"
+        " WHERE format('%%I.%%I', s.schemaname, s.sequencename)::regclass = pg_get_serial_sequence(%s, %s)::regclass",
+        (table, column),
+    ).fetchone()
+    if row is None:
+        raise MoveError(f"{table}.{column} has no sequence")
+    return int(row[0])
+
+
+def find_move(databases: ShardDatabases, move_id: str) -> MoveRecord:
+    """A journaled move, looked up in every shard's database."""
+    for dsn in databases.dsns.values():
+        with _connect(dsn) as conn:
+            record = journal.load_move(conn, move_id)
+            if record is not None:
+                return record
+    raise MoveError(f"no move {move_id!r} is journaled in any shard's database")
+
+
+def list_moves(databases: ShardDatabases, *, active_only: bool = False) -> list[MoveRecord]:
+    """Every journaled move of every shard."""
+    found: list[MoveRecord] = []
+    for dsn in databases.dsns.values():
+        with _connect(dsn) as conn:
+            moves = journal.all_moves(conn)
+        found.extend(m for m in moves if not active_only or m.phase in ACTIVE_PHASES)
+    return found
+
+
+__all__ = ["Move", "MoveSettings", "ShardDatabases", "find_move", "list_moves", "start_move"]
