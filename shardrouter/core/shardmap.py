@@ -14,7 +14,8 @@ shard is a map change, not a rehash of every account. The file is YAML or JSON:
         address: 127.0.0.1:50062
         slot_ranges: [[8192, 16383]]
 
-A shard may be served by several daemons over its one database (`addresses`, or one `address`, a
+A shard may own no slots (`slot_ranges: []`): one just added, waiting for a move to give it a range,
+or one whose ranges all moved away. A shard may be served by several daemons over its one database (`addresses`, or one `address`, a
 Kubernetes Service say): a call may go to any of them, and the claim protocol decides between them.
 `version` (a non-negative integer, 0 when absent) orders the maps: a process that follows the file
 takes a new map only with a higher version, so a stale copy of the file can never turn ownership
@@ -200,8 +201,9 @@ def parse_shard_map(raw: object, *, source: str) -> ShardMap:
             raise fail(f"{where}.id {shard_id!r} appears twice")
         addresses = _addresses(entry, where, fail)
         shard_ranges = entry.get("slot_ranges")
-        if not isinstance(shard_ranges, list) or not shard_ranges:
-            raise fail(f"{where}.slot_ranges must be a non-empty list of [first, last] pairs")
+        # Empty: a shard that owns nothing yet (just added) or any more (moved out), still reachable.
+        if not isinstance(shard_ranges, list):
+            raise fail(f"{where}.slot_ranges must be a list of [first, last] pairs (empty: owns no slot)")
         for pair in shard_ranges:
             if (
                 not isinstance(pair, list)

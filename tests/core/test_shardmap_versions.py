@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardrouter.core.shardmap import ShardMapError, parse_shard_map, shard_map_document
+from shardrouter.core.shardmap import (
+    ShardMapError,
+    load_shard_map,
+    parse_shard_map,
+    shard_map_document,
+    write_shard_map,
+)
 from shardrouter.core.shardmap_file import ShardMapFile
 
 
@@ -34,6 +40,18 @@ def test_a_shard_may_list_several_daemons() -> None:
     assert shard_map.addresses() == {"127.0.0.1:1000", "127.0.0.1:1001", "127.0.0.1:2000"}
     # The document round-trips, version and addresses included.
     assert parse_shard_map(shard_map_document(shard_map), source="t") == shard_map
+
+
+def test_a_shard_may_own_no_slots_and_round_trips(tmp_path: Path) -> None:
+    """A shard just added (or moved out of) has no range but stays in the map, reachable."""
+    doc = _doc(2, "127.0.0.1:1000")
+    doc["shards"].append({"id": "shard-2", "address": "127.0.0.1:3000", "slot_ranges": []})  # type: ignore[attr-defined]
+    shard_map = parse_shard_map(doc, source="t")
+    assert shard_map.shard_by_id("shard-2") is not None
+    assert "127.0.0.1:3000" in shard_map.addresses()
+    assert {shard_map.owner_of_slot(s).id for s in range(shard_map.slots)} == {"shard-0", "shard-1"}
+    write_shard_map(tmp_path / "m.yaml", shard_map)
+    assert load_shard_map(tmp_path / "m.yaml") == shard_map
 
 
 def test_an_unversioned_map_is_version_0() -> None:

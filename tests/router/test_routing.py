@@ -150,7 +150,11 @@ GOOD = {"slots": 4, "shards": [{"id": "shard-0", "address": "127.0.0.1:1", "slot
         ),
         (
             json.dumps({"slots": 4, "shards": [{"id": "a", "address": "h:1", "slot_ranges": []}]}),
-            "shards[0].slot_ranges must be a non-empty list",
+            "slots 0..3 are owned by no shard",
+        ),
+        (
+            json.dumps({"slots": 4, "shards": [{"id": "a", "address": "h:1", "slot_ranges": "0-3"}]}),
+            "shards[0].slot_ranges must be a list of [first, last] pairs",
         ),
         (
             json.dumps({"slots": 4, "shards": [{"id": "a", "address": "h:1", "slot_ranges": [[0, 4]]}]}),
