@@ -2,279 +2,132 @@
 every phase, aborted at every phase, and refused when it cannot be done.
 
 Two real shard daemons (gRPC on loopback, relays on) over two databases of a real PostgreSQL
-(wal_level=logical), following one shard map file; the move uses PostgreSQL's own logical
-replication between them.
+(wal_level=logical), following one shard map file (`conftest.pair`); the move uses PostgreSQL's own
+logical replication between them.
 """
 
 from __future__ import annotations
 
-import random
-import threading
 import time
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 import psycopg
 import pytest
-from grpc_status import rpc_status
 
-from shardrouter.core.keys import new_key
-from shardrouter.core.shardmap import ShardMap, even_shard_map, load_shard_map, write_shard_map
-from shardrouter.localcluster.postgres import LocalPostgres, free_port
-from shardrouter.reshard.move import Move, MoveSettings, ShardDatabases, start_move
+from shardrouter.core.shardmap import load_shard_map
+from shardrouter.reshard.move import Move, MoveSettings, find_move, start_move
 from shardrouter.reshard.plan import MoveError, Phase
 from shardrouter.reshard.verify import rows_in_range
 from shardrouter.shardd.migrations import FENCED_TABLES
-from shardrouter.shardd.server import ShardDaemon, start_shard
-from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import key_metadata, make_settings, money
+from shardrouter.v1 import transfer_pb2
+from tests.conftest import key_metadata, money
+from tests.reshard.cluster import (
+    FIRST,
+    LAST,
+    Load,
+    Pair,
+    accounts,
+    assert_no_leftovers,
+    check_ledger,
+    seed,
+)
 
-FIRST, LAST = 0, 4095  # a quarter of the slots, all owned by shard-0 in the even map
-
-
-@dataclass
-class Pair:
-    """Two shards over two databases, one map file."""
-
-    map_path: Path
-    dsns: dict[str, str]
-    ports: dict[str, int]
-    daemons: dict[str, ShardDaemon] = field(default_factory=dict)
-    channels: dict[str, grpc.Channel] = field(default_factory=dict)
-
-    @property
-    def databases(self) -> ShardDatabases:
-        return ShardDatabases(self.dsns)
-
-    def stub(self, shard_id: str) -> transfer_pb2_grpc.TransferServiceStub:
-        if shard_id not in self.channels:
-            self.channels[shard_id] = grpc.insecure_channel(f"127.0.0.1:{self.ports[shard_id]}")
-        return transfer_pb2_grpc.TransferServiceStub(self.channels[shard_id])
-
-    def owner(self, account: str, shard_map: ShardMap | None = None) -> str:
-        return (shard_map or load_shard_map(self.map_path)).shard_for(account).id
-
-    def sql(self, shard_id: str, query: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
-        with psycopg.connect(self.dsns[shard_id], autocommit=True) as conn:
-            return conn.execute(query, params).fetchall()
+QUICK = MoveSettings(copy_timeout_s=30, catch_up_timeout_s=30, final_sync_timeout_s=30)
+#: Every phase a move can be stopped after and resumed from.
+STOPS = [Phase.PREPARED, Phase.COPIED, Phase.CAUGHT_UP, Phase.FENCED, Phase.VERIFIED, Phase.COMMITTED]
+#: Every phase a move can be aborted from (before the commit).
+ABORTABLE = [Phase.PLANNED, Phase.PREPARED, Phase.COPIED, Phase.CAUGHT_UP, Phase.FENCED, Phase.VERIFIED]
 
 
-@pytest.fixture
-def pair(postgres: LocalPostgres, tmp_path: Path) -> Iterator[Pair]:
-    ports = {"shard-0": free_port(), "shard-1": free_port()}
-    map_path = tmp_path / "shard-map.yaml"
-    write_shard_map(map_path, even_shard_map({s: f"127.0.0.1:{p}" for s, p in ports.items()}, version=1))
-    dsns = {}
-    for sid in ports:
-        name = f"mv{uuid.uuid4().hex[:10]}"
-        postgres.create_database(name)
-        dsns[sid] = postgres.dsn_for(name)
-    cluster = Pair(map_path, dsns, ports)
-    for sid in ports:
-        cluster.daemons[sid] = start_shard(
-            make_settings(
-                dsns[sid],
-                shard_id=sid,
-                listen=f"127.0.0.1:{ports[sid]}",
-                shard_map=str(map_path),
-                shard_map_reload_s=0.1,
-                relay_workers=1,
-            )
-        )
-    yield cluster
-    for channel in cluster.channels.values():
-        channel.close()
-    for daemon in cluster.daemons.values():
-        daemon.stop(0.2)
-
-
-def _accounts(pair: Pair, n: int) -> tuple[list[str], list[str]]:
-    """`n` accounts in the moving range and `n` elsewhere (half of those on each shard)."""
-    shard_map = load_shard_map(pair.map_path)
-    moving, staying = [], []
-    for i in range(100_000):
-        account = f"acct-{i}"
-        if FIRST <= shard_map.slot_of(account) <= LAST:
-            if len(moving) < n:
-                moving.append(account)
-        elif len(staying) < n:
-            staying.append(account)
-        if len(moving) == n and len(staying) == n:
-            return moving, staying
-    raise AssertionError("not enough accounts")
-
-
-def _answer(
-    call: grpc.RpcError | transfer_pb2.DepositResponse | transfer_pb2.TransferResponse,
-) -> tuple[object, ...]:
-    """What a caller sees of an answer, byte for byte."""
-    if isinstance(call, grpc.RpcError):
-        status = rpc_status.from_call(call)  # type: ignore[arg-type]
-        return ("error", call.code(), call.details(), status.SerializeToString() if status else b"")
-    return ("ok", call.SerializeToString(deterministic=True))
-
-
-def _send(pair: Pair, method: str, request: object, key: uuid.UUID, route: str, *, deadline_s: float = 30.0):
-    """Send with one key until a final answer; UNAVAILABLE/ABORTED are retried with the same key.
-    `route` is the account that picks the shard, by the map in the file at each attempt."""
-    give_up = time.monotonic() + deadline_s
-    while True:
-        stub = pair.stub(pair.owner(route))
-        try:
-            return getattr(stub, method)(request, metadata=key_metadata(key), timeout=5)
-        except grpc.RpcError as err:
-            if (
-                err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
-                or time.monotonic() > give_up
-            ):
-                return err
-            time.sleep(0.02)
-
-
-def _seed(pair: Pair, accounts: list[str], amount: int) -> None:
-    for account in accounts:
-        answer = _send(
-            pair,
-            "Deposit",
-            transfer_pb2.DepositRequest(account_id=account, amount=money(amount)),
-            new_key(),
-            account,
-        )
-        assert not isinstance(answer, grpc.RpcError), answer
-
-
-def _leftovers(pair: Pair) -> dict[str, object]:
-    """Everything a move could leave behind, on both sides."""
-    found: dict[str, object] = {}
-    for sid in pair.dsns:
-        found[f"{sid} publications"] = pair.sql(sid, "SELECT pubname FROM pg_publication")
-        found[f"{sid} subscriptions"] = pair.sql(
-            sid,
-            "SELECT subname FROM pg_subscription WHERE subdbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
-        )
-        found[f"{sid} full identities"] = pair.sql(
-            sid, "SELECT relname FROM pg_class WHERE relreplident = 'f' AND relkind IN ('r', 'p')"
-        )
-    found["slots"] = pair.sql(
-        "shard-0", "SELECT slot_name FROM pg_replication_slots WHERE slot_name LIKE 'shardrouter_move_%%'"
-    )
-    return found
-
-
-def _no_leftovers(pair: Pair) -> None:
-    assert {k: v for k, v in _leftovers(pair).items() if v} == {}
-
-
-def test_a_move_under_load_applies_every_key_once_and_replays_after(pair: Pair) -> None:
-    moving, staying = _accounts(pair, 12)
-    everyone = moving + staying
-    _seed(pair, everyone, 10_000)
-    old_map = load_shard_map(pair.map_path)
-    answers: dict[uuid.UUID, tuple[str, object, str, tuple[object, ...]]] = {}
-    mismatches: list[str] = []
-    lock = threading.Lock()
-    stop = threading.Event()
-
-    def load(seed: int) -> None:
-        rng = random.Random(seed)
-        while not stop.is_set():
-            key = new_key()
-            if rng.random() < 0.4:
-                account = rng.choice(everyone)
-                method, route = "Deposit", account
-                request: object = transfer_pb2.DepositRequest(
-                    account_id=account, amount=money(rng.randint(1, 9))
-                )
-            else:
-                src, dst = rng.sample(everyone, 2)
-                method, route = "Transfer", src
-                request = transfer_pb2.TransferRequest(
-                    source_account_id=src, destination_account_id=dst, amount=money(rng.randint(1, 5))
-                )
-            first = _answer(_send(pair, method, request, key, route))
-            with lock:
-                answers[key] = (method, request, route, first)
-            if rng.random() < 0.3:  # a duplicate right away: before, during or after the cut-over
-                again = _answer(_send(pair, method, request, key, route))
-                if again != first:
-                    with lock:
-                        mismatches.append(f"{method} {key}: {first[:2]} then {again[:2]}")
-
-    workers = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(4)]
-    for w in workers:
-        w.start()
-    time.sleep(1.0)
-    record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
-    settings = MoveSettings(copy_timeout_s=30, catch_up_timeout_s=30, final_sync_timeout_s=30)
-    try:
-        with Move(record, map_path=pair.map_path, databases=pair.databases, settings=settings) as move:
-            move.run()
-    finally:
-        stop.set()
-    time.sleep(1.0)
-    stop.set()
-    for w in workers:
-        w.join(60)
-
-    assert record.phase is Phase.DONE
-    assert sum(record.figures["rows_moved"].values()) > 0
-    assert mismatches == []
-    ok = [k for k, a in answers.items() if a[3][0] == "ok"]
-    assert len(ok) > 50, f"the load barely ran: {len(ok)} successful calls"
-    # Every retry after the move, through the map in force, is a verbatim replay.
-    new_map = load_shard_map(pair.map_path)
-    assert new_map.version == old_map.version + 1 and all(pair.owner(a, new_map) == "shard-1" for a in moving)
-    replays = {k: _answer(_send(pair, m, r, k, route)) for k, (m, r, route, _) in answers.items()}
-    assert [k for k in answers if replays[k] != answers[k][3]] == []
-    # Each applied key moved money once, wherever its rows are now.
-    legs: dict[str, int] = {}
-    for sid in pair.dsns:
-        for key, kind, n in pair.sql(
-            sid, "SELECT idempotency_key::text, kind, count(*) FROM ledger_entries GROUP BY 1, 2"
-        ):
-            legs[f"{key}/{kind}"] = legs.get(f"{key}/{kind}", 0) + int(n)  # type: ignore[call-overload]
-    assert {k: n for k, n in legs.items() if n != 1} == {}
-    # Money is conserved once every credit has landed.
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        pending = sum(
-            int(pair.sql(sid, "SELECT count(*) FROM outbox WHERE delivered_at IS NULL")[0][0])  # type: ignore[call-overload]
-            for sid in pair.dsns
-        )
-        if pending == 0:
-            break
-        time.sleep(0.1)
-    assert pending == 0
-    deposited = 10_000 * len(everyone) + sum(
-        r.amount.amount_minor  # type: ignore[attr-defined]
-        for m, r, _, a in answers.values()
-        if m == "Deposit" and a[0] == "ok"
-    )
-    total = sum(
-        int(pair.sql(sid, "SELECT coalesce(sum(balance), 0) FROM accounts")[0][0]) for sid in pair.dsns
-    )  # type: ignore[call-overload]
-    assert total == deposited
-    for sid in pair.dsns:
-        assert pair.sql(
-            sid,
-            "SELECT count(*) FROM accounts a WHERE balance <> coalesce((SELECT sum(amount_minor)"
-            " FROM ledger_entries l WHERE l.account_id = a.id), 0)",
-        ) == [(0,)]
-    # The old owner holds nothing of the range and refuses it for good; nothing is left behind.
-    plan = record.plan
-    with psycopg.connect(pair.dsns["shard-0"], autocommit=True) as conn:
-        assert sum(rows_in_range(conn, plan).values()) == 0
+def _deposit_refused_by(pair: Pair, shard_id: str, account: str) -> grpc.StatusCode:
     with pytest.raises(grpc.RpcError) as refused:
-        pair.stub("shard-0").Deposit(
-            transfer_pb2.DepositRequest(account_id=moving[0], amount=money(1)),
+        pair.stub(shard_id).Deposit(
+            transfer_pb2.DepositRequest(account_id=account, amount=money(1)),
             metadata=key_metadata(),
             timeout=5,
         )
-    assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
-    _no_leftovers(pair)
+    return refused.value.code()  # type: ignore[no-any-return]
+
+
+def test_a_move_under_load_applies_every_key_once_and_replays_after(pair: Pair) -> None:
+    moving, staying = accounts(pair, 12)
+    everyone = moving + staying
+    seed(pair, everyone)
+    old_map = load_shard_map(pair.map_path)
+    load = Load(pair, everyone)
+    load.start()
+    time.sleep(1.0)
+    record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
+    try:
+        with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+            move.run()
+        time.sleep(1.0)  # load after the cut-over too
+    finally:
+        load.stop()
+
+    assert record.phase is Phase.DONE
+    assert sum(record.figures["rows_moved"].values()) > 0
+    assert load.mismatches == []
+    assert load.ok_count() > 50, f"the load barely ran: {load.ok_count()} successful calls"
+    new_map = load_shard_map(pair.map_path)
+    assert new_map.version == old_map.version + 1
+    assert all(pair.owner(a, new_map) == "shard-1" for a in moving)
+    # Every retry after the move, through the map in force, is a verbatim replay.
+    assert load.replays_that_differ() == []
+    check_ledger(pair, len(everyone), load.deposited())
+    # The old owner holds nothing of the range and refuses it for good; nothing is left behind.
+    with psycopg.connect(pair.dsns["shard-0"], autocommit=True) as conn:
+        assert sum(rows_in_range(conn, record.plan).values()) == 0
+    assert _deposit_refused_by(pair, "shard-0", moving[0]) is grpc.StatusCode.UNAVAILABLE
+    assert_no_leftovers(pair)
+
+
+@pytest.mark.parametrize("stop", STOPS, ids=[p.value for p in STOPS])
+def test_a_move_stopped_after_any_phase_resumes_from_its_journal(pair: Pair, stop: Phase) -> None:
+    moving, staying = accounts(pair, 4)
+    seed(pair, moving + staying)
+    answers = {a: pair.sql("shard-0", "SELECT balance FROM accounts WHERE id = %s", (a,)) for a in moving}
+    record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
+    with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+        move.run(until=stop)
+    assert record.phase is stop
+    # A new orchestrator knows only the move's id: everything else comes from the journal.
+    resumed = find_move(pair.databases, record.plan.move_id)
+    assert resumed.phase is stop and resumed.objects == record.objects
+    with Move(resumed, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+        move.run()
+    assert resumed.phase is Phase.DONE
+    assert all(pair.owner(a) == "shard-1" for a in moving)
+    assert {
+        a: pair.sql("shard-1", "SELECT balance FROM accounts WHERE id = %s", (a,)) for a in moving
+    } == answers
+    seed(pair, moving, 1)  # the new owner takes writes for the range
+    check_ledger(pair, len(moving) + len(staying), len(moving))
+    assert_no_leftovers(pair)
+
+
+@pytest.mark.parametrize("at", ABORTABLE, ids=[p.value for p in ABORTABLE])
+def test_an_abort_at_any_phase_before_the_commit_leaves_nothing_behind(pair: Pair, at: Phase) -> None:
+    moving, staying = accounts(pair, 4)
+    seed(pair, moving + staying)
+    version = load_shard_map(pair.map_path).version
+    record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
+    with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+        move.run(until=at)
+        move.abort()
+    assert record.phase is Phase.ABORTED
+    assert find_move(pair.databases, record.plan.move_id).phase is Phase.ABORTED
+    assert load_shard_map(pair.map_path).version == version
+    with psycopg.connect(pair.dsns["shard-1"], autocommit=True) as conn:
+        assert sum(rows_in_range(conn, record.plan).values()) == 0
+    for sid in pair.dsns:
+        assert pair.sql(sid, "SELECT move_id FROM slot_fences") == []
+    assert_no_leftovers(pair)
+    seed(pair, moving, 1)  # the old owner takes writes again
+    check_ledger(pair, len(moving) + len(staying), len(moving))
+    with pytest.raises(MoveError, match="aborted"):
+        with Move(record, map_path=pair.map_path, databases=pair.databases) as move:
+            move.run()
 
 
 def test_a_committed_move_cannot_be_aborted(pair: Pair) -> None:
@@ -288,17 +141,33 @@ def test_a_committed_move_cannot_be_aborted(pair: Pair) -> None:
 
 
 def test_a_move_back_returns_the_range_and_lifts_the_old_marker(pair: Pair) -> None:
-    moving, _ = _accounts(pair, 3)
-    _seed(pair, moving, 50)
+    moving, _ = accounts(pair, 3)
+    seed(pair, moving, 50)
     there = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
     with Move(there, map_path=pair.map_path, databases=pair.databases) as move:
         move.run()
     back = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-0")
-    with Move(back, map_path=pair.map_path, databases=pair.databases, settings=MoveSettings()) as move:
+    with Move(back, map_path=pair.map_path, databases=pair.databases) as move:
         move.run()
     assert all(pair.owner(a) == "shard-0" for a in moving)
-    _seed(pair, moving, 1)  # the old owner takes them again: the moved-out marker is gone
+    seed(pair, moving, 1)  # the old owner takes them again: the moved-out marker is gone
     assert pair.sql("shard-0", "SELECT move_id FROM slot_fences") == []
     assert [m for (m,) in pair.sql("shard-1", "SELECT move_id FROM slot_fences")] == [back.plan.move_id]
     assert set(FENCED_TABLES) <= {t for (t,) in pair.sql("shard-0", "SELECT tablename::text FROM pg_tables")}
-    _no_leftovers(pair)
+    assert_no_leftovers(pair)
+
+
+def test_moves_that_cannot_be_done_are_refused_with_the_reason(pair: Pair) -> None:
+    with pytest.raises(MoveError, match="not in the shard map"):
+        start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-9")
+    with pytest.raises(MoveError, match="already belong to shard-0"):
+        start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-0")
+    slots = load_shard_map(pair.map_path).slots
+    with pytest.raises(MoveError, match="owned by shard-0, shard-1"):
+        start_move(pair.map_path, pair.databases, 0, slots - 1, "shard-1")
+    first = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
+    with pytest.raises(MoveError, match=f"move {first.plan.move_id} .* still planned"):
+        start_move(pair.map_path, pair.databases, FIRST + 1, LAST - 1, "shard-1")
+    with Move(first, map_path=pair.map_path, databases=pair.databases) as move:
+        move.abort()
+    assert_no_leftovers(pair)

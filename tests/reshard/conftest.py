@@ -1,0 +1,51 @@
+"""The `pair` fixture: two in-process shard daemons (gRPC on loopback, relays on) over two new
+databases of the session's PostgreSQL, following one shard map file that they re-read every 0.1 s."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shardrouter.core.shardmap import even_shard_map, write_shard_map
+from shardrouter.localcluster.postgres import LocalPostgres, free_port
+from shardrouter.shardd.server import start_shard
+from tests.conftest import make_settings
+from tests.reshard.cluster import Pair
+
+
+def new_pair(postgres: LocalPostgres, tmp_path: Path) -> Pair:
+    """Two new databases and a map file giving each shard half of the slots (version 1)."""
+    ports = {"shard-0": free_port(), "shard-1": free_port()}
+    map_path = tmp_path / "shard-map.yaml"
+    write_shard_map(map_path, even_shard_map({s: f"127.0.0.1:{p}" for s, p in ports.items()}, version=1))
+    dsns = {}
+    for sid in ports:
+        name = f"mv{uuid.uuid4().hex[:10]}"
+        postgres.create_database(name)
+        dsns[sid] = postgres.dsn_for(name)
+    return Pair(map_path, dsns, ports)
+
+
+@pytest.fixture
+def pair(postgres: LocalPostgres, tmp_path: Path) -> Iterator[Pair]:
+    cluster = new_pair(postgres, tmp_path)
+    daemons = [
+        start_shard(
+            make_settings(
+                cluster.dsns[sid],
+                shard_id=sid,
+                listen=f"127.0.0.1:{port}",
+                shard_map=str(cluster.map_path),
+                shard_map_reload_s=0.1,
+                relay_workers=1,
+            )
+        )
+        for sid, port in cluster.ports.items()
+    ]
+    yield cluster
+    cluster.close()
+    for daemon in daemons:
+        daemon.stop(0.2)
