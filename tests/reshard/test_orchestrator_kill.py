@@ -1,0 +1,136 @@
+"""The orchestrator (`shard-router reshard`, a real process) SIGKILLed at every step of a move under
+a load with duplicates, then the move resumed or aborted by a new process: every key applied
+once, every retry a verbatim replay, money conserved, nothing left behind.
+
+The kill lands as soon as the process reports a step (its progress line), so it strikes while the
+next step is under way: creating the next object, copying, waiting for the stream, or deleting.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardrouter.core.shardmap import load_shard_map
+from shardrouter.reshard.move import find_move
+from shardrouter.reshard.plan import Phase
+from tests.reshard.cluster import FIRST, LAST, Load, Pair, accounts, assert_no_leftovers, check_ledger, seed
+
+#: What the orchestrator prints when it reaches a step (after its clock time).
+KILL_POINTS = {
+    "planned": r"move m\w+: slots",
+    "prepared": r"prepared:",
+    "copied": r"copied:",
+    "caught_up": r"caught_up:",
+    "fenced": r"fenced:",
+    "verified": r"verified:",
+    "map_written": r"committed: shard map version",  # the commit point passed, not yet journaled
+    "committed": r"committed: commit_s",
+}
+BEFORE_COMMIT = [k for k in KILL_POINTS if k not in ("map_written", "committed")]
+
+
+def _reshard(pair: Pair, databases: Path, *args: str) -> list[str]:
+    command = [sys.executable, "-m", "shardrouter.localcluster.command", "reshard", *args]
+    return [*command, "--map", str(pair.map_path), "--databases", str(databases)]
+
+
+def _kill_at(pair: Pair, databases: Path, point: str) -> str:
+    """Start a move and SIGKILL its process once it prints the step `point`; the move's id."""
+    process = subprocess.Popen(
+        _reshard(pair, databases, "--slots", f"{FIRST}-{LAST}", "--to", "shard-1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert process.stdout is not None
+    move_id, seen = "", []
+    deadline = time.monotonic() + 60
+    try:
+        for line in process.stdout:
+            seen.append(line)
+            found = re.search(r"move (m\w+):", line)
+            move_id = move_id or (found[1] if found else "")
+            if re.search(KILL_POINTS[point], line):
+                process.send_signal(signal.SIGKILL)
+                break
+            assert time.monotonic() < deadline, "".join(seen)
+        else:
+            raise AssertionError(f"the move ended before {point}: {''.join(seen)}")
+    finally:
+        process.kill()
+        process.wait(10)
+        process.stdout.close()
+    assert process.returncode == -signal.SIGKILL
+    assert move_id, "".join(seen)
+    return move_id
+
+
+def _finish(pair: Pair, databases: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        _reshard(pair, databases, *args), capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("point", "then"),
+    [(p, "resume") for p in KILL_POINTS] + [(p, "abort") for p in BEFORE_COMMIT],
+)
+def test_an_orchestrator_killed_at_any_step_resumes_or_aborts_cleanly(
+    pair: Pair, tmp_path: Path, point: str, then: str
+) -> None:
+    databases = tmp_path / "databases.yaml"
+    databases.write_text(yaml.safe_dump(pair.dsns), encoding="utf-8")
+    moving, staying = accounts(pair, 6)
+    everyone = moving + staying
+    seed(pair, everyone)
+    version = load_shard_map(pair.map_path).version
+    load = Load(pair, everyone, threads=2)
+    load.start()
+    try:
+        time.sleep(0.3)
+        move_id = _kill_at(pair, databases, point)
+        time.sleep(0.3)  # the load meets whatever the killed move left: fences, a subscription
+        finished = _finish(pair, databases, then, move_id)
+        assert finished.returncode == 0, finished.stdout + finished.stderr
+        time.sleep(0.3)
+    finally:
+        load.stop()
+
+    record = find_move(pair.databases, move_id)
+    owner = "shard-1" if then == "resume" else "shard-0"
+    assert record.phase is (Phase.DONE if then == "resume" else Phase.ABORTED)
+    assert load_shard_map(pair.map_path).version == version + (then == "resume")
+    assert all(pair.owner(a) == owner for a in moving)
+    assert load.mismatches == []
+    assert load.ok_count() > 5, f"the load barely ran: {load.ok_count()} successful calls"
+    assert load.replays_that_differ() == []
+    check_ledger(pair, len(everyone), load.deposited())
+    assert_no_leftovers(pair)
+
+
+def test_an_abort_after_the_map_was_written_is_refused_and_resume_finishes(
+    pair: Pair, tmp_path: Path
+) -> None:
+    databases = tmp_path / "databases.yaml"
+    databases.write_text(yaml.safe_dump(pair.dsns), encoding="utf-8")
+    moving, _ = accounts(pair, 3)
+    seed(pair, moving)
+    move_id = _kill_at(pair, databases, "map_written")
+    refused = _finish(pair, databases, "abort", move_id)
+    assert refused.returncode == 2
+    assert "resume it instead" in refused.stderr
+    resumed = _finish(pair, databases, "resume", move_id)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert find_move(pair.databases, move_id).phase is Phase.DONE
+    assert all(pair.owner(a) == "shard-1" for a in moving)
+    assert_no_leftovers(pair)
