@@ -2,7 +2,8 @@
 the old owner's, table by table, and every moved account's balance is the sum of its ledger.
 
 A table's digest is its row count and an order-independent checksum (the sum of a 60-bit slice
-of each row's md5 over its whole text, stored responses included), taken with the same session
+of each row's md5 over its whole text, stored responses included), slot by slot, so a mismatch
+names the slots it is in; taken with the same session
 settings on both sides so a row prints the same wherever it is.
 """
 
@@ -20,10 +21,20 @@ from shardrouter.shardd.migrations import FENCED_TABLES
 
 @dataclass(frozen=True)
 class TableDigest:
-    """Rows of the moving slots in one table, and their checksum."""
+    """Rows of the moving slots in one table and their checksum, in all and slot by slot
+    (`by_slot`: slot -> (rows, checksum), slots with rows only)."""
 
     rows: int
     checksum: int
+    by_slot: dict[int, tuple[int, int]]
+
+    def slots_that_differ(self, other: TableDigest) -> list[int]:
+        """The slots whose rows or checksum differ between the two sides."""
+        return sorted(
+            s
+            for s in self.by_slot.keys() | other.by_slot.keys()
+            if self.by_slot.get(s) != other.by_slot.get(s)
+        )
 
 
 @dataclass(frozen=True)
@@ -39,7 +50,8 @@ class Verification:
         """Each difference, in words."""
         found = [
             f"{t}: {self.source[t].rows} rows (checksum {self.source[t].checksum}) on the old owner, "
-            f"{self.target[t].rows} (checksum {self.target[t].checksum}) on the new"
+            f"{self.target[t].rows} (checksum {self.target[t].checksum}) on the new; slots that differ: "
+            + _some(self.source[t].slots_that_differ(self.target[t]))
             for t in FENCED_TABLES
             if self.source[t] != self.target[t]
         ]
@@ -66,15 +78,27 @@ def digests(conn: psycopg.Connection[Any], plan: MovePlan) -> dict[str, TableDig
         conn.execute("SET LOCAL IntervalStyle = 'postgres'")
         conn.execute("SET LOCAL bytea_output = 'hex'")
         for table in FENCED_TABLES:
-            row = conn.execute(
+            rows = conn.execute(
                 sql.SQL(
-                    "SELECT count(*), coalesce(sum(('x' || left(md5(t::text), 15))::bit(60)::bigint::numeric), 0)"
-                    " FROM {} t WHERE {}"
-                ).format(sql.Identifier(table), sql.SQL(plan.row_filter("t.account_hash")))
-            ).fetchone()
-            assert row is not None
-            out[table] = TableDigest(int(row[0]), int(row[1]))
+                    "SELECT t.account_hash % {slots}, count(*),"
+                    " sum(('x' || left(md5(t::text), 15))::bit(60)::bigint::numeric)"
+                    " FROM {table} t WHERE {where} GROUP BY 1"
+                ).format(
+                    slots=sql.Literal(plan.slots),
+                    table=sql.Identifier(table),
+                    where=sql.SQL(plan.row_filter("t.account_hash")),
+                )
+            ).fetchall()
+            by_slot = {int(slot): (int(n), int(checksum)) for slot, n, checksum in rows}
+            out[table] = TableDigest(
+                sum(n for n, _ in by_slot.values()), sum(c for _, c in by_slot.values()), by_slot
+            )
     return out
+
+
+def _some(slots: list[int], shown: int = 8) -> str:
+    more = f" and {len(slots) - shown} more" if len(slots) > shown else ""
+    return ", ".join(str(s) for s in slots[:shown]) + more
 
 
 def unbalanced_accounts(conn: psycopg.Connection[Any], plan: MovePlan) -> int:

@@ -171,3 +171,30 @@ def test_moves_that_cannot_be_done_are_refused_with_the_reason(pair: Pair) -> No
     with Move(first, map_path=pair.map_path, databases=pair.databases) as move:
         move.abort()
     assert_no_leftovers(pair)
+
+
+def test_a_row_that_differs_after_the_copy_stops_the_move_before_the_commit(pair: Pair) -> None:
+    moving, _ = accounts(pair, 4)
+    seed(pair, moving)
+    version = load_shard_map(pair.map_path).version
+    record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
+    with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+        move.run(until=Phase.FENCED)
+        slot = load_shard_map(pair.map_path).slot_of(moving[0])
+        # A stored response damaged on the new owner (past its fence, as only a person could).
+        with psycopg.connect(pair.dsns["shard-1"], autocommit=True) as conn, conn.transaction():
+            conn.execute("SET LOCAL session_replication_role = replica")
+            conn.execute(
+                "UPDATE idempotency_record SET response = response || '\\x00'::bytea"
+                " WHERE account_hash = (SELECT account_hash FROM accounts WHERE id = %s)",
+                (moving[0],),
+            )
+        with pytest.raises(MoveError, match=f"idempotency_record: .* slots that differ: {slot}$"):
+            move.run()
+        assert record.phase is Phase.FENCED
+        assert load_shard_map(pair.map_path).version == version
+        move.abort()
+    assert all(pair.owner(a) == "shard-0" for a in moving)
+    seed(pair, moving, 1)
+    check_ledger(pair, len(moving), len(moving))
+    assert_no_leftovers(pair)
