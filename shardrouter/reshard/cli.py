@@ -2,6 +2,7 @@
 
     shard-router reshard --slots 0-1023 --to shard-2     # plan, copy, catch up, cut over, clean up
     shard-router reshard status [MOVE]                   # every move (or one), phase and figures
+    shard-router reshard status --watch [MOVE]           # a line per active move every 2 s, until done
     shard-router reshard resume MOVE                     # after a crash or a stop: go on from the journal
     shard-router reshard abort MOVE                      # roll back a move that has not committed
 
@@ -9,6 +10,11 @@ It needs the shard map file (the one routers and shard daemons follow: the move 
 replacing it) and each shard's database DSN, from a YAML file of `shard-id: DSN` (`--databases`)
 or `--dsn shard-id=DSN`. The local cluster (`shard-router dev up`) writes both into its data
 directory, which is the default.
+
+`status --watch` reads the journal (and the move's replication slot, for the lag) again every
+`--interval` seconds and prints one line per active move: its phase and the step under way, rows
+copied, lag, and the seconds each finished step took; it ends, with 0, once the move (without
+MOVE: every move it saw) is done or aborted, or on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -17,19 +23,32 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
 import yaml
 
 from shardrouter.core.shardmap import ShardMapError, load_shard_map
+from shardrouter.reshard import replication
 from shardrouter.reshard.journal import MoveRecord
 from shardrouter.reshard.move import Move, MoveSettings, ShardDatabases, find_move, list_moves, start_move
-from shardrouter.reshard.plan import MoveError, Phase, parse_slot_range
+from shardrouter.reshard.plan import ACTIVE_PHASES, MoveError, Phase, parse_slot_range
 from shardrouter.shardd.fences import DrainTimeout
 
 _COMMANDS = ("status", "resume", "abort")
+WATCH_INTERVAL_S = 2.0
+#: What a move is doing while its journal says it reached a phase: the next step.
+_STEP_AFTER = {
+    Phase.PLANNED: "preparing",
+    Phase.PREPARED: "copying",
+    Phase.COPIED: "catching up",
+    Phase.CAUGHT_UP: "cutting over",
+    Phase.FENCED: "verifying",
+    Phase.VERIFIED: "committing",
+    Phase.COMMITTED: "cleaning up",
+}
 
 
 def _parser(default_dir: Path | None) -> argparse.ArgumentParser:
@@ -71,6 +90,17 @@ def _parser(default_dir: Path | None) -> argparse.ArgumentParser:
         help="seconds the fence waits for older transactions before ending them (default %(default)s)",
     )
     parser.add_argument("--json", action="store_true", help="status as JSON")
+    parser.add_argument(
+        "--watch",
+        action="store_true",
+        help="status: print the active moves again and again until they are done or aborted (or Ctrl-C)",
+    )
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=WATCH_INTERVAL_S,
+        help="seconds between two looks of --watch (default %(default)s)",
+    )
     return parser
 
 
@@ -121,10 +151,122 @@ def _describe(record: MoveRecord) -> str:
         parts.append(f"lag {f['lag_bytes']} bytes")
     if "write_pause_s" in f:
         parts.append(f"write pause {f['write_pause_s']} s")
-    seconds = [f"{k[:-2]} {f[k]}" for k in f if k.endswith("_s") and k != "write_pause_s"]
+    seconds = _finished_seconds(record)
     if seconds:
-        parts.append("seconds: " + ", ".join(seconds))
+        parts.append("seconds: " + seconds)
     return "; ".join(parts)
+
+
+#: The journal's figures of seconds, in the order of the steps (jsonb keeps its keys in its own order).
+_STEP_SECONDS = (
+    "prepare_s",
+    "copy_s",
+    "catch_up_s",
+    "drain_s",
+    "final_sync_s",
+    "verify_s",
+    "commit_s",
+    "clean_up_s",
+)
+
+
+def _finished_seconds(record: MoveRecord) -> str:
+    """The seconds each finished step took, from the journal's figures, in the order of the steps."""
+    f = record.figures
+    keys = [k for k in f if k.endswith("_s") and k != "write_pause_s"]
+    keys.sort(key=lambda k: _STEP_SECONDS.index(k) if k in _STEP_SECONDS else len(_STEP_SECONDS))
+    return ", ".join(f"{k[:-2]} {f[k]}" for k in keys)
+
+
+@dataclass(frozen=True)
+class _PhaseClock:
+    """When the watch saw a move in its phase first; `from_start` if it saw the phase begin (else
+    the phase was under way at the first look, and the time in it is a lower bound)."""
+
+    phase: Phase
+    since: float
+    from_start: bool
+
+
+def _progress_line(record: MoveRecord, lag_bytes: int | None, in_phase_s: float, exact: bool) -> str:
+    """One line of the watch: phase and step under way, rows copied, lag, seconds per step."""
+    p, f = record.plan, record.figures
+    took = f"{in_phase_s:.0f} s" if exact else f">= {in_phase_s:.0f} s"
+    parts = [
+        f"{p.move_id}: slots {p.first_slot}-{p.last_slot} {p.source} -> {p.target}, {record.phase.value}"
+        f" ({_STEP_AFTER[record.phase]} for {took})",
+        f"rows copied {f.get('rows_copied', 0)}",
+        "lag -" if lag_bytes is None else f"lag {lag_bytes} bytes",
+    ]
+    seconds = _finished_seconds(record)
+    if seconds:
+        parts.append("seconds: " + seconds)
+    return "; ".join(parts)
+
+
+def _live_lag(databases: ShardDatabases, record: MoveRecord) -> int | None:
+    """The move's lag now, from its slot on the old owner (None: no slot, not made yet or dropped)."""
+    with psycopg.connect(databases.dsn(record.plan.source), autocommit=True, connect_timeout=10) as conn:
+        return replication.slot_lag_bytes(conn, record.plan.object_name)
+
+
+class _Watch:
+    """The state of `status --watch` between two looks: the moves seen active, and since when in
+    their phase (the journal keeps no start time of a phase, so the watch times what it sees)."""
+
+    def __init__(self, databases: ShardDatabases, move_id: str | None) -> None:
+        self._databases = databases
+        self._move_id = move_id
+        self._clocks: dict[str, _PhaseClock] = {}
+        self._looked = False
+
+    def look(self) -> bool:
+        """Print a line per active move, and the last one of each move that ended since the last
+        look; False once there is nothing left to watch."""
+        now = time.monotonic()
+        first = not self._looked
+        self._looked = True
+        records = (
+            [find_move(self._databases, self._move_id)] if self._move_id else list_moves(self._databases)
+        )
+        going = False
+        for record in records:
+            move_id = record.plan.move_id
+            if record.phase in ACTIVE_PHASES:
+                clock = self._clocks.get(move_id)
+                if clock is None or clock.phase is not record.phase:
+                    # A move first seen at a later look was journaled since the one before.
+                    clock = _PhaseClock(record.phase, now, from_start=clock is not None or not first)
+                    self._clocks[move_id] = clock
+                lag = _live_lag(self._databases, record)
+                _print_progress(_progress_line(record, lag, now - clock.since, clock.from_start))
+                going = True
+            elif move_id in self._clocks or (first and self._move_id):
+                self._clocks.pop(move_id, None)
+                _print_progress(_describe(record))
+        if first and not going and not self._move_id:
+            _print_progress("no active moves")
+        return going
+
+
+def watch_moves(
+    databases: ShardDatabases,
+    move_id: str | None = None,
+    *,
+    interval_s: float = WATCH_INTERVAL_S,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """`status --watch`: a line per active move every `interval_s`, until the move (without one:
+    every move seen) is done or aborted, or Ctrl-C; 0 either way."""
+    if interval_s <= 0:
+        raise MoveError(f"--interval {interval_s}: give a positive number of seconds")
+    watch = _Watch(databases, move_id)
+    try:
+        while watch.look():
+            sleep(interval_s)
+    except KeyboardInterrupt:
+        pass  # Ctrl-C ends watching, not the move: nothing went wrong
+    return 0
 
 
 def _run(move: Move, stop_after: str | None) -> int:
@@ -140,10 +282,17 @@ def _run(move: Move, stop_after: str | None) -> int:
 
 def main(argv: Sequence[str] | None = None, *, default_dir: Path | None = None) -> int:
     """Entry point; returns the exit code (2: the move cannot start or go on, with the reason)."""
-    args = _parser(default_dir).parse_args(argv)
+    # Intermixed: `status --watch MOVE` puts an option between the two positionals.
+    args = _parser(default_dir).parse_intermixed_args(argv)
     try:
         databases = _databases(args, default_dir)
         settings = MoveSettings(cutover_lag_bytes=args.cutover_lag_bytes, drain_timeout_s=args.drain_timeout)
+        if args.watch and args.command != "status":
+            raise MoveError("--watch goes with status: shard-router reshard status --watch [MOVE]")
+        if args.command == "status" and args.watch:
+            if args.json:
+                raise MoveError("--watch prints lines; leave out --json")
+            return watch_moves(databases, args.move_id, interval_s=args.interval)
         if args.command == "status":
             moves = [find_move(databases, args.move_id)] if args.move_id else list_moves(databases)
             if args.json:
@@ -197,4 +346,4 @@ def _as_json(record: MoveRecord) -> dict[str, object]:
     }
 
 
-__all__ = ["main"]
+__all__ = ["main", "watch_moves"]

@@ -18,6 +18,23 @@ Each daemon has its own `MeterProvider` and Prometheus registry (`shardrouter.co
 - `shardd_outbox_backlog`, `shardd_outbox_oldest_age_seconds`: undelivered cross-shard credits.
 - `shardd_metrics_collector_errors_total`: failed refreshes of the database gauges.
 
+Moves of slot ranges (`shard-router reshard`, issue 18), from the `slot_moves` journal, which only the
+old owner's database holds; each series is of a move that is not done or aborted, or of the one that
+finished last (the label sets stay few however many moves a shard has seen):
+
+- `shardd_slot_move_active{move_id,first_slot,last_slot,target,phase}`: 1 per active move; `phase`
+  is the last one it reached (the step after it is under way), so a series lasts as long as a phase.
+- `shardd_slot_move_phase_rank{move_id}`: that phase's place in `MOVE_PHASES` (0 planned .. 7 done,
+  8 aborted).
+- `shardd_slot_move_rows_copied{move_id}`: rows on the new owner after the initial copy (so far).
+- `shardd_slot_move_lag_bytes{move_id}`: WAL between now and what the new owner confirmed, read
+  live from the move's replication slot here (absent while there is no slot).
+- `shardd_slot_move_write_pause_seconds{move_id}`: how long the range took no writes (fence to map),
+  once the move has committed.
+- `shardd_slot_fences{kind}`: fences in this database; `kind` is `incoming` (a move into this shard:
+  lowered when it commits), `outgoing` (a move out of it, cutting over), `moved_out` (the lasting
+  marker of a range that left) or `stale` (its move was aborted, yet the fence stayed).
+
 The database gauges are observable gauges whose callbacks read the snapshot a background thread
 refreshes (every 15 s by default) with short read-only queries on the daemon's own pool; a scrape
 never touches the database. The refresh is never traced (`tracing.untraced()`).
@@ -28,9 +45,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
+import psycopg
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics.export import MetricReader
 from prometheus_client import CollectorRegistry
@@ -49,6 +68,23 @@ DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 COLLECT_INTERVAL_S = 15.0
 #: No metrics query may run longer than this (it shares the pool with the traffic).
 QUERY_TIMEOUT_MS = 2000
+#: A move's phases in order: `shardrouter.reshard.plan.Phase`, which sits above this package, so
+#: the order is written again here (a test keeps the two equal). The rank gauge is the index.
+MOVE_PHASES = (
+    "planned",
+    "prepared",
+    "copied",
+    "caught_up",
+    "fenced",
+    "verified",
+    "committed",
+    "done",
+    "aborted",
+)
+#: A move in one of these phases holds nothing any more.
+FINISHED_MOVE_PHASES = frozenset({"done", "aborted"})
+#: What a fence in this database is, by the journal of the move that raised it.
+FENCE_KINDS = ("incoming", "outgoing", "moved_out", "stale")
 
 
 class ShardMetrics:
@@ -102,6 +138,26 @@ class ShardMetrics:
 
 
 @dataclass(frozen=True)
+class MoveState:
+    """A journaled move out of this shard, as its gauges show it."""
+
+    move_id: str
+    first_slot: int
+    last_slot: int
+    target: str
+    phase: str
+    rows_copied: int | None
+    write_pause_s: float | None
+    #: None while the move has no replication slot here (not made yet, or dropped).
+    lag_bytes: int | None
+
+    @property
+    def active(self) -> bool:
+        """Neither done nor aborted."""
+        return self.phase not in FINISHED_MOVE_PHASES
+
+
+@dataclass(frozen=True)
 class ShardState:
     """What the database said at one moment."""
 
@@ -110,15 +166,88 @@ class ShardState:
     last_retention: datetime | None
     outbox_backlog: int
     outbox_oldest_age_s: float
+    #: The active moves out of this shard, then the one that finished last, oldest first.
+    moves: tuple[MoveState, ...] = ()
+    #: Fences in this database by kind (`FENCE_KINDS`).
+    fences: dict[str, int] = field(default_factory=dict)
+
+
+# The active moves and the last finished one; a handful of rows of a table with one row per move
+# ever made. The lag is the slot's, whose name the journal lists before the slot is made.
+_MOVES_SQL = """
+    WITH shown AS (
+        SELECT * FROM slot_moves WHERE phase NOT IN ('done', 'aborted')
+        UNION ALL
+        (SELECT * FROM slot_moves WHERE phase IN ('done', 'aborted') ORDER BY updated_at DESC LIMIT 1)
+    )
+    SELECT m.move_id, m.first_slot, m.last_slot, m.target_shard_id, m.phase,
+           m.figures -> 'rows_copied', m.figures -> 'write_pause_s',
+           (SELECT max(greatest(0, pg_current_wal_lsn() - s.confirmed_flush_lsn))::bigint
+              FROM pg_replication_slots s
+             WHERE s.database = current_database()
+               AND s.slot_name IN (SELECT o ->> 'name' FROM jsonb_array_elements(m.objects) o
+                                    WHERE o ->> 'kind' = 'slot'))
+      FROM shown m
+     ORDER BY m.created_at
+"""
+
+# A fence whose move is not journaled here was raised by a move into this shard (the journal is
+# in the old owner's database); one journaled here, by a move out of it.
+_FENCES_SQL = """
+    SELECT CASE WHEN m.move_id IS NULL THEN 'incoming'
+                WHEN m.phase = 'done' THEN 'moved_out'
+                WHEN m.phase = 'aborted' THEN 'stale'
+                ELSE 'outgoing' END,
+           count(*)
+      FROM slot_fences f LEFT JOIN slot_moves m ON m.move_id = f.move_id
+     GROUP BY 1
+"""
+
+
+def _figure_int(value: object) -> int | None:
+    """A journal figure that should be a count (None when absent or not a number)."""
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _figure_float(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def read_moves(conn: psycopg.Connection[Any]) -> tuple[MoveState, ...]:
+    """The moves out of this shard the gauges show: the active ones and the last finished one."""
+    return tuple(
+        MoveState(
+            move_id=str(move_id),
+            first_slot=int(first),
+            last_slot=int(last),
+            target=str(target),
+            phase=str(phase),
+            rows_copied=_figure_int(rows),
+            write_pause_s=_figure_float(pause),
+            lag_bytes=None if lag is None else int(lag),
+        )
+        for move_id, first, last, target, phase, rows, pause, lag in conn.execute(_MOVES_SQL).fetchall()
+    )
+
+
+def read_fences(conn: psycopg.Connection[Any]) -> dict[str, int]:
+    """How many fences this database holds, by kind (every kind, 0 included)."""
+    counts = dict.fromkeys(FENCE_KINDS, 0)
+    for kind, n in conn.execute(_FENCES_SQL).fetchall():
+        counts[str(kind)] = int(n)
+    return counts
 
 
 def read_state(database: Database, *, now: datetime | None = None) -> ShardState:
-    """Read partition sizes, the last retention run and the outbox backlog (one read-only transaction)."""
+    """Read partition sizes, the last retention run, the outbox backlog, moves and fences (one
+    read-only transaction)."""
     with database.read() as conn:
         conn.execute("SELECT set_config('statement_timeout', %s, true)", (f"{QUERY_TIMEOUT_MS}ms",))
         sizes = partitions.partition_sizes(conn)
         row = conn.execute("SELECT max(finished_at) FROM retention_runs").fetchone()
         backlog, oldest = ledger_store.outbox_backlog(conn)
+        moves = read_moves(conn)
+        fence_counts = read_fences(conn)
     last = row[0] if row is not None else None
     return ShardState(
         taken_at=now or datetime.now(UTC),
@@ -126,6 +255,8 @@ def read_state(database: Database, *, now: datetime | None = None) -> ShardState
         last_retention=last,
         outbox_backlog=backlog,
         outbox_oldest_age_s=oldest,
+        moves=moves,
+        fences=fence_counts,
     )
 
 
@@ -167,6 +298,54 @@ def _outbox_backlog(state: ShardState) -> Iterable[Observation]:
 
 def _outbox_oldest_age(state: ShardState) -> Iterable[Observation]:
     return [Observation(state.outbox_oldest_age_s)]
+
+
+def _moves_active(state: ShardState) -> Iterable[Observation]:
+    return [
+        Observation(
+            1,
+            {
+                "move_id": m.move_id,
+                "first_slot": str(m.first_slot),
+                "last_slot": str(m.last_slot),
+                "target": m.target,
+                "phase": m.phase,
+            },
+        )
+        for m in state.moves
+        if m.active
+    ]
+
+
+def _moves_phase_rank(state: ShardState) -> Iterable[Observation]:
+    # A phase this version does not know (a newer reshard tool) has no rank to show.
+    return [
+        Observation(MOVE_PHASES.index(m.phase), {"move_id": m.move_id})
+        for m in state.moves
+        if m.phase in MOVE_PHASES
+    ]
+
+
+def _moves_rows_copied(state: ShardState) -> Iterable[Observation]:
+    return [
+        Observation(m.rows_copied, {"move_id": m.move_id}) for m in state.moves if m.rows_copied is not None
+    ]
+
+
+def _moves_lag(state: ShardState) -> Iterable[Observation]:
+    return [Observation(m.lag_bytes, {"move_id": m.move_id}) for m in state.moves if m.lag_bytes is not None]
+
+
+def _moves_write_pause(state: ShardState) -> Iterable[Observation]:
+    return [
+        Observation(m.write_pause_s, {"move_id": m.move_id})
+        for m in state.moves
+        if m.write_pause_s is not None
+    ]
+
+
+def _fences(state: ShardState) -> Iterable[Observation]:
+    return [Observation(n, {"kind": kind}) for kind, n in state.fences.items()]
 
 
 class ShardStateCollector:
@@ -282,6 +461,42 @@ class ShardStateCollector:
                 "Age of the oldest undelivered cross-shard credit (0: none).",
                 _outbox_oldest_age,
             ),
+            (
+                "shardd_slot_move_active",
+                "{move}",
+                "1 for each move out of this shard that is neither done nor aborted, by the phase it reached.",
+                _moves_active,
+            ),
+            (
+                "shardd_slot_move_phase_rank",
+                "",
+                "Place of a move's phase in the order planned(0) .. done(7), aborted(8).",
+                _moves_phase_rank,
+            ),
+            (
+                "shardd_slot_move_rows_copied",
+                "{row}",
+                "Rows of the moving range on the new owner after the initial copy (so far).",
+                _moves_rows_copied,
+            ),
+            (
+                "shardd_slot_move_lag_bytes",
+                "By",
+                "WAL the new owner has not yet confirmed from this move's replication slot.",
+                _moves_lag,
+            ),
+            (
+                "shardd_slot_move_write_pause_seconds",
+                "s",
+                "How long a committed move kept its range from taking writes (fence to shard map).",
+                _moves_write_pause,
+            ),
+            (
+                "shardd_slot_fences",
+                "{fence}",
+                "Slot fences in this database by kind: incoming, outgoing, moved_out, stale.",
+                _fences,
+            ),
         ]
         for name, unit, description, read in gauges:
             meter.create_observable_gauge(
@@ -289,4 +504,16 @@ class ShardStateCollector:
             )
 
 
-__all__ = ["ShardMetrics", "ShardState", "ShardStateCollector", "read_state", "retention_lag_s"]
+__all__ = [
+    "FENCE_KINDS",
+    "FINISHED_MOVE_PHASES",
+    "MOVE_PHASES",
+    "MoveState",
+    "ShardMetrics",
+    "ShardState",
+    "ShardStateCollector",
+    "read_fences",
+    "read_moves",
+    "read_state",
+    "retention_lag_s",
+]

@@ -104,6 +104,12 @@ SHARDD_METRICS_NAMES = frozenset(
         "shardd_retention_last_success_timestamp_seconds",
         "shardd_outbox_backlog",
         "shardd_outbox_oldest_age_seconds",
+        "shardd_slot_move_active",
+        "shardd_slot_move_phase_rank",
+        "shardd_slot_move_rows_copied",
+        "shardd_slot_move_lag_bytes",
+        "shardd_slot_move_write_pause_seconds",
+        "shardd_slot_fences",
     }
 )
 #: What shardrouter/core/metrics.py `RouterMetrics` exports.
