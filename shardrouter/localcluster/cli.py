@@ -1,4 +1,5 @@
-"""`shard-router dev up`: start the local cluster, run the demo, serve until Ctrl-C or SIGTERM."""
+"""`shard-router dev up`: start the local cluster, run the demo, serve until Ctrl-C or SIGTERM;
+`shard-router dev add-shard`: ask that running `dev up` to add a shard (owning no slots yet)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,18 @@ import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from shardrouter.core import tracing
-from shardrouter.core.shardmap import load_shard_map
+from shardrouter.core.shardmap import ShardMap, ShardMapError, load_shard_map
 from shardrouter.core.termination import TerminationSignals
-from shardrouter.localcluster import tracing_ui
+from shardrouter.localcluster import control, tracing_ui
 from shardrouter.localcluster.cluster import LocalCluster, default_data_dir
+
+#: The request `dev add-shard` sends to the running `dev up`.
+_ADD_SHARD = "add-shard"
+#: Slots `dev add-shard` suggests moving to the new shard first: a small range, quick to try.
+_SUGGESTED_SLOTS = 1024
 
 
 def main(argv: Sequence[str]) -> int:
@@ -54,7 +61,25 @@ def main(argv: Sequence[str]) -> int:
         help="send every span over OTLP/gRPC to this collector (e.g. http://127.0.0.1:4317)",
     )
     up.add_argument("--no-metrics", action="store_true", help="do not serve /metrics from the processes")
+    add = sub.add_parser(
+        _ADD_SHARD,
+        help="add a shard (PostgreSQL and daemons, owning no slots) to the running `dev up`",
+        description="Ask the running `shard-router dev up` of a data directory to start one more shard "
+        "(with that cluster's --replicas and --standby), migrate its database and add it to the shard "
+        "map owning no slots; then move slots to it with `shard-router reshard`.",
+    )
+    add.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help=f"the cluster's data directory (default {default_data_dir()})",
+    )
+    add.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds to wait for the cluster's answer (default 300)"
+    )
     args = parser.parse_args(list(argv))
+    if args.command == _ADD_SHARD:
+        return _add_shard(args.data_dir or default_data_dir(), args.timeout)
     if args.shards < 1 or args.shards > 16:
         parser.error("--shards must be between 1 and 16")
     if args.replicas < 1 or args.replicas > 4:
@@ -75,6 +100,13 @@ def main(argv: Sequence[str]) -> int:
         metrics=not args.no_metrics,
         otlp_endpoint=args.otlp_endpoint,
     )
+    if control.cluster_running(cluster.data_dir):
+        print(
+            f"shard-router dev up: a local cluster is already running with data in {cluster.data_dir}; "
+            "stop it first (Ctrl-C where it runs) or give another --data-dir",
+            file=sys.stderr,
+        )
+        return 1
     if args.wipe:
         cluster.wipe()
     phoenix: tracing_ui.PhoenixProcess | None = None
@@ -103,15 +135,24 @@ def main(argv: Sequence[str]) -> int:
 
 def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.PhoenixProcess | None) -> int:
     stop = TerminationSignals(starting=False).stop
+    try:
+        existing = cluster.existing_shard_map()
+    except ShardMapError as exc:
+        print(f"shard-router dev up: {exc} (start afresh with --wipe)", file=sys.stderr)
+        return 1
+    shards = len(existing.shards) if existing else args.shards
     print(
-        f"Starting {args.shards} shard(s), {args.replicas} daemon(s) each, with data in {cluster.data_dir} ...",
+        f"Starting {shards} shard(s), {args.replicas} daemon(s) each, with data in {cluster.data_dir} ...",
         flush=True,
     )
+    if existing and len(existing.shards) != args.shards:
+        print(f"  (the data directory's shard map has {shards} shards; --shards only sizes a new cluster)")
     try:
         cluster.start()
-    except (RuntimeError, TimeoutError, OSError) as exc:
+    except (RuntimeError, TimeoutError, OSError, ShardMapError) as exc:
         print(f"shard-router dev up: could not start the cluster: {exc}", file=sys.stderr)
         return 1
+    controls = _serve_controls(cluster)
     try:
         target = f"127.0.0.1:{args.port}"
         print(
@@ -147,8 +188,70 @@ def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.Ph
         return 0
     finally:
         print("Stopping the cluster ...", flush=True)
+        if controls is not None:
+            controls.stop()
         cluster.stop()
         print("Stopped.", flush=True)
+
+
+def _serve_controls(cluster: LocalCluster) -> control.ControlServer | None:
+    """The control socket `dev add-shard` asks; None (and a note) where it cannot be served."""
+
+    def add_shard(_request: object) -> dict[str, Any]:
+        added = cluster.add_shard()
+        print(
+            f"\nAdded {added.shard_id} in {added.seconds} s: {', '.join(added.addresses)}  database {added.dsn}"
+            f" (owns no slots; shard map version {added.map_version})",
+            flush=True,
+        )
+        return {
+            "shard_id": added.shard_id,
+            "addresses": list(added.addresses),
+            "dsn": added.dsn,
+            "map_version": added.map_version,
+            "seconds": added.seconds,
+        }
+
+    server = control.ControlServer(cluster.data_dir, {_ADD_SHARD: add_shard})
+    try:
+        server.start()
+    except (control.ControlError, OSError) as exc:
+        print(f"  (dev add-shard is not available: {exc})", flush=True)
+        return None
+    return server
+
+
+def _add_shard(data_dir: Path, timeout_s: float) -> int:
+    """`dev add-shard`: ask the running cluster, print the new shard and what to do next."""
+    print(f"Adding a shard to the cluster with data in {data_dir} ...", flush=True)
+    try:
+        answer = control.ask(data_dir, {"request": _ADD_SHARD}, timeout_s=timeout_s)
+    except control.ControlError as exc:
+        print(f"shard-router dev add-shard: {exc}", file=sys.stderr)
+        return 1
+    shard_id = answer["shard_id"]
+    print(
+        f"Added {shard_id} in {answer['seconds']} s, owning no slots (shard map version {answer['map_version']})."
+    )
+    for address in answer["addresses"]:
+        print(f"  {shard_id}: {address}  database {answer['dsn']}")
+    suggestion = _suggested_slots(load_shard_map(data_dir / "shard-map.yaml"))
+    # reshard reads the default data directory's files unless told otherwise.
+    files = (
+        ""
+        if data_dir == default_data_dir()
+        else f" --map {shlex.quote(str(data_dir / 'shard-map.yaml'))}"
+        f" --databases {shlex.quote(str(data_dir / 'databases.yaml'))}"
+    )
+    print("Routers and shard daemons follow the new map without a restart. Give it slots with:")
+    print(f"  {_own_command()} reshard --slots {suggestion} --to {shard_id}{files}")
+    return 0
+
+
+def _suggested_slots(shard_map: ShardMap) -> str:
+    """A small range to move first: the start of the largest range of the map."""
+    first, last, _ = max(shard_map.ranges, key=lambda r: r[1] - r[0])
+    return f"{first}-{min(last, first + _SUGGESTED_SLOTS - 1)}"
 
 
 def _show_replay_span(phoenix: tracing_ui.PhoenixProcess, key: str, timeout_s: float = 20.0) -> None:

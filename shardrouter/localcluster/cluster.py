@@ -2,17 +2,24 @@
 synchronous standby, `standby`), one or more `shardd` processes per shard (`replicas`, all over the
 shard's one database), and the router, each a separate process on loopback. Used by
 `shard-router dev up` and the e2e tests.
+
+The shard map file in the data directory is the cluster's record of its shards: a new data
+directory gets an even map of `shards` shards, a later start serves the shards of the map it finds
+(with the slot ranges moves gave them, at new ports), and `add_shard` adds one to a running cluster.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,10 +27,23 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shardrouter.core.shardmap import even_shard_map, write_shard_map
+from shardrouter.core.shardmap import (
+    Shard,
+    ShardMap,
+    even_shard_map,
+    load_shard_map,
+    parse_shard_map,
+    shard_map_document,
+    write_shard_map,
+)
 from shardrouter.localcluster.postgres import LocalPostgres, ReplicatedPostgres, free_port
 
 log = logging.getLogger(__name__)
+
+_NUMBERED_SHARD = re.compile(r"shard-(\d+)")
+_SHARD_DATABASE_DIR = re.compile(r"pg-shard-(\d+)(-replicated)?")
+#: How long `shardd migrate` may take on a new, empty database.
+_MIGRATE_TIMEOUT_S = 120.0
 
 
 def default_data_dir() -> Path:
@@ -80,6 +100,19 @@ class Daemon:
             self.proc.wait(5)
 
 
+@dataclass(frozen=True)
+class AddedShard:
+    """A shard `LocalCluster.add_shard` started and put in the map, owning no slots yet."""
+
+    shard_id: str
+    addresses: tuple[str, ...]
+    dsn: str
+    #: The version of the shard map that names it.
+    map_version: int
+    #: How long adding it took, from the request to its daemons serving.
+    seconds: float
+
+
 @dataclass
 class LocalCluster:
     """PostgreSQL servers, shard daemons and a router, started and stopped together."""
@@ -99,9 +132,15 @@ class LocalCluster:
     otlp_endpoint: str = ""
     #: Process name -> its /metrics port, filled by `start` when `metrics` is on.
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    #: The shards this run serves, in the map's order (filled by `start`, grown by `add_shard`).
+    shard_ids: list[str] = field(default_factory=list)
+    #: One per shard, in the order of `shard_ids`.
     databases: list[LocalPostgres | ReplicatedPostgres] = field(default_factory=list)
     shard_daemons: list[Daemon] = field(default_factory=list)
     router: Daemon | None = None
+    #: Held by `add_shard` and `stop`: a stop waits for a shard being added, then stops it too.
+    _changing: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _stopping: bool = field(default=False, repr=False, compare=False)
 
     @property
     def shard_map_path(self) -> Path:
@@ -113,34 +152,49 @@ class LocalCluster:
         """Shard id -> its database's DSN (YAML), for `shard-router reshard`."""
         return self.data_dir / "databases.yaml"
 
+    def existing_shard_map(self) -> ShardMap | None:
+        """The map an earlier run of this data directory left (None: a new cluster); ShardMapError
+        if the file is there but unusable."""
+        return load_shard_map(self.shard_map_path) if self.shard_map_path.exists() else None
+
     def start(self) -> None:
-        """Start everything; on any failure stop what was started."""
+        """Start everything; on any failure stop what was started.
+
+        A data directory with a shard map is started with that map's shards and slot ranges (the
+        shards `add_shard` added and the ranges moves gave them included; `shards` is then not
+        used), at new ports, under a higher version.
+        """
         if self.shards < 1 or self.replicas < 1:
             raise ValueError("a cluster needs at least one shard, and one daemon per shard")
+        self._stopping = False
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "logs").mkdir(exist_ok=True)
         try:
-            self._start_databases()
-            names = {
-                f"shard-{i}": [self.daemon_name(f"shard-{i}", r) for r in range(self.replicas)]
-                for i in range(self.shards)
-            }
+            existing = self.existing_shard_map()
+            self.shard_ids = (
+                [s.id for s in existing.shards] if existing else [f"shard-{i}" for i in range(self.shards)]
+            )
+            for shard_id in self.shard_ids:
+                db = self._database(shard_id)
+                self.databases.append(db)  # before start: a failed start is still stopped
+                _start_database(db)
+            names = {sid: [self.daemon_name(sid, r) for r in range(self.replicas)] for sid in self.shard_ids}
             ports = {name: free_port() for names_of in names.values() for name in names_of}
             if self.metrics:
                 self.metrics_ports = {name: free_port() for name in [*ports, "router"]}
-            shard_map = even_shard_map(
-                {sid: [f"127.0.0.1:{ports[name]}" for name in names_of] for sid, names_of in names.items()},
-                version=1,
+            addresses = {
+                sid: [f"127.0.0.1:{ports[name]}" for name in names_of] for sid, names_of in names.items()
+            }
+            shard_map = (
+                _readdressed(existing, addresses) if existing else even_shard_map(addresses, version=1)
             )
             write_shard_map(self.shard_map_path, shard_map)
-            self.databases_path.write_text(
-                yaml.safe_dump(
-                    {sid: db.dsn_for("shardd") for sid, db in zip(names, self.databases, strict=True)}
-                )
+            self._write_databases(
+                {sid: db.dsn_for("shardd") for sid, db in zip(self.shard_ids, self.databases, strict=True)}
             )
-            for i, (shard_id, names_of) in enumerate(names.items()):
-                for name in names_of:
-                    self.shard_daemons.append(self._shardd(shard_id, name, ports[name], self.databases[i]))
+            for shard_id, db in zip(self.shard_ids, self.databases, strict=True):
+                for name in names[shard_id]:
+                    self.shard_daemons.append(self._shardd(shard_id, name, ports[name], db))
             for daemon in self.shard_daemons:
                 daemon.start()
             self.router = self._router()
@@ -149,28 +203,135 @@ class LocalCluster:
             self.stop()
             raise
 
+    def add_shard(self) -> AddedShard:
+        """Add a shard to the running cluster: its PostgreSQL (a standby too with `standby`), its
+        migrated database and its `replicas` daemons, named in the shard map owning no slots under a
+        higher version (the router and the other daemons follow the file) and in `databases.yaml`.
+
+        Its processes are this cluster's: `stop` stops them, and a later `start` of this data
+        directory starts them again. On a failure everything of the new shard is undone (the map
+        entry too, while the shard owns no slots) and the error raised.
+        """
+        started = time.monotonic()
+        with self._changing:
+            if self.router is None or self._stopping:
+                raise RuntimeError("the cluster is not running")
+            shard_id = self.next_shard_id()
+            db = self._database(shard_id)
+            names = [self.daemon_name(shard_id, r) for r in range(self.replicas)]
+            ports = {name: free_port() for name in names}
+            addresses = [f"127.0.0.1:{ports[name]}" for name in names]
+            if self.metrics:
+                self.metrics_ports |= {name: free_port() for name in names}
+            daemons = [self._shardd(shard_id, name, ports[name], db) for name in names]
+            named = False
+            try:
+                _start_database(db)
+                self._migrate(daemons[0])
+                # shardd refuses to start without its entry in the map, so the entry comes first; it
+                # owns no slots, so no call is routed to the shard before its daemons serve.
+                shard_map = _with_empty_shard(load_shard_map(self.shard_map_path), shard_id, addresses)
+                write_shard_map(self.shard_map_path, shard_map)
+                named = True
+                self._write_databases({**self._read_databases(), shard_id: db.dsn_for("shardd")})
+                for daemon in daemons:
+                    daemon.start()
+            except BaseException:
+                for daemon in daemons:
+                    daemon.stop()
+                if named:
+                    self._forget(shard_id)
+                for name in names:
+                    self.metrics_ports.pop(name, None)
+                db.destroy()  # new and empty, owned by no map: nothing of it is worth keeping
+                raise
+            self.shard_ids.append(shard_id)
+            self.databases.append(db)
+            self.shard_daemons.extend(daemons)
+        return AddedShard(
+            shard_id=shard_id,
+            addresses=tuple(addresses),
+            dsn=db.dsn_for("shardd"),
+            map_version=shard_map.version,
+            seconds=round(time.monotonic() - started, 1),
+        )
+
+    def next_shard_id(self) -> str:
+        """`shard-N`, N one above every shard number in the map and among the data directory's
+        database folders (a folder of an earlier, larger cluster is never taken over)."""
+        numbers = [
+            int(match[1])
+            for shard in load_shard_map(self.shard_map_path).shards
+            if (match := _NUMBERED_SHARD.fullmatch(shard.id))
+        ]
+        numbers += [
+            int(match[1])
+            for entry in self.data_dir.iterdir()
+            if (match := _SHARD_DATABASE_DIR.fullmatch(entry.name))
+        ]
+        return f"shard-{max(numbers, default=-1) + 1}"
+
     def stop(self) -> None:
-        """Stop the router, then the shards, then the databases (clean shutdowns)."""
-        if self.router:
-            self.router.stop()
-        for daemon in self.shard_daemons:
-            daemon.stop()
-        for db in self.databases:
-            db.stop("fast")
+        """Stop the router, then the shards, then the databases (clean shutdowns); a shard being
+        added is added first, then stopped with the rest."""
+        with self._changing:
+            self._stopping = True
+            if self.router:
+                self.router.stop()
+            for daemon in self.shard_daemons:
+                daemon.stop()
+            for db in self.databases:
+                db.stop("fast")
 
     def wipe(self) -> None:
         """Delete all data of the cluster."""
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
-    def _start_databases(self) -> None:
-        for i in range(self.shards):
-            where = self.data_dir / (f"pg-shard-{i}-replicated" if self.standby else f"pg-shard-{i}")
-            db: LocalPostgres | ReplicatedPostgres = (
-                ReplicatedPostgres(where) if self.standby else LocalPostgres(where)
+    def _database(self, shard_id: str) -> LocalPostgres | ReplicatedPostgres:
+        """A shard's PostgreSQL (not started): its folder is named after the shard."""
+        if self.standby:
+            return ReplicatedPostgres(self.data_dir / f"pg-{shard_id}-replicated")
+        return LocalPostgres(self.data_dir / f"pg-{shard_id}")
+
+    def _migrate(self, daemon: Daemon) -> None:
+        """`shardd migrate` on a daemon's database, logged to that daemon's log."""
+        # No shard map: it would have to name the shard already, and migrating does not route.
+        env = {k: v for k, v in daemon.env.items() if k != "SHARDD_SHARD_MAP"}
+        with daemon.log_path.open("ab") as out:
+            done = subprocess.run(
+                [*installed_command("shardd"), "migrate"],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=_MIGRATE_TIMEOUT_S,
+                check=False,
             )
-            self.databases.append(db)  # before start: a failed start is still stopped
-            db.start()
-            (db.primary if isinstance(db, ReplicatedPostgres) else db).create_database("shardd")
+        if done.returncode != 0:
+            raise RuntimeError(f"shardd migrate failed ({done.returncode}); see {daemon.log_path}")
+
+    def _read_databases(self) -> dict[str, str]:
+        loaded = yaml.safe_load(self.databases_path.read_text(encoding="utf-8"))
+        return dict(loaded) if isinstance(loaded, dict) else {}
+
+    def _write_databases(self, dsns: Mapping[str, str]) -> None:
+        """Replace `databases.yaml` atomically (a `reshard` reading it sees the old or the new)."""
+        temporary = self.databases_path.with_name(f".{self.databases_path.name}.{os.getpid()}.tmp")
+        temporary.write_text(yaml.safe_dump(dict(dsns)), encoding="utf-8")
+        os.replace(temporary, self.databases_path)
+
+    def _forget(self, shard_id: str) -> None:
+        """Take a shard that failed to start out of the map and `databases.yaml` again, unless a
+        move has given it slots meanwhile."""
+        current = load_shard_map(self.shard_map_path)
+        index = next(i for i, s in enumerate(current.shards) if s.id == shard_id)
+        if any(owner == index for _, _, owner in current.ranges):
+            log.warning("%s failed to start but owns slots now; it stays in the map", shard_id)
+            return
+        document = shard_map_document(current)
+        document["shards"] = [s for s in document["shards"] if s["id"] != shard_id]
+        document["version"] = current.version + 1
+        write_shard_map(self.shard_map_path, parse_shard_map(document, source=str(self.shard_map_path)))
+        self._write_databases({k: v for k, v in self._read_databases().items() if k != shard_id})
 
     @property
     def metrics_urls(self) -> dict[str, str]:
@@ -236,6 +397,30 @@ class LocalCluster:
         )
 
 
+def _start_database(db: LocalPostgres | ReplicatedPostgres) -> None:
+    """Start a shard's PostgreSQL and create its `shardd` database (if missing)."""
+    db.start()
+    (db.primary if isinstance(db, ReplicatedPostgres) else db).create_database("shardd")
+
+
+def _readdressed(shard_map: ShardMap, addresses: Mapping[str, Sequence[str]]) -> ShardMap:
+    """The same shards and slot ranges at new addresses, under a higher version."""
+    return ShardMap(
+        slots=shard_map.slots,
+        shards=tuple(Shard(id=s.id, addresses=tuple(addresses[s.id])) for s in shard_map.shards),
+        ranges=shard_map.ranges,
+        version=shard_map.version + 1,
+    )
+
+
+def _with_empty_shard(shard_map: ShardMap, shard_id: str, addresses: Sequence[str]) -> ShardMap:
+    """The map with one more shard, owning no slots, under a higher version."""
+    document = shard_map_document(shard_map)
+    document["shards"].append({"id": shard_id, "addresses": list(addresses), "slot_ranges": []})
+    document["version"] = shard_map.version + 1
+    return parse_shard_map(document, source="<added shard>")
+
+
 def installed_command(name: str) -> list[str]:
     """The installed console script `name` beside this interpreter (the virtualenv's `bin/`), else
     the one on PATH: the daemons start as a user starts them, never from a source path."""
@@ -249,6 +434,7 @@ def installed_command(name: str) -> list[str]:
 
 
 __all__ = [
+    "AddedShard",
     "Daemon",
     "LocalCluster",
     "default_data_dir",
