@@ -25,6 +25,7 @@ back (see `ShardMapFile`).
 from __future__ import annotations
 
 import bisect
+import fcntl
 import os
 import re
 import zlib
@@ -157,6 +158,23 @@ def write_shard_map(path: str | Path, shard_map: ShardMap) -> None:
         os.close(folder)
 
 
+def update_shard_map(path: str | Path, change: Callable[[ShardMap], ShardMap | None]) -> ShardMap:
+    """Read the map, let `change` make the next one (None: no change), write it; the map in force.
+
+    Writers of one file (a move's commit, a shard being added) take turns on an exclusive lock of
+    a file beside it, so neither can write a map made from one the other has just replaced.
+    """
+    target = Path(path)
+    with open(target.with_name(f".{target.name}.lock"), "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        current = load_shard_map(target)
+        new = change(current)
+        if new is None:
+            return current
+        write_shard_map(target, new)
+        return new
+
+
 def load_shard_map(path: str | Path) -> ShardMap:
     """Read and check a shard map file; ShardMapError names the file and the problem."""
     source = str(path)
@@ -262,5 +280,6 @@ __all__ = [
     "load_shard_map",
     "parse_shard_map",
     "shard_map_document",
+    "update_shard_map",
     "write_shard_map",
 ]

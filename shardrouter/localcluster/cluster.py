@@ -34,6 +34,7 @@ from shardrouter.core.shardmap import (
     load_shard_map,
     parse_shard_map,
     shard_map_document,
+    update_shard_map,
     write_shard_map,
 )
 from shardrouter.localcluster.postgres import LocalPostgres, ReplicatedPostgres, free_port
@@ -230,8 +231,9 @@ class LocalCluster:
                 self._migrate(daemons[0])
                 # shardd refuses to start without its entry in the map, so the entry comes first; it
                 # owns no slots, so no call is routed to the shard before its daemons serve.
-                shard_map = _with_empty_shard(load_shard_map(self.shard_map_path), shard_id, addresses)
-                write_shard_map(self.shard_map_path, shard_map)
+                shard_map = update_shard_map(
+                    self.shard_map_path, lambda current: _with_empty_shard(current, shard_id, addresses)
+                )
                 named = True
                 self._write_databases({**self._read_databases(), shard_id: db.dsn_for("shardd")})
                 for daemon in daemons:
@@ -322,15 +324,18 @@ class LocalCluster:
     def _forget(self, shard_id: str) -> None:
         """Take a shard that failed to start out of the map and `databases.yaml` again, unless a
         move has given it slots meanwhile."""
-        current = load_shard_map(self.shard_map_path)
-        index = next(i for i, s in enumerate(current.shards) if s.id == shard_id)
-        if any(owner == index for _, _, owner in current.ranges):
-            log.warning("%s failed to start but owns slots now; it stays in the map", shard_id)
-            return
-        document = shard_map_document(current)
-        document["shards"] = [s for s in document["shards"] if s["id"] != shard_id]
-        document["version"] = current.version + 1
-        write_shard_map(self.shard_map_path, parse_shard_map(document, source=str(self.shard_map_path)))
+
+        def without_it(current: ShardMap) -> ShardMap | None:
+            index = next(i for i, s in enumerate(current.shards) if s.id == shard_id)
+            if any(owner == index for _, _, owner in current.ranges):
+                log.warning("%s failed to start but owns slots now; it stays in the map", shard_id)
+                return None
+            document = shard_map_document(current)
+            document["shards"] = [s for s in document["shards"] if s["id"] != shard_id]
+            document["version"] = current.version + 1
+            return parse_shard_map(document, source=str(self.shard_map_path))
+
+        update_shard_map(self.shard_map_path, without_it)
         self._write_databases({k: v for k, v in self._read_databases().items() if k != shard_id})
 
     @property

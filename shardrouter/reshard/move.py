@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from shardrouter.core.shardmap import ShardMap, load_shard_map, write_shard_map
+from shardrouter.core.shardmap import ShardMap, load_shard_map, update_shard_map
 from shardrouter.reshard import journal, replication
 from shardrouter.reshard.journal import MoveObject, MoveRecord
 from shardrouter.reshard.plan import (
@@ -310,17 +310,24 @@ class Move:
     def _commit(self) -> None:
         started = time.monotonic()
         replication.drop_subscription(self._target, self.plan.object_name)
-        current = load_shard_map(self._map_path)
-        if not owns_range(current, self.plan.target, self.plan.first_slot, self.plan.last_slot):
-            if not owns_range(current, self.plan.source, self.plan.first_slot, self.plan.last_slot):
+        written: list[ShardMap] = []
+
+        def give_range(current: ShardMap) -> ShardMap | None:
+            p = self.plan
+            if owns_range(current, p.target, p.first_slot, p.last_slot):
+                return None  # committed before a crash: the journal had not caught up
+            if not owns_range(current, p.source, p.first_slot, p.last_slot):
                 raise MoveError(
-                    f"the shard map {self._map_path} no longer gives slots {self.plan.first_slot}-"
-                    f"{self.plan.last_slot} to {self.plan.source}; someone changed it during the move"
+                    f"the shard map {self._map_path} no longer gives slots {p.first_slot}-"
+                    f"{p.last_slot} to {p.source}; someone changed it during the move"
                 )
-            new: ShardMap = moved_map(current, self.plan)
-            write_shard_map(self._map_path, new)  # the commit point
+            written.append(moved_map(current, p))
+            return written[-1]
+
+        update_shard_map(self._map_path, give_range)  # the commit point
+        if written:
             self._progress(
-                f"committed: shard map version {new.version} gives the range to {self.plan.target}"
+                f"committed: shard map version {written[0].version} gives the range to {self.plan.target}"
             )
         fences.lower_fence(self._target, self.plan.move_id)
         pause = time.time() - float(self.record.figures.get("fenced_at_unix", time.time()))

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from shardrouter.core.shardmap import (
+    ShardMap,
     ShardMapError,
+    even_shard_map,
     load_shard_map,
     parse_shard_map,
     shard_map_document,
+    update_shard_map,
     write_shard_map,
 )
 from shardrouter.core.shardmap_file import ShardMapFile
@@ -134,3 +140,24 @@ def test_unversioned_maps_replace_each_other(tmp_path: Path) -> None:
     _write(path, _doc(None, "127.0.0.1:1001"))
     assert follower.check() is True
     assert follower.current.shards[0].address == "127.0.0.1:1001"
+
+
+def test_writers_of_one_map_file_take_turns_and_lose_no_change(tmp_path: Path) -> None:
+    path = tmp_path / "shard-map.yaml"
+    write_shard_map(path, even_shard_map({"shard-0": "127.0.0.1:1", "shard-1": "127.0.0.1:2"}, version=1))
+
+    def bump(current: ShardMap) -> ShardMap:
+        time.sleep(0.001)  # widen the window between reading and writing
+        return dataclasses.replace(current, version=current.version + 1)
+
+    def writer() -> None:
+        for _ in range(25):
+            update_shard_map(path, bump)
+
+    threads = [threading.Thread(target=writer) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert load_shard_map(path).version == 1 + 4 * 25
+    assert update_shard_map(path, lambda current: None).version == 101
