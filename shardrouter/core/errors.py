@@ -41,7 +41,9 @@ class Reason:
     DATABASE_BUSY = "DATABASE_BUSY"  # the pool's connections all taken, or a lock/serialisation conflict
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # the caller's deadline ran out while the database worked
     SHARD_UNAVAILABLE = "SHARD_UNAVAILABLE"
-    SHARD_NOT_CONFIGURED = "SHARD_NOT_CONFIGURED"
+    # Another shard owns the account in the daemon's shard map (re-read just before refusing); nothing
+    # was applied. ErrorInfo metadata: owner_shard_id, and map_version (the version of that map).
+    ACCOUNT_MOVED = "ACCOUNT_MOVED"
     SLOT_RANGE_MOVING = "SLOT_RANGE_MOVING"  # the account's slot is fenced: it is moving to another shard
     RATE_LIMITED = "RATE_LIMITED"
     SHARD_SATURATED = "SHARD_SATURATED"

@@ -9,8 +9,8 @@ The reader runs with target_info and the instrument-scope labels off, so what Pr
 exactly the instruments: a counter named `router_requests` is `router_requests_total`, a histogram
 `router_request_duration_seconds` keeps its name (its unit "s" maps to the suffix it already has).
 
-`RouterMetrics` holds the router's instruments: `router_requests_total{method,code}` and
-`router_request_duration_seconds{method,code}`.
+`RouterMetrics` holds the router's instruments: `router_requests_total{method,code}`,
+`router_request_duration_seconds{method,code}` and `router_redirects_total{reason}`.
 """
 
 from __future__ import annotations
@@ -112,10 +112,12 @@ def start_metrics_server(port: int, registry: CollectorRegistry, *, host: str = 
 
 
 class RouterMetrics:
-    """The router's request counter and latency: `router_requests_total{method,code}`.
+    """The router's request counter and latency: `router_requests_total{method,code}`, and its
+    redirects: `router_redirects_total{reason}`.
 
     `method` is the short method name ("Transfer"), `code` the gRPC status name the router
-    answered ("OK", "ABORTED", "UNAVAILABLE", ...).
+    answered ("OK", "ABORTED", "UNAVAILABLE", ...), `reason` the shard's refusal that sent a call on
+    to another shard (ACCOUNT_MOVED, SLOT_RANGE_MOVING).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -133,6 +135,15 @@ class RouterMetrics:
             description="Time the router took to answer a call, forwarding included.",
             explicit_bucket_boundaries_advisory=ROUTER_DURATION_BUCKETS,
         )
+        self.redirects = meter.create_counter(
+            "router_redirects",
+            unit="{redirect}",
+            description="Calls sent on to another shard after the shard tried said the account moved.",
+        )
+
+    def redirected(self, reason: str) -> None:
+        """Count one redirect of a call to the account's new owner."""
+        self.redirects.add(1, {"reason": reason})
 
     def observe(self, method: str, code: grpc.StatusCode, seconds: float | None = None) -> None:
         """Count one answered call."""

@@ -4,6 +4,10 @@ The file is polled in a daemon thread and the map swapped in as a whole when its
 readers (`current`) never see half a change and never wait on the file. A bad file never replaces a
 good map, and neither does an older one: a map with a version takes over only from a lower version
 (`shardrouter.core.shardmap`), so a stale ConfigMap replica or a bad rollback cannot turn ownership back.
+
+Between polls, a process about to act on ownership (a shard refusing an account, the router told the
+account moved) calls `recheck`, which reads the file at once but at most every few milliseconds, so a
+move's commit reaches it without waiting for the next poll, and a flood of such calls reads it once.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +24,9 @@ from shardrouter.core.shardmap import ShardMap, ShardMapError, load_shard_map
 log = logging.getLogger(__name__)
 
 MapListener = Callable[[ShardMap, ShardMap], None]
+
+#: Least time between two `recheck` reads of the file (s): a burst of refusals reads it once.
+RECHECK_INTERVAL_S = 0.02
 
 
 class ShardMapFile:
@@ -49,6 +57,9 @@ class ShardMapFile:
         # Raises ShardMapError: at start-up a bad file is fatal, there is no last good map.
         self._map = load_shard_map(self._path)
         self._seen_hash = self._content_hash()
+        # Serialises `recheck`: a caller arriving while another's read runs waits for its result.
+        self._recheck_lock = threading.Lock()
+        self._last_recheck = float("-inf")
 
     @property
     def path(self) -> Path:
@@ -119,6 +130,20 @@ class ShardMapFile:
                 log.exception("shard map change listener failed")
         return True
 
+    def recheck(self, min_interval_s: float = RECHECK_INTERVAL_S) -> ShardMap:
+        """Check the file now, unless a recheck ran less than `min_interval_s` ago; the map in force.
+
+        For a decision that a newer map may change (is the account still ours, who owns it now):
+        the poll may be up to `interval_s` behind the file. Unchanged content costs one read and a
+        hash (microseconds); a changed file is parsed once, by whichever caller comes first.
+        """
+        with self._recheck_lock:
+            now = time.monotonic()
+            if now - self._last_recheck >= min_interval_s:
+                self._last_recheck = now
+                self.check()
+        return self._map
+
     def _content_hash(self) -> bytes | None:
         try:
             return hashlib.sha256(self._path.read_bytes()).digest()
@@ -144,4 +169,4 @@ def _refusal(current: ShardMap, new: ShardMap) -> str | None:
     return None
 
 
-__all__ = ["MapListener", "ShardMapFile"]
+__all__ = ["RECHECK_INTERVAL_S", "MapListener", "ShardMapFile"]

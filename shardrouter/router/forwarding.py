@@ -5,9 +5,19 @@ current map -> send the caller's original bytes with the caller's metadata and r
 return the shard's response bytes, status, message, details and trailers untouched.
 
 The router has no state to protect, so its only decisions are about reaching the shard. A call the
-shard answered - whatever the status - is passed through as is. A call that never reached the shard
+shard answered is passed through as is, with one exception below. A call that never reached the shard
 is the router's own UNAVAILABLE (SHARD_UNAVAILABLE, with RetryInfo); it is retried here first, but
 only when it carries an idempotency key, because only then does the shard make a repeat harmless.
+
+The exception: a shard that does not serve the account answers before anything is applied,
+UNAVAILABLE with reason ACCOUNT_MOVED (another shard owns it in the daemon's map) or SLOT_RANGE_MOVING
+(its slot range is cutting over to another shard). Resending such a call is safe, keyed or not. The
+router re-reads its shard map file at once and sends the same bytes and metadata to the owner in the
+newest map it knows of - its own, or the refusing daemon's when that one has a higher version - at
+most MAX_REDIRECTS times per call, so daemons whose maps disagree cannot bounce a call for ever.
+While a cut-over runs and no other owner is known, it waits in short steps, re-reading the map and
+resending, for at most `RouterSettings.move_wait_s` and within the call's deadline. When none of this
+helps, the shard's answer goes to the caller unchanged.
 
 The handler is a `grpc.aio` coroutine and the shard call goes out on a `grpc.aio` channel: a call
 waiting for its shard is a suspended coroutine, not a blocked worker thread. Measured with
@@ -23,6 +33,7 @@ import asyncio
 import itertools
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -43,12 +54,12 @@ from shardrouter.core.errors import (
 )
 from shardrouter.core.keys import KEY_METADATA
 from shardrouter.core.metrics import RouterMetrics
-from shardrouter.core.shardmap import Shard
+from shardrouter.core.shardmap import Shard, ShardMap
 from shardrouter.core.shardmap_file import ShardMapFile
 from shardrouter.router.channels import ChannelPool
 from shardrouter.router.metadata import CallerPolicy, MetadataEntry, forwardable
 from shardrouter.router.routing import METHODS_BY_PATH, RoutedMethod, routing_account
-from shardrouter.router.tracing import record_forwarded_status, router_span
+from shardrouter.router.tracing import record_forwarded_status, record_move, router_span
 
 if TYPE_CHECKING:  # grpc's classes are generic only in the type stubs
     from shardrouter.router.metadata import ServicerContext
@@ -64,6 +75,16 @@ DETAILS_TRAILER = "grpc-status-details-bin"
 SHARD_UNAVAILABLE_RETRY_MS = 500
 #: First backoff between attempts to reach a shard; doubled per attempt, with jitter.
 RETRY_BACKOFF_S = 0.05
+#: Most redirects of one call to another shard: two daemons whose maps disagree cannot bounce it for ever.
+MAX_REDIRECTS = 4
+#: Pause between two looks at a cut-over that has not ended (s): then the map is re-read and the call resent.
+MOVE_WAIT_STEP_S = 0.025
+#: Least deadline a resend after such a pause must still have (s); with less, the refusal is answered.
+MOVE_RESEND_MIN_S = 0.05
+#: Longest a call waits for a re-read of the shard map file (s): a stalled volume must not hold calls.
+MAP_RECHECK_TIMEOUT_S = 0.25
+#: Refusals meaning "not served here, nothing applied": another shard owns, or is taking over, the account.
+MOVE_REASONS = frozenset({Reason.ACCOUNT_MOVED, Reason.SLOT_RANGE_MOVING})
 
 
 @dataclass(frozen=True)
@@ -77,6 +98,114 @@ class Outcome:
     response: bytes | None  # None unless OK
 
 
+@dataclass(frozen=True)
+class Ownership:
+    """Who owns a call's account by the newest shard map the call has heard of, and that map's version."""
+
+    shard_id: str
+    map_version: int
+
+    @classmethod
+    def in_map(cls, shard_map: ShardMap, account_id: str) -> Ownership:
+        """The account's owner in `shard_map`."""
+        return cls(shard_map.shard_for(account_id).id, shard_map.version)
+
+    def newer(self, other: Ownership | None, *, on_tie: bool) -> Ownership:
+        """`other` if its map is newer (or as new, with `on_tie`), else this one.
+
+        The router's own map wins a tie (an unversioned map, 0, replaces another of version 0); a
+        daemon's word wins only with a strictly higher version, so two daemons whose maps share a
+        version but disagree cannot send a call back and forth.
+        """
+        if other is None:
+            return self
+        if other.map_version > self.map_version or (on_tie and other.map_version == self.map_version):
+            return other
+        return self
+
+
+@dataclass(frozen=True)
+class MoveRefusal:
+    """A shard's answer that it does not serve the call's account (nothing was applied)."""
+
+    reason: str  # ACCOUNT_MOVED or SLOT_RANGE_MOVING
+    #: The owner in the refusing daemon's map and that map's version (ACCOUNT_MOVED names them).
+    owner: Ownership | None
+
+
+@dataclass(frozen=True)
+class MoveNote:
+    """Why an attempt goes where it goes after an ownership refusal (recorded on its span)."""
+
+    reason: str
+    refused_by: str  # the shard that refused the previous attempt
+    redirect: bool  # True: to another shard; False: to the same one after waiting for a cut-over
+    waited_s: float
+
+
+class MapRecheck:
+    """Re-reads the router's shard map file on demand, one read at a time for the whole router.
+
+    The read runs in a worker thread (`asyncio.to_thread`), not on the event loop. The file is tiny
+    and an unchanged one costs a read and a hash (microseconds), but `ShardMapFile` reads under a
+    lock that its polling thread holds while it reads and parses: on a stalled volume (a ConfigMap
+    mount on a struggling node) a direct read would freeze every call of the router, not just those
+    waiting for the map. The hop costs ~0.1 ms on a path that is already a redirect; calls refused
+    meanwhile share one read, and `ShardMapFile.recheck` reads at most every RECHECK_INTERVAL_S.
+    """
+
+    def __init__(self, shard_maps: ShardMapFile) -> None:
+        self._maps = shard_maps
+        self._reading: asyncio.Future[ShardMap] | None = None
+
+    async def current(self) -> ShardMap:
+        """The map in force after a fresh look at the file (the map in force if the look is slow)."""
+        reading = self._reading
+        if reading is None:
+            reading = asyncio.ensure_future(asyncio.to_thread(self._maps.recheck))
+            reading.add_done_callback(self._finished)
+            self._reading = reading
+        try:
+            # Shielded: a caller that goes away (or times out) must not cancel the others' read.
+            return await asyncio.wait_for(asyncio.shield(reading), MAP_RECHECK_TIMEOUT_S)
+        except TimeoutError:
+            log.warning(
+                "shard map file read took over %.2f s; going on with the map in force", MAP_RECHECK_TIMEOUT_S
+            )
+        except Exception:
+            log.exception("shard map file read failed; going on with the map in force")
+        return self._maps.current
+
+    def _finished(self, reading: asyncio.Future[ShardMap]) -> None:
+        if self._reading is reading:
+            self._reading = None
+        if not reading.cancelled():
+            reading.exception()  # retrieved: a failure is logged by the callers that awaited it
+
+
+class _CutOverWait:
+    """The time one call may still spend waiting for cut-overs to end."""
+
+    def __init__(self, budget_s: float) -> None:
+        self._budget_s = budget_s
+        self._started: float | None = None
+
+    @property
+    def waited_s(self) -> float:
+        """Time since the call's first wait (0 before it)."""
+        return 0.0 if self._started is None else time.monotonic() - self._started
+
+    async def step(self, deadline_s: float) -> bool:
+        """Pause one step; False (no pause) when the budget or the call's deadline leaves no room."""
+        if self._started is None:
+            self._started = time.monotonic()
+        pause = min(MOVE_WAIT_STEP_S, self._budget_s - self.waited_s)
+        if pause <= 0 or deadline_s - pause < MOVE_RESEND_MIN_S:
+            return False
+        await asyncio.sleep(pause)
+        return True
+
+
 class Forwarder(_GenericHandler):
     """Serves every routed method as bytes in, bytes out; other methods are not its business."""
 
@@ -88,11 +217,14 @@ class Forwarder(_GenericHandler):
         callers: CallerPolicy,
         forward_retries: int,
         max_deadline_s: float,
+        move_wait_s: float = 2.0,
         tracer_provider: trace.TracerProvider | None = None,
         traced: bool = False,
         metrics: RouterMetrics | None = None,
     ) -> None:
         self._maps = shard_maps
+        self._recheck = MapRecheck(shard_maps)
+        self._move_wait_s = move_wait_s
         self._metrics = metrics
         # With tracing on, each forwarding attempt is a CLIENT span whose traceparent the shard sees.
         self._traced = traced
@@ -160,8 +292,74 @@ class Forwarder(_GenericHandler):
         """How the shard's call ended (OK or not); raises the router's own errors."""
         metadata = tuple(self._callers.outgoing(context))  # who is calling comes first
         account = routing_account(method, raw)
-        shard = self._maps.current.shard_for(account)
         keyed = any(k == KEY_METADATA for k, _ in metadata)
+        shard_map = self._maps.current
+        shard = shard_map.shard_for(account)
+        owner = Ownership(shard.id, shard_map.version)
+        cut_over = _CutOverWait(self._move_wait_s)
+        note: MoveNote | None = None
+        redirects = 0
+        while True:
+            outcome = await self._forward_to(shard, method, raw, metadata, keyed, context, note)
+            refusal = move_refusal(outcome)
+            if refusal is None:
+                return outcome
+            owner, next_shard = await self._owner_after(refusal, account, shard, owner, cut_over, context)
+            if next_shard is None:
+                return outcome
+            redirect = next_shard.id != shard.id
+            if redirect and redirects == MAX_REDIRECTS:
+                log.warning(
+                    "%s refused by %d shards in turn (%s); answering the last refusal",
+                    method.name,
+                    redirects + 1,
+                    refusal.reason,
+                    extra={"shard_id": shard.id},
+                )
+                return outcome
+            if redirect:
+                redirects += 1
+                if self._metrics is not None:
+                    self._metrics.redirected(refusal.reason)
+            note = MoveNote(refusal.reason, shard.id, redirect, cut_over.waited_s)
+            shard = next_shard
+
+    async def _owner_after(
+        self,
+        refusal: MoveRefusal,
+        account: str,
+        refused_by: Shard,
+        owner: Ownership,
+        cut_over: _CutOverWait,
+        context: ServicerContext,
+    ) -> tuple[Ownership, Shard | None]:
+        """The newest ownership known after a refusal, and the shard to resend to (None: answer it)."""
+        owner = owner.newer(refusal.owner, on_tie=False)
+        shard_map = await self._recheck.current()
+        owner = owner.newer(Ownership.in_map(shard_map, account), on_tie=True)
+        if owner.shard_id == refused_by.id:
+            if refusal.reason != Reason.SLOT_RANGE_MOVING:
+                return owner, None  # nobody newer names another owner: the caller retries later
+            # The cut-over still runs (or is being called off): pause, look at the map again, and
+            # resend to whichever shard owns the account then.
+            if not await cut_over.step(self._timeout(context)):
+                return owner, None
+            shard_map = await self._recheck.current()
+            owner = owner.newer(Ownership.in_map(shard_map, account), on_tie=True)
+        # Addresses come from the router's own map only, never from a shard's answer.
+        return owner, shard_map.shard_by_id(owner.shard_id)
+
+    async def _forward_to(
+        self,
+        shard: Shard,
+        method: RoutedMethod,
+        raw: bytes,
+        metadata: tuple[MetadataEntry, ...],
+        keyed: bool,
+        context: ServicerContext,
+        note: MoveNote | None,
+    ) -> Outcome:
+        """How one shard answered the call; raises SHARD_UNAVAILABLE when none of its daemons could."""
         # Calls spread over a shard's daemons in turn; an attempt that cannot reach one goes on to
         # the next at once (any daemon of a shard answers for it: the claim protocol decides between
         # them), and only once every address was tried does a keyed call back off and go round again.
@@ -172,7 +370,7 @@ class Forwarder(_GenericHandler):
         attempt = 0
         while True:
             address = addresses[(first + attempt) % len(addresses)]
-            outcome = await self._attempt(shard, address, method, raw, metadata, context)
+            outcome = await self._attempt(shard, address, method, raw, metadata, context, note)
             if not unreached(outcome.code, outcome.trailing_metadata):
                 return outcome
             untried = attempt + 1 < len(addresses)
@@ -194,12 +392,20 @@ class Forwarder(_GenericHandler):
         raw: bytes,
         metadata: tuple[MetadataEntry, ...],
         context: ServicerContext,
+        note: MoveNote | None,
     ) -> Outcome:
         if not self._traced:
             return await self._send(address, method, raw, metadata, context)
         with router_span(
             method.full_name, metadata, tracer_provider=self._tracer_provider, shard_id=shard.id
         ) as traced_metadata:
+            if note is not None:
+                record_move(
+                    reason=note.reason,
+                    refused_by=note.refused_by,
+                    redirect=note.redirect,
+                    waited_s=note.waited_s,
+                )
             outcome = await self._send(address, method, raw, tuple(traced_metadata), context)
             span = trace.get_current_span()
             span.set_attribute("server.address", address)
@@ -289,6 +495,11 @@ def unreached(code: grpc.StatusCode, trailers: tuple[MetadataEntry, ...]) -> boo
 
 def has_our_error_info(trailers: tuple[MetadataEntry, ...]) -> bool:
     """Whether the trailers hold a `google.rpc.Status` with an ErrorInfo of the shardrouter domain."""
+    return our_error_info(trailers) is not None
+
+
+def our_error_info(trailers: tuple[MetadataEntry, ...]) -> error_details_pb2.ErrorInfo | None:
+    """The ErrorInfo of the shardrouter domain in the trailers' `google.rpc.Status`, if any."""
     for key, value in trailers:
         if key != DETAILS_TRAILER or not isinstance(value, bytes):
             continue
@@ -299,16 +510,41 @@ def has_our_error_info(trailers: tuple[MetadataEntry, ...]) -> bool:
         for detail in status.details:
             info = error_details_pb2.ErrorInfo()
             if detail.Unpack(info) and info.domain == ERROR_DOMAIN:
-                return True
-    return False
+                return info
+    return None
+
+
+def move_refusal(outcome: Outcome) -> MoveRefusal | None:
+    """The shard's refusal of the account as not served there (ACCOUNT_MOVED, SLOT_RANGE_MOVING), if
+    that is what `outcome` is."""
+    if outcome.code is not grpc.StatusCode.UNAVAILABLE:
+        return None
+    info = our_error_info(outcome.trailing_metadata)
+    if info is None or info.reason not in MOVE_REASONS:
+        return None
+    owner_id = info.metadata.get("owner_shard_id", "")
+    version = info.metadata.get("map_version", "")
+    known = bool(owner_id) and version.isascii() and version.isdigit()
+    return MoveRefusal(info.reason, Ownership(owner_id, int(version)) if known else None)
 
 
 __all__ = [
     "DETAILS_TRAILER",
+    "MAP_RECHECK_TIMEOUT_S",
+    "MAX_REDIRECTS",
+    "MOVE_REASONS",
+    "MOVE_RESEND_MIN_S",
+    "MOVE_WAIT_STEP_S",
     "RETRY_BACKOFF_S",
     "SHARD_UNAVAILABLE_RETRY_MS",
     "Forwarder",
+    "MapRecheck",
+    "MoveNote",
+    "MoveRefusal",
     "Outcome",
+    "Ownership",
     "has_our_error_info",
+    "move_refusal",
+    "our_error_info",
     "unreached",
 ]

@@ -114,6 +114,7 @@ async def start_router(
         callers=CallerPolicy(verifies_callers=settings.verifies_callers, dev_mode=settings.dev_mode),
         forward_retries=settings.forward_retries,
         max_deadline_s=settings.max_deadline_s,
+        move_wait_s=settings.move_wait_s,
         tracer_provider=tracer_provider,
         traced=traced,
         metrics=metrics,

@@ -60,6 +60,11 @@ class RouterSettings:
     #: Extra rounds for a keyed call whose shard could not be reached, after each of the shard's
     #: daemons was tried once (keyless calls try each daemon once and get no extra rounds).
     forward_retries: int = 2
+    #: Longest a call may be held (s) while a shard refuses its account's slot range as moving
+    #: (SLOT_RANGE_MOVING: a move is cutting over): the router re-reads the shard map and resends every
+    #: few tens of ms, so the call lands once the move commits (at the new owner) or is called off;
+    #: past it, or near the call's deadline, the shard's retryable answer is passed on. 0: at once.
+    move_wait_s: float = 2.0
     #: Seconds to finish in-flight calls on SIGTERM.
     shutdown_grace_s: float = 10.0
     #: Oldest a caller's connection may get (s, grpc adds +-10% jitter): then the router sends GOAWAY
@@ -116,6 +121,8 @@ class RouterSettings:
             out.append("max_deadline_s must be positive")
         if not 0 <= self.forward_retries <= MAX_FORWARD_RETRIES:
             out.append(f"forward_retries must be between 0 and {MAX_FORWARD_RETRIES}")
+        if not 0 <= self.move_wait_s <= self.max_deadline_s:
+            out.append("move_wait_s must be between 0 and max_deadline_s")
         if self.shutdown_grace_s < 0:
             out.append("shutdown_grace_s must not be negative")
         if self.max_connection_age_s < 0 or self.max_connection_age_grace_s < 0:

@@ -52,4 +52,19 @@ def record_forwarded_status(code: grpc.StatusCode, message: str = "") -> None:
     set_rpc_status(trace.get_current_span(), code, server=False, message=message)
 
 
-__all__ = ["record_forwarded_status", "router_span"]
+def record_move(*, reason: str, refused_by: str, redirect: bool, waited_s: float) -> None:
+    """Mark the current (router) span as an attempt a shard's ownership refusal led to.
+
+    `reason` is that refusal (ACCOUNT_MOVED, SLOT_RANGE_MOVING), `refused_by` the shard that gave it,
+    `redirect` whether this attempt goes to another shard (else: the same one, after waiting for a
+    cut-over to end), `waited_s` how long the call has waited for cut-overs so far.
+    """
+    span = trace.get_current_span()
+    span.set_attribute("router.move.reason", reason)
+    span.set_attribute("router.move.refused_by", refused_by)
+    span.set_attribute("router.move.redirect", redirect)
+    if waited_s > 0:
+        span.set_attribute("router.move.waited_s", round(waited_s, 3))
+
+
+__all__ = ["record_forwarded_status", "record_move", "router_span"]

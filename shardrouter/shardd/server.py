@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import grpc
 import psycopg
@@ -47,9 +48,13 @@ INTERNAL_SERVICE = ledger_pb2.DESCRIPTOR.services_by_name["ShardLedgerService"].
 MONTHS_AHEAD = 2
 
 
-def mutating_methods() -> list[MutatingMethod]:
-    """Every mutating method of the shard, each guarded by the idempotency interceptor."""
-    return [
+def mutating_methods(locator: ShardLocator | None = None) -> list[MutatingMethod]:
+    """Every mutating method of the shard, each guarded by the idempotency interceptor.
+
+    With a `locator`, a method routed by an account also refuses, before any claim, an account that
+    another shard owns (`owned_here`).
+    """
+    methods = [
         MutatingMethod(f"/{PUBLIC_SERVICE}/Transfer", validate_transfer, account_field="source_account_id"),
         MutatingMethod(f"/{PUBLIC_SERVICE}/Deposit", validate_deposit, account_field="account_id"),
         # The credit and its void share a scope: whichever claims the credit's key first wins for good.
@@ -67,6 +72,34 @@ def mutating_methods() -> list[MutatingMethod]:
         ),
         MutatingMethod(f"/{INTERNAL_SERVICE}/RefundTransfer", validate_transfer_id_only),
     ]
+    if locator is None:
+        return methods
+    return [
+        replace(m, validate=owned_here(m.validate, m.account_field, locator)) if m.account_field else m
+        for m in methods
+    ]
+
+
+def owned_here(
+    validate: Callable[[Any], None], account_field: str, locator: ShardLocator
+) -> Callable[[Any], None]:
+    """`validate`, then refuse (UNAVAILABLE, ACCOUNT_MOVED) a request whose account another shard owns.
+
+    The interceptor runs it before the key is looked up or claimed, so the refusal names the owner
+    and costs no database work. Left to the handler, a call on an account moved out would first
+    meet the moved slot's fence at the claim (SLOT_RANGE_MOVING, which names no owner: a router whose
+    map is older than this daemon's could not follow it), or replay a record that moved with it.
+    Like a validation failure, it is answered and never stored. An empty account (a VoidCredit from
+    an older relay) is left to the handler and the fences.
+    """
+
+    def check(request: Any) -> None:
+        validate(request)
+        account_id = str(getattr(request, account_field))
+        if account_id:
+            locator.require_local(account_id)
+
+    return check
 
 
 def idempotency_config(settings: ShardSettings) -> IdempotencyConfig:
@@ -162,7 +195,8 @@ def start_shard(
     host of `settings.listen`, so a loopback daemon exposes its metrics on loopback only).
     """
     # Followed like the router's: ownership is decided by the map in force at each call, so from a
-    # new version on this shard refuses the accounts it no longer owns (retryable UNAVAILABLE).
+    # new version on this shard refuses the accounts it no longer owns (retryable UNAVAILABLE,
+    # ACCOUNT_MOVED), after reading the file once more (`ShardLocator.require_local`).
     shard_maps = (
         ShardMapFile(settings.shard_map, interval_s=settings.shard_map_reload_s)
         if settings.shard_map
@@ -170,9 +204,7 @@ def start_shard(
     )
     if shard_maps is not None and shard_maps.current.shard_by_id(settings.shard_id) is None:
         raise ShardMapError(f"shard map {settings.shard_map} has no shard {settings.shard_id!r}")
-    locator = ShardLocator(
-        settings.shard_id, (lambda a: shard_maps.current.shard_for(a).id) if shard_maps else None
-    )
+    locator = ShardLocator(settings.shard_id, shard_maps)
     metrics = ShardMetrics() if settings.metrics_port > 0 else None
     # In a multi-process daemon only the first serving process runs the background work; the claim
     # protocol needs none of it to be safe across processes.
@@ -194,7 +226,7 @@ def start_shard(
     guarded = frozenset(m.full_name for m in mutating_methods())
     interceptor = IdempotencyInterceptor(
         database=database,
-        methods=mutating_methods(),
+        methods=mutating_methods(locator),
         config=idempotency_config(settings),
         identity=IdentityPolicy(
             dev_mode=settings.dev_mode, trusted_proxies=frozenset(settings.trusted_proxies)
@@ -304,6 +336,7 @@ __all__ = [
     "admission_from",
     "idempotency_config",
     "mutating_methods",
+    "owned_here",
     "prepare_database",
     "start_shard",
 ]

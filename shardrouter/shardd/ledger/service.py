@@ -2,14 +2,14 @@
 
 Mutating handlers run inside the transaction the idempotency interceptor opened
 (`current_transaction()`); they raise domain errors and never call `context.abort`. Business
-failures (`NotFound`, `FailedPrecondition`) become the stored outcome of the key.
+failures (`NotFound`, `FailedPrecondition`) become the stored outcome of the key. An account another
+shard owns is refused before anything is applied (`UNAVAILABLE`, reason `ACCOUNT_MOVED`), never stored.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
 from datetime import UTC, datetime
 
 import grpc
@@ -24,6 +24,7 @@ from shardrouter.core.errors import (
     Unavailable,
 )
 from shardrouter.core.keys import derived_key, new_key
+from shardrouter.core.shardmap_file import ShardMapFile
 from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
 from shardrouter.shardd.db import Database, current_transaction
 from shardrouter.shardd.ledger import store
@@ -37,22 +38,48 @@ _TRANSFER_STATES = {
     "refunded": transfer_pb2.TRANSFER_STATE_REFUNDED,
 }
 _POLL_INTERVAL_S = 0.05
+#: RetryInfo delay of an ACCOUNT_MOVED refusal: the router redirects at once; a direct caller (or a
+#: router that cannot name the new owner yet) retries after it.
+ACCOUNT_MOVED_RETRY_MS = 500
 
 
 class ShardLocator:
-    """Answers which shard owns an account, as seen from one shard."""
+    """Answers which shard owns an account, as seen from one shard (by its followed shard map)."""
 
-    def __init__(self, own_shard_id: str, owner_of: Callable[[str], str] | None = None) -> None:
+    def __init__(self, own_shard_id: str, shard_maps: ShardMapFile | None = None) -> None:
         self.own_shard_id = own_shard_id
-        self._owner_of = owner_of
+        self._maps = shard_maps
 
     def shard_of(self, account_id: str) -> str:
-        """The owning shard's id (this shard when no shard map is configured)."""
-        return self._owner_of(account_id) if self._owner_of else self.own_shard_id
+        """The owning shard's id in the map in force (this shard when no shard map is configured)."""
+        return self._maps.current.shard_for(account_id).id if self._maps else self.own_shard_id
 
     def is_local(self, account_id: str) -> bool:
-        """Whether this shard owns the account."""
+        """Whether this shard owns the account in the map in force."""
         return self.shard_of(account_id) == self.own_shard_id
+
+    def require_local(self, account_id: str) -> None:
+        """Refuse (UNAVAILABLE, ACCOUNT_MOVED) an account that another shard owns.
+
+        The map in force may be up to a poll interval behind the file: a move's commit may already
+        have made this shard the owner, and the router that read it first sends the account here.
+        So before refusing, the file is read again (at most once per `RECHECK_INTERVAL_S` for the
+        whole daemon, so a burst of such calls reads it once).
+        """
+        if self._maps is None or self.is_local(account_id):
+            return
+        shard_map = self._maps.recheck()
+        owner = shard_map.shard_for(account_id).id
+        if owner == self.own_shard_id:
+            return
+        raise Unavailable(
+            f"account {account_id} belongs to {owner}, not to {self.own_shard_id} (shard map version "
+            f"{shard_map.version}): nothing was applied; the caller's shard map is out of date, retry "
+            "with the same idempotency key through the router",
+            reason=Reason.ACCOUNT_MOVED,
+            retry_after_ms=ACCOUNT_MOVED_RETRY_MS,
+            metadata={"owner_shard_id": owner, "map_version": str(shard_map.version)},
+        )
 
 
 def credit_key(transfer_id: uuid.UUID) -> uuid.UUID:
@@ -79,7 +106,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         call = current_transaction()
         conn = call.conn
         src, dst = request.source_account_id, request.destination_account_id
-        self._require_local(src)
+        self._locator.require_local(src)
         dst_shard = self._locator.shard_of(dst)
         local = dst_shard == self._locator.own_shard_id
         accounts = store.lock_accounts(conn, [src, dst] if local else [src])
@@ -154,7 +181,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         """Credit an account from outside, opening it on its first deposit."""
         call = current_transaction()
         account_id, amount = request.account_id, request.amount
-        self._require_local(account_id)
+        self._locator.require_local(account_id)
         store.create_account_if_missing(call.conn, account_id, amount.currency)
         account = _usable_account(
             store.lock_accounts(call.conn, [account_id]).get(account_id), account_id, amount.currency
@@ -183,7 +210,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         from shardrouter.core.validation import validate_get_balance
 
         validate_get_balance(request)
-        self._require_local(request.account_id)
+        self._locator.require_local(request.account_id)
         with self._db.read() as conn:
             account = store.read_account(conn, request.account_id)
         if account is None:
@@ -203,7 +230,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         from shardrouter.core.validation import validate_get_transfer
 
         validate_get_transfer(request)
-        self._require_local(request.source_account_id)
+        self._locator.require_local(request.source_account_id)
         transfer_id = uuid.UUID(request.transfer_id)
         wait_s = request.wait_for_completion_ms / 1000
         remaining = context.time_remaining()
@@ -223,17 +250,6 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
                 return transfer_pb2.GetTransferResponse(transfer=_transfer_message(transfer, attempts))
             time.sleep(_POLL_INTERVAL_S)
 
-    def _require_local(self, account_id: str) -> None:
-        owner = self._locator.shard_of(account_id)
-        if owner != self._locator.own_shard_id:
-            raise Unavailable(
-                f"account {account_id} belongs to {owner}, not to {self._locator.own_shard_id}: "
-                "the caller's shard map is out of date; retry through the router",
-                reason=Reason.SHARD_NOT_CONFIGURED,
-                retry_after_ms=500,
-                metadata={"owner_shard_id": owner},
-            )
-
 
 class ShardLedgerServicer(ledger_pb2_grpc.ShardLedgerServiceServicer):
     """Internal API: the credit leg of cross-shard transfers, its fence, and refunds."""
@@ -248,10 +264,9 @@ class ShardLedgerServicer(ledger_pb2_grpc.ShardLedgerServiceServicer):
         call = current_transaction()
         dst, amount = request.destination_account_id, request.amount
         transfer_id = uuid.UUID(request.transfer_id)
-        if not self._locator.is_local(dst):
-            raise NotFound(
-                f"account {dst} is not on shard {self._locator.own_shard_id}", reason=Reason.ACCOUNT_NOT_FOUND
-            )
+        # Retryable, not a stored NOT_FOUND: the relay's map and this shard's may disagree during a
+        # move, and a permanent refusal would dead-letter and refund a credit its new owner can take.
+        self._locator.require_local(dst)
         account = _usable_account(store.lock_accounts(call.conn, [dst]).get(dst), dst, amount.currency)
         existing = store.entry_of_transfer(call.conn, transfer_id, "transfer_in")
         if existing is not None:  # belt and braces: a second key for the same credit applies nothing
@@ -426,6 +441,7 @@ def _transfer_message(transfer: TransferRow, attempts: list[store.AttemptRow]) -
 
 
 __all__ = [
+    "ACCOUNT_MOVED_RETRY_MS",
     "MAX_BALANCE",
     "ShardLedgerServicer",
     "ShardLocator",
