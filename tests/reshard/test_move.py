@@ -8,19 +8,24 @@ logical replication between them.
 
 from __future__ import annotations
 
+import shutil
 import time
+from pathlib import Path
 
 import grpc
 import psycopg
 import pytest
 
+from shardrouter.core.keys import new_key
 from shardrouter.core.shardmap import load_shard_map
+from shardrouter.localcluster.postgres import free_port
 from shardrouter.reshard.move import Move, MoveSettings, find_move, start_move
 from shardrouter.reshard.plan import MoveError, Phase
 from shardrouter.reshard.verify import rows_in_range
 from shardrouter.shardd.migrations import FENCED_TABLES
-from shardrouter.v1 import transfer_pb2
-from tests.conftest import key_metadata, money
+from shardrouter.shardd.server import start_shard
+from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
+from tests.conftest import key_metadata, make_settings, money
 from tests.reshard.cluster import (
     FIRST,
     LAST,
@@ -30,6 +35,7 @@ from tests.reshard.cluster import (
     assert_no_leftovers,
     check_ledger,
     seed,
+    send,
 )
 
 QUICK = MoveSettings(copy_timeout_s=30, catch_up_timeout_s=30, final_sync_timeout_s=30)
@@ -198,3 +204,49 @@ def test_a_row_that_differs_after_the_copy_stops_the_move_before_the_commit(pair
     seed(pair, moving, 1)
     check_ledger(pair, len(moving), len(moving))
     assert_no_leftovers(pair)
+
+
+def test_a_daemon_on_a_stale_map_copy_neither_reads_nor_credits_a_moved_account(
+    pair: Pair, tmp_path: Path
+) -> None:
+    moving, staying = accounts(pair, 20)
+    local_source = next(a for a in staying if pair.owner(a) == "shard-0")
+    moving = moving[:2]
+    seed(pair, [*moving, local_source])
+    stale_map = tmp_path / "stale-shard-map.yaml"
+    shutil.copy(pair.map_path, stale_map)
+    record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
+    with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+        move.run()
+    port = free_port()
+    stale = start_shard(
+        make_settings(
+            pair.dsns["shard-0"], shard_id="shard-0", listen=f"127.0.0.1:{port}", shard_map=str(stale_map)
+        )
+    )
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = transfer_pb2_grpc.TransferServiceStub(channel)
+            # Its rows are gone from here: a read must not say the account does not exist.
+            with pytest.raises(grpc.RpcError) as read:
+                stub.GetBalance(transfer_pb2.GetBalanceRequest(account_id=moving[0]), timeout=5)
+            assert read.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert "moving, or has moved" in (read.value.details() or "")
+            # Nor may a transfer to it be stored as "no such account": it is refused, retryably.
+            key = new_key()
+            request = transfer_pb2.TransferRequest(
+                source_account_id=local_source, destination_account_id=moving[0], amount=money(5)
+            )
+            with pytest.raises(grpc.RpcError) as credit:
+                stub.Transfer(request, metadata=key_metadata(key), timeout=5)
+            assert credit.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        stale.stop(0.2)
+    # The same key through the map in force: applied once, as a cross-shard transfer.
+    answer = send(pair, "Transfer", request, key, local_source)
+    assert not isinstance(answer, grpc.RpcError), answer
+    transfer_id = answer.transfer.transfer_id  # type: ignore[attr-defined]
+    assert pair.sql(
+        "shard-0", "SELECT destination_shard_id FROM transfers WHERE id = %s", (transfer_id,)
+    ) == [("shard-1",)]
+    check_ledger(pair, len(moving) + 1, 0)

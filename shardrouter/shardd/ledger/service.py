@@ -58,6 +58,13 @@ class ShardLocator:
         """Whether this shard owns the account in the map in force."""
         return self.shard_of(account_id) == self.own_shard_id
 
+    def owner_now(self, account_id: str) -> str:
+        """The owning shard's id after reading the map file again (rate-limited like
+        `require_local`): for a decision the last poll may have got wrong."""
+        if self._maps is None:
+            return self.own_shard_id
+        return self._maps.recheck().shard_for(account_id).id
+
     def require_local(self, account_id: str) -> None:
         """Refuse (UNAVAILABLE, ACCOUNT_MOVED) an account that another shard owns.
 
@@ -110,6 +117,12 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         dst_shard = self._locator.shard_of(dst)
         local = dst_shard == self._locator.own_shard_id
         accounts = store.lock_accounts(conn, [src, dst] if local else [src])
+        if local and dst not in accounts:
+            # Missing here may mean moved away, with this daemon's map a poll behind the move.
+            dst_shard = self._locator.owner_now(dst)
+            local = dst_shard == self._locator.own_shard_id
+            if local and store.slot_fenced(conn, dst):
+                raise _slot_moving(dst)
         source = _usable_account(accounts.get(src), src, request.amount.currency)
         if source.balance < request.amount.amount_minor:
             raise FailedPrecondition(
@@ -213,6 +226,9 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         self._locator.require_local(request.account_id)
         with self._db.read() as conn:
             account = store.read_account(conn, request.account_id)
+            # A fenced range is moving or has moved: what is here may no longer be the truth.
+            if store.slot_fenced(conn, request.account_id):
+                raise _slot_moving(request.account_id)
         if account is None:
             raise _account_not_found(request.account_id)
         return transfer_pb2.GetBalanceResponse(
@@ -241,6 +257,8 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
             with self._db.read() as conn:
                 transfer = store.read_transfer(conn, transfer_id)
                 attempts = store.attempts_of(conn, transfer_id) if transfer else []
+                if store.slot_fenced(conn, request.source_account_id):
+                    raise _slot_moving(request.source_account_id)
             if transfer is None or transfer.source_account_id != request.source_account_id:
                 raise NotFound(
                     f"no transfer {request.transfer_id} from account {request.source_account_id} on this shard",
@@ -405,6 +423,16 @@ def _check_limit(account: AccountRow, credit: int) -> None:
             reason=Reason.BALANCE_LIMIT_EXCEEDED,
             metadata={"account_id": account.id},
         )
+
+
+def _slot_moving(account_id: str) -> Unavailable:
+    return Unavailable(
+        f"account {account_id} is in a slot range that is moving, or has moved, to another shard; "
+        "nothing was applied, retry (with the same idempotency key) and the owner will answer",
+        reason=Reason.SLOT_RANGE_MOVING,
+        retry_after_ms=ACCOUNT_MOVED_RETRY_MS,
+        metadata={"account_id": account_id},
+    )
 
 
 def _account_not_found(account_id: str) -> NotFound:

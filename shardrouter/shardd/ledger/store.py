@@ -109,6 +109,16 @@ def read_account(conn: Connection, account_id: str) -> AccountRow | None:
     return None if r is None else AccountRow(r["id"], r["currency"], r["balance"], r["state"])
 
 
+def slot_fenced(conn: Connection, account_id: str) -> bool:
+    """Whether the account's slot is fenced here: moving away, or moved away for good."""
+    row = conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM slot_fences f"
+        " WHERE account_hash(%s) %% f.slots BETWEEN f.first_slot AND f.last_slot)",
+        (account_id,),
+    ).fetchone()
+    return bool(row and row[0])
+
+
 def add_to_balance(conn: Connection, account_id: str, delta: int) -> int:
     """Move an account's balance by `delta` (the CHECK constraints forbid < 0); the new balance."""
     row = conn.execute(
@@ -337,4 +347,5 @@ __all__ = [
     "read_transfer",
     "record_attempt",
     "set_transfer_state",
+    "slot_fenced",
 ]
