@@ -20,6 +20,11 @@ from psycopg import errors, sql
 from shardrouter.reshard.plan import MovePlan
 from shardrouter.shardd.migrations import FENCED_TABLES
 from shardrouter.shardd.partitions import PARENT as PARTITIONED_TABLE
+from shardrouter.shardd.partitions import run_ddl
+
+#: How long one attempt to change a table's replica identity may queue the table's traffic.
+_IDENTITY_LOCK_TIMEOUT_MS = 100
+_IDENTITY_ATTEMPTS = 100
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,14 @@ def set_replica_identity(conn: psycopg.Connection[Any], *, full: bool) -> None:
     (which reads account_hash, not in a primary key); DEFAULT (the primary key) again after."""
     identity = sql.SQL("FULL" if full else "DEFAULT")
     for table in replicated_relations(conn):
-        conn.execute(sql.SQL("ALTER TABLE {} REPLICA IDENTITY {}").format(sql.Identifier(table), identity))
+        # ALTER TABLE takes the table's strongest lock; queued behind a long transaction it would
+        # stall every call behind it, so it waits at most a moment at a time and tries again.
+        run_ddl(
+            conn,
+            sql.SQL("ALTER TABLE {} REPLICA IDENTITY {}").format(sql.Identifier(table), identity),
+            lock_timeout_ms=_IDENTITY_LOCK_TIMEOUT_MS,
+            attempts=_IDENTITY_ATTEMPTS,
+        )
 
 
 def create_publication(conn: psycopg.Connection[Any], name: str, plan: MovePlan) -> None:

@@ -153,28 +153,28 @@ def _create_and_attach(conn: Connection, month: Month) -> None:
     """The DDL of `create_partition`; each step tolerates a half-done earlier attempt."""
     table = sql.Identifier(month.table)
     start, end = sql.Literal(month.start()), sql.Literal(month.end())
-    _ddl(
+    run_ddl(
         conn,
         sql.SQL("CREATE TABLE IF NOT EXISTS {t} (LIKE {p} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)").format(
             t=table, p=sql.Identifier(PARENT)
         ),
     )
     bounds = sql.Identifier(f"{month.table}_bounds")
-    _ddl(
+    run_ddl(
         conn,
         sql.SQL(
             "DO $$ BEGIN ALTER TABLE {t} ADD CONSTRAINT {c} CHECK (key_time >= {s} AND key_time < {e});"
             " EXCEPTION WHEN duplicate_object THEN NULL; END $$"
         ).format(t=table, c=bounds, s=start, e=end),
     )
-    _ddl(
+    run_ddl(
         conn,
         sql.SQL("ALTER TABLE {p} ATTACH PARTITION {t} FOR VALUES FROM ({s}) TO ({e})").format(
             p=sql.Identifier(PARENT), t=table, s=start, e=end
         ),
     )
     # The bounds CHECK only served to skip the attach scan; the partition constraint replaces it.
-    _ddl(conn, sql.SQL("ALTER TABLE {t} DROP CONSTRAINT IF EXISTS {c}").format(t=table, c=bounds))
+    run_ddl(conn, sql.SQL("ALTER TABLE {t} DROP CONSTRAINT IF EXISTS {c}").format(t=table, c=bounds))
     # While a slot range moves out (shardrouter.reshard), its publication filters rows by
     # account_hash, and an UPDATE of a partition whose replica identity lacks that column fails.
     moving = conn.execute(
@@ -182,7 +182,7 @@ def _create_and_attach(conn: Connection, month: Month) -> None:
     )
     row = moving.fetchone()
     if row is not None and row[0]:
-        _ddl(conn, sql.SQL("ALTER TABLE {t} REPLICA IDENTITY FULL").format(t=table))
+        run_ddl(conn, sql.SQL("ALTER TABLE {t} REPLICA IDENTITY FULL").format(t=table))
 
 
 @contextmanager
@@ -204,7 +204,7 @@ def drop_partition(conn: Connection, month: Month) -> None:
     table = sql.Identifier(month.table)
     if month in existing_partitions(conn):
         try:
-            _ddl(
+            run_ddl(
                 conn,
                 sql.SQL("ALTER TABLE {p} DETACH PARTITION {t} CONCURRENTLY").format(
                     p=sql.Identifier(PARENT), t=table
@@ -212,13 +212,13 @@ def drop_partition(conn: Connection, month: Month) -> None:
             )
         except errors.ObjectNotInPrerequisiteState:
             # An earlier run was interrupted between the two phases of DETACH CONCURRENTLY.
-            _ddl(
+            run_ddl(
                 conn,
                 sql.SQL("ALTER TABLE {p} DETACH PARTITION {t} FINALIZE").format(
                     p=sql.Identifier(PARENT), t=table
                 ),
             )
-    _ddl(conn, sql.SQL("DROP TABLE IF EXISTS {t}").format(t=table))
+    run_ddl(conn, sql.SQL("DROP TABLE IF EXISTS {t}").format(t=table))
     log.info("dropped partition %s", month.table)
 
 
@@ -240,17 +240,23 @@ def today() -> date:
     return datetime.now(UTC).date()
 
 
-def _ddl(conn: Connection, statement: sql.Composed) -> None:
+def run_ddl(
+    conn: Connection,
+    statement: sql.Composed,
+    *,
+    lock_timeout_ms: int = DDL_LOCK_TIMEOUT_MS,
+    attempts: int = DDL_ATTEMPTS,
+) -> None:
     """Run DDL with a short lock wait, retrying: waiting long would queue the traffic behind us."""
-    for attempt in range(1, DDL_ATTEMPTS + 1):
+    for attempt in range(1, attempts + 1):
         try:
-            conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{DDL_LOCK_TIMEOUT_MS}ms")))
+            conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{lock_timeout_ms}ms")))
             conn.execute(statement)
             return
         except errors.LockNotAvailable:
-            if attempt == DDL_ATTEMPTS:
+            if attempt == attempts:
                 raise
-            log.warning("DDL waited over %d ms for a lock; retrying (%d)", DDL_LOCK_TIMEOUT_MS, attempt)
+            log.warning("DDL waited over %d ms for a lock; retrying (%d)", lock_timeout_ms, attempt)
             time.sleep(min(0.05 * attempt, 1.0))
         finally:
             conn.execute("RESET lock_timeout")
@@ -271,5 +277,6 @@ __all__ = [
     "first_missing_month",
     "months_to_keep",
     "partition_sizes",
+    "run_ddl",
     "today",
 ]

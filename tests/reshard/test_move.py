@@ -9,6 +9,7 @@ logical replication between them.
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from tests.conftest import key_metadata, make_settings, money
 from tests.reshard.cluster import (
     FIRST,
     LAST,
+    SEEDED,
     Load,
     Pair,
     accounts,
@@ -250,3 +252,29 @@ def test_a_daemon_on_a_stale_map_copy_neither_reads_nor_credits_a_moved_account(
         "shard-0", "SELECT destination_shard_id FROM transfers WHERE id = %s", (transfer_id,)
     ) == [("shard-1",)]
     check_ledger(pair, len(moving) + 1, 0)
+
+
+def test_preparing_a_move_behind_a_long_transaction_does_not_stall_the_shard(pair: Pair) -> None:
+    moving, staying = accounts(pair, 2)
+    local = [a for a in staying if pair.owner(a) == "shard-0"] or moving
+    seed(pair, moving + staying)
+    record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
+    with psycopg.connect(pair.dsns["shard-0"]) as long_reader:
+        long_reader.execute("SELECT count(*) FROM accounts")  # holds a lock until its transaction ends
+        with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+            preparing = threading.Thread(target=move.run, kwargs={"until": Phase.PREPARED})
+            preparing.start()
+            time.sleep(0.5)  # the move now waits for the table the reader holds
+            # Calls are not queued behind the move's waiting ALTER TABLE: they answer at once.
+            answer = pair.stub("shard-0").Deposit(
+                transfer_pb2.DepositRequest(account_id=local[0], amount=money(1)),
+                metadata=key_metadata(),
+                timeout=2,
+            )
+            assert answer.balance.amount_minor == SEEDED + 1
+            assert preparing.is_alive(), "the move did not wait for the long transaction"
+            long_reader.rollback()
+            preparing.join(30)
+            assert record.phase is Phase.PREPARED
+            move.abort()
+    assert_no_leftovers(pair)
