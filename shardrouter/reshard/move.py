@@ -255,12 +255,17 @@ class Move:
             lag = replication.slot_lag_bytes(self._source, self.plan.object_name)
             if lag is None:
                 raise MoveError(f"the replication slot {self.plan.object_name} is gone; abort the move")
-            if lag <= self._settings.cutover_lag_bytes:
+            # Only a connected subscriber keeps up after the fence: a small lag of one that is
+            # away (reconnecting after a restart) would turn into seconds of write pause.
+            streaming = replication.slot_streaming(self._source, self.plan.object_name)
+            if lag <= self._settings.cutover_lag_bytes and streaming:
                 break
             if time.monotonic() - shown >= 1.0:
                 shown = time.monotonic()
                 journal.add_figures(self._source, self.record, lag_bytes=lag)
-                self._progress(f"catching up: {lag} bytes behind")
+                self._progress(
+                    f"catching up: {lag} bytes behind" + ("" if streaming else ", subscriber away")
+                )
             self._check_stream(deadline, "catching up")
             time.sleep(self._settings.poll_s)
         self._phase(

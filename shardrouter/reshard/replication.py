@@ -182,6 +182,12 @@ def slot_lag_bytes(conn: psycopg.Connection[Any], slot: str, upto: str | None = 
     return None if row is None or row[0] is None else int(row[0])
 
 
+def slot_streaming(conn: psycopg.Connection[Any], slot: str) -> bool:
+    """Whether a walsender is streaming from the slot now (the subscriber is connected)."""
+    row = conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
+    return bool(row and row[0])
+
+
 def wake_stream(conn: psycopg.Connection[Any]) -> None:
     """Write a (non-transactional, unpublished) WAL record, so an idle walsender has a position
     past the final one to confirm."""
@@ -202,5 +208,6 @@ __all__ = [
     "replicated_relations",
     "set_replica_identity",
     "slot_lag_bytes",
+    "slot_streaming",
     "wake_stream",
 ]
