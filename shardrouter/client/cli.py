@@ -117,6 +117,10 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     command("resume", "send every pending operation again, with its original idempotency key")
     dev = sub.add_parser("dev", help="run shard-router on this machine (see 'shard-router dev --help')")
     dev.add_argument("rest", nargs=argparse.REMAINDER)
+    reshard = sub.add_parser(
+        "reshard", help="move a slot range to another shard (see 'shard-router reshard --help')"
+    )
+    reshard.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 
 

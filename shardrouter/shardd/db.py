@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +75,9 @@ class Database:
         self.traced = traced
         self.transient_retry_ms = transient_retry_ms
         self.pipeline = pipeline
+        #: Called when a write meets a slot fence: the shard daemon re-reads its shard map then, so
+        #: once a move has committed its next refusal names the new owner (ACCOUNT_MOVED).
+        self.on_slot_fenced: Callable[[], object] | None = None
         configure = functools.partial(_trace_statements, tracer_provider=tracer_provider) if traced else None
         self.checks = ConnectionChecks()
         self.pool: psycopg_pool.ConnectionPool[Connection] = psycopg_pool.ConnectionPool(
@@ -214,7 +217,9 @@ def current_transaction() -> CallTransaction:
 
 
 @contextmanager
-def mapped_database_errors(retry_after_ms: int) -> Iterator[None]:
+def mapped_database_errors(
+    retry_after_ms: int, on_slot_fenced: Callable[[], object] | None = None
+) -> Iterator[None]:
     """Turn transient psycopg failures into UNAVAILABLE / DEADLINE_EXCEEDED (nothing committed)."""
     try:
         yield
@@ -226,6 +231,8 @@ def mapped_database_errors(retry_after_ms: int) -> Iterator[None]:
     except errors.ObjectNotInPrerequisiteState as exc:
         if not _slot_fenced(exc):
             raise
+        if on_slot_fenced is not None:
+            on_slot_fenced()
         raise Unavailable(
             "the account's slot range is moving to another shard and takes no writes here now; nothing "
             "was applied, retry with the same idempotency key (the new owner will answer it)",

@@ -220,6 +220,8 @@ def start_shard(
         tracer_provider=tracer_provider,
         traced=traced and settings.trace_statements,
     )
+    if shard_maps is not None:
+        database.on_slot_fenced = shard_maps.recheck
     # Admission before anything touches the database: a shed call costs no connection. Guarded calls
     # are admitted by the idempotency interceptor, after the answers it gives from memory.
     admission = admission_from(settings)

@@ -16,6 +16,8 @@ from pathlib import Path
 import grpc
 import psycopg
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from shardrouter.core.keys import new_key
 from shardrouter.core.shardmap import load_shard_map
@@ -278,3 +280,50 @@ def test_preparing_a_move_behind_a_long_transaction_does_not_stall_the_shard(pai
             assert record.phase is Phase.PREPARED
             move.abort()
     assert_no_leftovers(pair)
+
+
+def _reason(err: grpc.RpcError) -> tuple[str, dict[str, str]]:
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert status is not None
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.reason, dict(info.metadata)
+    raise AssertionError(f"no ErrorInfo in {status}")
+
+
+def test_the_old_owner_names_the_new_one_at_once_however_long_its_map_poll(pair: Pair) -> None:
+    moving, _ = accounts(pair, 1)
+    seed(pair, moving)
+    port = free_port()
+    slow = start_shard(
+        make_settings(
+            pair.dsns["shard-0"],
+            shard_id="shard-0",
+            listen=f"127.0.0.1:{port}",
+            shard_map=str(pair.map_path),
+            shard_map_reload_s=60,
+        )
+    )
+    try:
+        record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
+        with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+            move.run()
+        reasons = []
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = transfer_pb2_grpc.TransferServiceStub(channel)
+            for _ in range(2):
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.Deposit(
+                        transfer_pb2.DepositRequest(account_id=moving[0], amount=money(1)),
+                        metadata=key_metadata(),
+                        timeout=5,
+                    )
+                assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+                reasons.append(_reason(refused.value))
+                time.sleep(0.05)
+    finally:
+        slow.stop(0.2)
+    # Its 60 s poll has not come round: the fence it met made it read the map there and then.
+    assert reasons[0][0] in ("SLOT_RANGE_MOVING", "ACCOUNT_MOVED")
+    assert reasons[1] == ("ACCOUNT_MOVED", {"owner_shard_id": "shard-1", "map_version": "2"})

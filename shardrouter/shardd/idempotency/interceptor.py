@@ -386,7 +386,7 @@ class _GuardedCall:
         traceparent = traceparent_of(span)
         with (
             _db_span(self._with.tracer),
-            mapped_database_errors(db.transient_retry_ms),
+            mapped_database_errors(db.transient_retry_ms, db.on_slot_fenced),
             db.connection() as conn,
         ):
             # In pipeline mode (the default), statements whose results are not fetched go out with
