@@ -53,8 +53,8 @@ _DELETE_ORDER = (
 )
 #: The serial ids of moved tables: copied as they are, so they must not meet the new owner's.
 _SEQUENCES = (("outbox", "id"), ("delivery_attempts", "id"))
-#: Ids a shard may still hand out during a move, beyond its sequence's position.
-_ID_MARGIN = 1 << 32
+#: Each database's block of ids is 2^40 wide (migration 9 starts its sequences in a random one).
+_ID_BLOCK_BITS = 40
 _MIN_SCHEMA = 9
 
 
@@ -413,24 +413,38 @@ class Move:
         )
 
     def _check_id_spaces(self) -> dict[str, list[int]]:
-        """Refuse a move whose copied ids could meet ids the new owner has or will hand out."""
+        """Refuse a move whose copied ids could meet ids the new owner has or will hand out.
+
+        Since schema 9 each database draws these ids from a block of its own (`_ID_BLOCK_BITS`), and
+        a row lives on one shard at a time, so an id is unique everywhere as long as: the two
+        shards draw from different blocks; a moving id from the new owner's block is one it has
+        handed out already (the row left it in an earlier move), never one it will hand out; and
+        ids from before schema 9 (below the first block), which every shard used, are not on both.
+        """
         spans: dict[str, list[int]] = {}
         for table, column in _SEQUENCES:
-            moved = _id_span(self._source, table, column, self.plan)
-            theirs = _id_span(self._target, table, column, None)
+            s_seq = _sequence_value(self._source, table, column)
+            t_seq = _sequence_value(self._target, table, column)
+            block = t_seq >> _ID_BLOCK_BITS
+            if s_seq >> _ID_BLOCK_BITS == block:
+                raise MoveError(
+                    f"{table}.{column}: {self.plan.source} and {self.plan.target} draw ids from the same "
+                    f"block ({block}); move {self.plan.target}'s sequence to a free block first"
+                )
+            moved = _moved_ids(self._source, table, column, self.plan, block)
             if moved is None:
                 continue
-            # The old owner may still add rows to the range until the fence: up to _ID_MARGIN.
-            low, high = moved[0], max(moved[1], _sequence_value(self._source, table, column)) + _ID_MARGIN
-            t_low = theirs[0] if theirs else _sequence_value(self._target, table, column)
-            t_high = _sequence_value(self._target, table, column) + _ID_MARGIN
-            if low <= t_high and t_low <= high:
+            if moved.from_target_block is not None and moved.from_target_block > t_seq:
                 raise MoveError(
-                    f"{table}.{column}: the ids of the moving rows ({low}..{high}) meet ids {self.plan.target} "
-                    f"uses ({t_low}..{t_high}); shards migrated to schema 9 or later draw ids from blocks of "
-                    "their own, rows from before cannot move"
+                    f"{table}.{column}: moving id {moved.from_target_block} is in {self.plan.target}'s block "
+                    f"but beyond what it has handed out ({t_seq}); it could hand it out again"
                 )
-            spans[table] = [low, high]
+            if moved.legacy and _has_legacy_ids(self._target, table, column):
+                raise MoveError(
+                    f"{table}.{column}: rows made before schema 9 are in the range and on {self.plan.target} "
+                    "too; their ids are not unique across shards, so they cannot move"
+                )
+            spans[table] = [moved.low, moved.high]
         return spans
 
     def _delete_range(self, conn: psycopg.Connection[Any]) -> int:
@@ -455,17 +469,45 @@ class Move:
         return bool(row and row[0])
 
 
-def _id_span(
-    conn: psycopg.Connection[Any], table: str, column: str, plan: MovePlan | None
-) -> tuple[int, int] | None:
-    """The smallest and largest id of a table (of the plan's slots only, with a plan)."""
-    where = sql.SQL(plan.row_filter("t.account_hash")) if plan else sql.SQL("true")
+@dataclass(frozen=True)
+class _MovedIds:
+    """The ids of a table's moving rows: their span, the largest from a given block, and whether
+    any is from before schema 9."""
+
+    low: int
+    high: int
+    from_target_block: int | None
+    legacy: bool
+
+
+def _moved_ids(
+    conn: psycopg.Connection[Any], table: str, column: str, plan: MovePlan, block: int
+) -> _MovedIds | None:
     row = conn.execute(
-        sql.SQL("SELECT min({c}), max({c}) FROM {t} t WHERE {w}").format(
-            c=sql.Identifier(column), t=sql.Identifier(table), w=where
+        sql.SQL(
+            "SELECT min({c}), max({c}), max({c}) FILTER (WHERE {c} >> {bits} = {block}),"
+            " coalesce(bool_or({c} < {first}), false) FROM {t} t WHERE {w}"
+        ).format(
+            c=sql.Identifier(column),
+            bits=sql.Literal(_ID_BLOCK_BITS),
+            block=sql.Literal(block),
+            first=sql.Literal(1 << _ID_BLOCK_BITS),
+            t=sql.Identifier(table),
+            w=sql.SQL(plan.row_filter("t.account_hash")),
         )
     ).fetchone()
-    return None if row is None or row[0] is None else (int(row[0]), int(row[1]))
+    if row is None or row[0] is None:
+        return None
+    return _MovedIds(int(row[0]), int(row[1]), None if row[2] is None else int(row[2]), bool(row[3]))
+
+
+def _has_legacy_ids(conn: psycopg.Connection[Any], table: str, column: str) -> bool:
+    row = conn.execute(
+        sql.SQL("SELECT EXISTS (SELECT 1 FROM {t} WHERE {c} < {first})").format(
+            t=sql.Identifier(table), c=sql.Identifier(column), first=sql.Literal(1 << _ID_BLOCK_BITS)
+        )
+    ).fetchone()
+    return bool(row and row[0])
 
 
 def _sequence_value(conn: psycopg.Connection[Any], table: str, column: str) -> int:

@@ -327,3 +327,51 @@ def test_the_old_owner_names_the_new_one_at_once_however_long_its_map_poll(pair:
     # Its 60 s poll has not come round: the fence it met made it read the map there and then.
     assert reasons[0][0] in ("SLOT_RANGE_MOVING", "ACCOUNT_MOVED")
     assert reasons[1] == ("ACCOUNT_MOVED", {"owner_shard_id": "shard-1", "map_version": "2"})
+
+
+def test_a_range_with_cross_shard_transfers_moves_there_back_and_there_again(pair: Pair) -> None:
+    moving, staying = accounts(pair, 6)
+    seed(pair, moving + staying)
+    deposited = 0
+    for round_ in range(3):
+        for src, dst in zip(moving, staying, strict=True):  # outbox rows and delivery attempts
+            answer = send(
+                pair,
+                "Transfer",
+                transfer_pb2.TransferRequest(
+                    source_account_id=src, destination_account_id=dst, amount=money(3)
+                ),
+                new_key(),
+                src,
+            )
+            assert not isinstance(answer, grpc.RpcError), answer
+        target = "shard-1" if round_ % 2 == 0 else "shard-0"
+        record = start_move(pair.map_path, pair.databases, FIRST, LAST, target)
+        with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+            move.run()
+        assert record.figures["rows_moved"]["outbox"] == len(moving) * (round_ + 1)
+        assert all(pair.owner(a) == target for a in moving)
+    check_ledger(pair, len(moving) + len(staying), deposited)
+    assert_no_leftovers(pair)
+
+
+def test_shards_drawing_ids_from_one_block_cannot_move_rows_between_them(pair: Pair) -> None:
+    moving, staying = accounts(pair, 2)
+    seed(pair, moving + staying)
+    send(
+        pair,
+        "Transfer",
+        transfer_pb2.TransferRequest(
+            source_account_id=moving[0], destination_account_id=staying[0], amount=money(1)
+        ),
+        new_key(),
+        moving[0],
+    )
+    (source_seq,) = pair.sql("shard-0", "SELECT last_value FROM outbox_id_seq")[0]
+    pair.sql("shard-1", "SELECT setval('outbox_id_seq', %s)", (int(source_seq) + 1000,))  # type: ignore[call-overload]
+    record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
+    with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+        with pytest.raises(MoveError, match="draw ids from the same block"):
+            move.run()
+        move.abort()
+    assert_no_leftovers(pair)
