@@ -186,6 +186,13 @@ class Move:
         }
         if self.record.phase is Phase.ABORTED:
             raise MoveError(f"move {self.plan.move_id} was aborted; start a new one")
+        # A resumed move may find the old owner's server somewhere else (a restarted local cluster
+        # takes new ports; a failed-over primary another host): its subscription follows the DSN.
+        replication.point_subscription(
+            self._target,
+            self.plan.object_name,
+            source_conninfo=self._databases.replication_dsn(self.plan.source),
+        )
         while self.record.phase.rank < until.rank:
             steps[self.record.phase]()
         return self.record

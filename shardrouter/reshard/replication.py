@@ -131,6 +131,19 @@ def create_subscription(
     )
 
 
+def point_subscription(conn: psycopg.Connection[Any], name: str, *, source_conninfo: str) -> bool:
+    """Give an existing subscription this connection string if it has another; True if changed."""
+    row = conn.execute("SELECT subconninfo FROM pg_subscription WHERE subname = %s", (name,)).fetchone()
+    if row is None or row[0] == source_conninfo:
+        return False
+    conn.execute(
+        sql.SQL("ALTER SUBSCRIPTION {} CONNECTION {}").format(
+            sql.Identifier(name), sql.Literal(source_conninfo)
+        )
+    )
+    return True
+
+
 def drop_subscription(conn: psycopg.Connection[Any], name: str) -> None:
     """Stop and remove the subscription, leaving the slot on the old owner to `drop_slot` (a
     subscription dropping its own remote slot would need the old owner reachable)."""
@@ -205,6 +218,7 @@ __all__ = [
     "drop_publication",
     "drop_slot",
     "drop_subscription",
+    "point_subscription",
     "replicated_relations",
     "set_replica_identity",
     "slot_lag_bytes",

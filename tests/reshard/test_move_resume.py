@@ -1,0 +1,38 @@
+"""Resuming a move whose world changed while it was stopped: the old owner's server is reached at
+another address now (a restarted local cluster takes new ports; a failed-over primary is another
+host), so the subscription it left must follow the DSN it is given when it resumes."""
+
+from __future__ import annotations
+
+import psycopg
+from psycopg import sql
+
+from shardrouter.reshard.move import Move, MoveSettings, find_move, start_move
+from shardrouter.reshard.plan import Phase
+from tests.reshard.cluster import FIRST, LAST, Pair, accounts, assert_no_leftovers, check_ledger, seed
+
+QUICK = MoveSettings(copy_timeout_s=20, catch_up_timeout_s=20, final_sync_timeout_s=20)
+
+
+def test_a_resumed_move_points_its_subscription_at_the_old_owner_where_it_is_now(pair: Pair) -> None:
+    moving, staying = accounts(pair, 3)
+    seed(pair, moving + staying)
+    record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
+    with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+        move.run(until=Phase.COPIED)
+    name = record.plan.object_name
+    # What the subscription knows is an address where nothing listens any more.
+    with psycopg.connect(pair.dsns["shard-1"], autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("ALTER SUBSCRIPTION {} CONNECTION {}").format(
+                sql.Identifier(name), sql.Literal("host=127.0.0.1 port=1 dbname=gone connect_timeout=1")
+            )
+        )
+    seed(pair, moving, 1)  # changes the stream must still carry to the new owner
+    resumed = find_move(pair.databases, record.plan.move_id)
+    with Move(resumed, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+        move.run()
+    assert resumed.phase is Phase.DONE
+    assert all(pair.owner(a) == "shard-1" for a in moving)
+    check_ledger(pair, len(moving) + len(staying), len(moving))
+    assert_no_leftovers(pair)
