@@ -230,7 +230,9 @@ class OutboxRelay:
         done = 0
         for letter in letters:
             request = ledger_pb2.RefundTransferRequest(
-                transfer_id=str(letter.transfer_id), reason=letter.reason
+                transfer_id=str(letter.transfer_id),
+                reason=letter.reason,
+                source_account_id=letter.source_account_id,
             )
             code, message = self._clients.call(
                 self._settings.shard_id,

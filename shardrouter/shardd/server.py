@@ -70,7 +70,11 @@ def mutating_methods(locator: ShardLocator | None = None) -> list[MutatingMethod
             scope_name="transfer_in",
             account_field="destination_account_id",
         ),
-        MutatingMethod(f"/{INTERNAL_SERVICE}/RefundTransfer", validate_transfer_id_only),
+        MutatingMethod(
+            f"/{INTERNAL_SERVICE}/RefundTransfer",
+            validate_transfer_id_only,
+            account_field="source_account_id",
+        ),
     ]
     if locator is None:
         return methods

@@ -43,12 +43,14 @@ class VoidCreditResponse(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
 
 class RefundTransferRequest(_message.Message):
-    __slots__ = ("transfer_id", "reason")
+    __slots__ = ("transfer_id", "reason", "source_account_id")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ACCOUNT_ID_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     reason: str
-    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    source_account_id: str
+    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ..., source_account_id: _Optional[str] = ...) -> None: ...
 
 class RefundTransferResponse(_message.Message):
     __slots__ = ("entry_id",)

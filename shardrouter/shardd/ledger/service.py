@@ -365,13 +365,17 @@ def validate_transfer_id_only(
 ) -> None:
     """The request must name a transfer by its UUID; its reason is short printable text."""
     problems = _transfer_id_problems(request.transfer_id)
-    account = getattr(request, "destination_account_id", "")  # VoidCredit's; empty from older relays
+    # VoidCredit's destination, RefundTransfer's source; empty from older relays.
+    field = (
+        "destination_account_id" if isinstance(request, ledger_pb2.VoidCreditRequest) else "source_account_id"
+    )
+    account = str(getattr(request, field))
     if account:
         from shardrouter.core.validation import account_id_problem
 
         problem = account_id_problem(account)
         if problem is not None:
-            problems.append(FieldViolation("destination_account_id", problem))
+            problems.append(FieldViolation(field, problem))
     if len(request.reason) > 500 or any(not ch.isprintable() for ch in request.reason):
         problems.append(FieldViolation("reason", "must be at most 500 printable characters"))
     _refuse(type(request).__name__.removesuffix("Request"), problems)
