@@ -11,7 +11,7 @@ import pytest
 
 from shardrouter.core.shardmap import even_shard_map, write_shard_map
 from shardrouter.localcluster.postgres import LocalPostgres, free_port
-from shardrouter.shardd.server import start_shard
+from shardrouter.shardd.server import ShardDaemon, start_shard
 from tests.conftest import make_settings
 from tests.reshard.cluster import Pair
 
@@ -29,23 +29,31 @@ def new_pair(postgres: LocalPostgres, tmp_path: Path) -> Pair:
     return Pair(map_path, dsns, ports)
 
 
+def start_daemons(pair: Pair, *, metrics: bool = False) -> dict[str, ShardDaemon]:
+    """An in-process daemon per shard of `pair`, on its port, following its map file (re-read every
+    0.1 s), relays on; with `metrics`, each serves /metrics on a free loopback port."""
+    return {
+        sid: start_shard(
+            make_settings(
+                pair.dsns[sid],
+                shard_id=sid,
+                listen=f"127.0.0.1:{port}",
+                shard_map=str(pair.map_path),
+                shard_map_reload_s=0.1,
+                relay_workers=1,
+                **({"metrics_port": free_port()} if metrics else {}),
+            ),
+            metrics_host="127.0.0.1" if metrics else None,
+        )
+        for sid, port in pair.ports.items()
+    }
+
+
 @pytest.fixture
 def pair(postgres: LocalPostgres, tmp_path: Path) -> Iterator[Pair]:
     cluster = new_pair(postgres, tmp_path)
-    daemons = [
-        start_shard(
-            make_settings(
-                cluster.dsns[sid],
-                shard_id=sid,
-                listen=f"127.0.0.1:{port}",
-                shard_map=str(cluster.map_path),
-                shard_map_reload_s=0.1,
-                relay_workers=1,
-            )
-        )
-        for sid, port in cluster.ports.items()
-    ]
+    daemons = start_daemons(cluster)
     yield cluster
     cluster.close()
-    for daemon in daemons:
+    for daemon in daemons.values():
         daemon.stop(0.2)

@@ -3,8 +3,8 @@
 counts its fences by kind.
 
 Two in-process shard daemons with /metrics on loopback over two databases of a real PostgreSQL
-(wal_level=logical), following one shard map file (`conftest.new_pair`). The tests refresh the
-database gauges themselves instead of waiting for the collector's next round.
+(wal_level=logical), following one shard map file (`conftest.new_pair`, `conftest.start_daemons`).
+The tests refresh the database gauges themselves instead of waiting for the collector's next round.
 """
 
 from __future__ import annotations
@@ -15,16 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from shardrouter.localcluster.postgres import LocalPostgres, free_port
+from shardrouter.localcluster.postgres import LocalPostgres
 from shardrouter.reshard.journal import MoveRecord
 from shardrouter.reshard.move import Move, MoveSettings, start_move
 from shardrouter.reshard.plan import ACTIVE_PHASES, Phase
 from shardrouter.shardd import observability
-from shardrouter.shardd.server import ShardDaemon, start_shard
-from tests.conftest import make_settings
+from shardrouter.shardd.server import ShardDaemon
 from tests.observability.test_metrics import Samples, collector_of, scrape, value
 from tests.reshard.cluster import FIRST, LAST, Pair, accounts, seed
-from tests.reshard.conftest import new_pair
+from tests.reshard.conftest import new_pair, start_daemons
 
 QUICK = MoveSettings(copy_timeout_s=30, catch_up_timeout_s=30, final_sync_timeout_s=30)
 FENCES = "shardd_slot_fences"
@@ -51,21 +50,7 @@ class MeteredPair:
 @pytest.fixture
 def metered(postgres: LocalPostgres, tmp_path: Path) -> Iterator[MeteredPair]:
     pair = new_pair(postgres, tmp_path)
-    daemons = {
-        sid: start_shard(
-            make_settings(
-                pair.dsns[sid],
-                shard_id=sid,
-                listen=f"127.0.0.1:{port}",
-                shard_map=str(pair.map_path),
-                shard_map_reload_s=0.1,
-                relay_workers=1,
-                metrics_port=free_port(),
-            ),
-            metrics_host="127.0.0.1",
-        )
-        for sid, port in pair.ports.items()
-    }
+    daemons = start_daemons(pair, metrics=True)
     yield MeteredPair(pair, daemons)
     pair.close()
     for daemon in daemons.values():
