@@ -62,14 +62,21 @@ def pg_data_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="shard-router-pg-")) / "data"
 
 
-@pytest.fixture(scope="session")
-def postgres() -> Iterator[LocalPostgres]:
-    """A real PostgreSQL server (embedded wheel) on a loopback port, for the whole session."""
+def own_postgres() -> Iterator[LocalPostgres]:
+    """A fixture's body (`yield from own_postgres()`): a real PostgreSQL server of its own (embedded
+    wheel, wal_level=logical) on a loopback port, in a fresh `pg_data_dir`; at teardown it is
+    stopped and its data deleted, folder and all."""
     server = LocalPostgres(pg_data_dir())
     server.start()
     yield server
     server.destroy()
     shutil.rmtree(server.data_dir.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[LocalPostgres]:
+    """A real PostgreSQL server (embedded wheel) on a loopback port, for the whole session."""
+    yield from own_postgres()
 
 
 @pytest.fixture

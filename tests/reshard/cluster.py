@@ -8,8 +8,11 @@ import random
 import threading
 import time
 import uuid
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 import psycopg
@@ -52,6 +55,10 @@ class Pair:
         with psycopg.connect(self.dsns[shard_id], autocommit=True) as conn:
             return conn.execute(query, params).fetchall()
 
+    def call(self, method: str, request: object, key: uuid.UUID, route: str, sending: int = 0) -> object:
+        """One attempt (a `Sender`): to the owner of `route` by the map file now."""
+        return getattr(self.stub(self.owner(route)), method)(request, metadata=key_metadata(key), timeout=5)
+
     def count(self, shard_id: str, query: str) -> int:
         return int(self.sql(shard_id, query)[0][0])  # type: ignore[call-overload]
 
@@ -85,23 +92,58 @@ def answer_of(call: object) -> Answer:
     return ("ok", call.SerializeToString(deterministic=True))  # type: ignore[attr-defined]
 
 
-def send(
-    pair: Pair, method: str, request: object, key: uuid.UUID, route: str, *, deadline_s: float = 30.0
+#: What a caller retries with the same key: nothing was applied, or it may have been and the retry
+#: gets the stored answer.
+RETRIED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED})
+#: The same, and a call that timed out.
+TRANSIENT = RETRIED | {grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class Sender(Protocol):
+    """How the load sends one attempt of an operation: returns the response or raises the error.
+    `route` is the account that picks the shard; `sending` is 0 for the key's first sending and
+    its replays, 1 for its duplicate (a sender may send that elsewhere, e.g. through another router)."""
+
+    def __call__(self, method: str, request: object, key: uuid.UUID, route: str, sending: int) -> object: ...
+
+
+def until_final(
+    attempt: Callable[[], object],
+    *,
+    retry_on: frozenset[grpc.StatusCode] = RETRIED,
+    pause_s: float = 0.02,
+    deadline_s: float = 30.0,
+    retried: Counter[str] | None = None,
 ) -> object:
-    """Send with one key until a final answer; UNAVAILABLE/ABORTED are retried with the same key.
-    `route` is the account that picks the shard, by the map in the file at each attempt."""
+    """Repeat `attempt` (one call with one key) until a final answer: the response, or the error if its
+    code is not in `retry_on` or `deadline_s` is over; each retried attempt counted in `retried` by code."""
     give_up = time.monotonic() + deadline_s
     while True:
-        stub = pair.stub(pair.owner(route))
         try:
-            return getattr(stub, method)(request, metadata=key_metadata(key), timeout=5)
+            return attempt()
         except grpc.RpcError as err:
-            if (
-                err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
-                or time.monotonic() > give_up
-            ):
+            if err.code() not in retry_on or time.monotonic() > give_up:
                 return err
-            time.sleep(0.02)
+            if retried is not None:
+                retried[err.code().name] += 1
+            time.sleep(pause_s)
+
+
+def send(
+    pair: Pair,
+    method: str,
+    request: object,
+    key: uuid.UUID,
+    route: str,
+    *,
+    retry_on: frozenset[grpc.StatusCode] = RETRIED,
+    deadline_s: float = 30.0,
+) -> object:
+    """Send with one key until a final answer; codes in `retry_on` are retried with the same key.
+    `route` is the account that picks the shard, by the map in the file at each attempt."""
+    return until_final(
+        lambda: pair.call(method, request, key, route), retry_on=retry_on, deadline_s=deadline_s
+    )
 
 
 def seed(pair: Pair, accounts_: list[str], amount: int = SEEDED) -> None:
@@ -117,14 +159,35 @@ def seed(pair: Pair, accounts_: list[str], amount: int = SEEDED) -> None:
 
 
 @dataclass
-class Load:
-    """Deposits and transfers over some accounts from a few threads, each key's first answer kept,
-    and 30 % of calls sent again at once with the same key (whose answer must be the same)."""
+class Call:
+    """One operation's first sending as its caller saw it: when it started, how long it took to a
+    final answer."""
 
-    pair: Pair
+    started: float
+    seconds: float
+    route: str
+    answer: Answer
+
+
+@dataclass
+class Load:
+    """Deposits (40 %) and Transfers (60 %, between any two accounts: cross-shard ones too) from a
+    few threads, each sent by `send` and retried with its key on a code in `retry_on`, each key's
+    first answer kept, and 30 % of calls sent again at once with the same key (whose answer must be
+    the same). Attempts retried are counted by code; with `timed`, each first sending's latency is
+    kept in `calls`."""
+
+    send: Sender
     everyone: list[str]
     threads: int = 4
+    retry_on: frozenset[grpc.StatusCode] = RETRIED
+    pause_s: float = 0.02
+    timed: bool = False
     answers: dict[uuid.UUID, tuple[str, object, str, Answer]] = field(default_factory=dict)
+    calls: list[Call] = field(default_factory=list)
+    duplicates: int = 0
+    #: Attempts answered with a code the caller retries, by code (from every thread).
+    retried: Counter[str] = field(default_factory=Counter)
     mismatches: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -142,6 +205,30 @@ class Load:
         for worker in self._workers:
             worker.join(60)
 
+    @property
+    def stuck(self) -> int:
+        """Threads still running after `stop` gave each 60 s to end."""
+        return sum(worker.is_alive() for worker in self._workers)
+
+    def final(
+        self,
+        method: str,
+        request: object,
+        key: uuid.UUID,
+        route: str,
+        sending: int = 0,
+        retried: Counter[str] | None = None,
+    ) -> Answer:
+        """What the caller ends up with: `send` until a final answer, with the same key."""
+        return answer_of(
+            until_final(
+                lambda: self.send(method, request, key, route, sending),
+                retry_on=self.retry_on,
+                pause_s=self.pause_s,
+                retried=retried,
+            )
+        )
+
     def _run(self, seed_: int) -> None:
         rng = random.Random(seed_)
         while not self._stop.is_set():
@@ -157,17 +244,29 @@ class Load:
                 request = transfer_pb2.TransferRequest(
                     source_account_id=src, destination_account_id=dst, amount=money(rng.randint(1, 5))
                 )
-            first = answer_of(send(self.pair, method, request, key, route))
+            retried: Counter[str] = Counter()
+            started = time.monotonic()
+            first = self.final(method, request, key, route, 0, retried)
+            call = Call(started, time.monotonic() - started, route, first)
             with self._lock:
                 self.answers[key] = (method, request, route, first)
+                if self.timed:
+                    self.calls.append(call)
             if rng.random() < 0.3:  # a duplicate right away: before, during or after the cut-over
-                again = answer_of(send(self.pair, method, request, key, route))
-                if again != first:
-                    with self._lock:
-                        self.mismatches.append(f"{method} {key}: {first[:2]} then {again[:2]}")
+                again = self.final(method, request, key, route, 1, retried)
+                with self._lock:
+                    self.duplicates += 1
+                    if again != first:
+                        self.mismatches.append(f"{method} {key}: {first[:3]} then {again[:3]}")
+            with self._lock:
+                self.retried.update(retried)
 
     def ok_count(self) -> int:
         return sum(1 for a in self.answers.values() if a[3][0] == "ok")
+
+    def refusals(self) -> list[tuple[str, object, Answer]]:
+        """The operations whose final answer was not OK: method, request, answer."""
+        return [(m, r, a) for m, r, _, a in self.answers.values() if a[0] != "ok"]
 
     def deposited(self) -> int:
         return sum(
@@ -176,13 +275,16 @@ class Load:
             if m == "Deposit" and a[0] == "ok"
         )
 
-    def replays_that_differ(self) -> list[uuid.UUID]:
-        """Every key sent again through the map in force: the keys whose answer is not verbatim."""
-        return [
-            k
-            for k, (m, r, route, first) in self.answers.items()
-            if answer_of(send(self.pair, m, r, k, route)) != first
-        ]
+    def replays_that_differ(self, sendings: tuple[int, ...] = (0,)) -> list[str]:
+        """Every key sent again (as each of `sendings`), through the map in force: those whose
+        answer is not the first one verbatim."""
+        differ = []
+        for key, (method, request, route, first) in self.answers.items():
+            for sending in sendings:
+                again = self.final(method, request, key, route, sending)
+                if again != first:
+                    differ.append(f"{method} {key}: {first[:3]} then {again[:3]}")
+        return differ
 
 
 def check_ledger(pair: Pair, seeded_accounts: int, deposited: int) -> None:

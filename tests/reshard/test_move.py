@@ -64,7 +64,7 @@ def test_a_move_under_load_applies_every_key_once_and_replays_after(pair: Pair) 
     everyone = moving + staying
     seed(pair, everyone)
     old_map = load_shard_map(pair.map_path)
-    load = Load(pair, everyone)
+    load = Load(pair.call, everyone)
     load.start()
     time.sleep(1.0)
     record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")

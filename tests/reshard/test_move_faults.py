@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
-import shutil
 import signal
 import socket
 import threading
@@ -48,32 +46,32 @@ from google.rpc import error_details_pb2, status_pb2
 
 from shardrouter.core.keys import new_key
 from shardrouter.core.shardmap import even_shard_map, load_shard_map, write_shard_map
-from shardrouter.localcluster.postgres import LocalPostgres, free_port
+from shardrouter.localcluster.postgres import LocalPostgres, _alive, _children, free_port
 from shardrouter.reshard.journal import MoveRecord
 from shardrouter.reshard.move import Move, MoveSettings, find_move, start_move
 from shardrouter.reshard.plan import Phase
 from shardrouter.reshard.replication import copy_state
 from shardrouter.reshard.verify import rows_in_range
 from shardrouter.v1 import transfer_pb2
-from tests.conftest import key_metadata, money, pg_data_dir
+from tests.conftest import key_metadata, money, own_postgres
 from tests.processes import ServiceProcess, shardd_process
 from tests.reshard.cluster import (
     FIRST,
     LAST,
     SEEDED,
+    TRANSIENT,
     Answer,
+    Load,
     Pair,
     accounts,
     answer_of,
     assert_no_leftovers,
     check_ledger,
     seed,
+    send,
 )
 
 QUICK = MoveSettings(copy_timeout_s=30, catch_up_timeout_s=30, final_sync_timeout_s=30)
-#: What a caller retries with the same key: nothing was applied, or it may have been and the retry
-#: gets the stored answer.
-RETRIED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED})
 DAEMON_ENV = {
     "SHARDD_SHARD_MAP_RELOAD_S": "0.1",
     "SHARDD_RELAY_WORKERS": "1",
@@ -153,11 +151,7 @@ def shards(postgres: LocalPostgres, tmp_path: Path) -> Iterator[Shards]:
 @pytest.fixture(scope="module")
 def old_owner_server() -> Iterator[LocalPostgres]:
     """A PostgreSQL server of the old owner's own (wal_level=logical, as every LocalPostgres)."""
-    server = LocalPostgres(pg_data_dir())
-    server.start()
-    yield server
-    server.destroy()
-    shutil.rmtree(server.data_dir.parent, ignore_errors=True)
+    yield from own_postgres()
 
 
 @pytest.fixture
@@ -186,6 +180,7 @@ def kill_postgres(server: LocalPostgres, timeout_s: float = 10.0) -> None:
     """SIGKILL the postmaster and every process of it at once, like a machine lost: no shutdown
     checkpoint, crash recovery at the next start."""
     pid = int((server.data_dir / "postmaster.pid").read_text().split("\n", 1)[0])
+    # `_children` and `_alive`: the local cluster's, as `ReplicatedPostgres.kill_primary` uses them.
     victims = [pid, *_children(pid)]
     for victim in victims:
         with contextlib.suppress(ProcessLookupError):
@@ -199,134 +194,6 @@ def kill_postgres(server: LocalPostgres, timeout_s: float = 10.0) -> None:
     # naming a pid that exists, refuses to start ("lock file postmaster.pid already exists"). After
     # a machine restart no process holds it: the stale lock of a dead server goes.
     (server.data_dir / "postmaster.pid").unlink(missing_ok=True)
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-# The load: like `cluster.Load`, with the retried codes above and the duplicates counted.
-
-
-def send(
-    pair: Pair,
-    method: str,
-    request: object,
-    key: uuid.UUID,
-    route: str,
-    retried: Counter[str] | None = None,
-    deadline_s: float = 30.0,
-) -> object:
-    """Send with one key until a final answer, to the owner of `route` by the map file at each
-    attempt; each retried answer counted in `retried` by its code."""
-    give_up = time.monotonic() + deadline_s
-    while True:
-        stub = pair.stub(pair.owner(route))
-        try:
-            return getattr(stub, method)(request, metadata=key_metadata(key), timeout=5)
-        except grpc.RpcError as err:
-            if err.code() not in RETRIED or time.monotonic() > give_up:
-                return err
-            if retried is not None:
-                retried[err.code().name] += 1
-            time.sleep(0.02)
-
-
-@dataclass
-class KeyedLoad:
-    """Deposits (40 %) and Transfers (60 %, between any two accounts: cross-shard ones too) from a
-    few threads; each key's first answer kept; 30 % sent again at once with the same key."""
-
-    pair: Pair
-    everyone: list[str]
-    threads: int = 3
-    answers: dict[uuid.UUID, tuple[str, object, str, Answer]] = field(default_factory=dict)
-    duplicates: int = 0
-    #: Attempts answered with a code the caller retries, by code (from every thread).
-    retried: Counter[str] = field(default_factory=Counter)
-    mismatches: list[str] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _workers: list[threading.Thread] = field(default_factory=list)
-
-    def start(self) -> None:
-        self._workers = [
-            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.threads)
-        ]
-        for worker in self._workers:
-            worker.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        for worker in self._workers:
-            worker.join(60)
-        assert not any(w.is_alive() for w in self._workers), "a load thread is stuck"
-
-    def _run(self, seed_: int) -> None:
-        rng = random.Random(seed_)
-        while not self._stop.is_set():
-            key = new_key()
-            request: object
-            if rng.random() < 0.4:
-                account = rng.choice(self.everyone)
-                method, route = "Deposit", account
-                request = transfer_pb2.DepositRequest(account_id=account, amount=money(rng.randint(1, 9)))
-            else:
-                src, dst = rng.sample(self.everyone, 2)
-                method, route = "Transfer", src
-                request = transfer_pb2.TransferRequest(
-                    source_account_id=src, destination_account_id=dst, amount=money(rng.randint(1, 5))
-                )
-            retried: Counter[str] = Counter()
-            first = answer_of(send(self.pair, method, request, key, route, retried))
-            with self._lock:
-                self.answers[key] = (method, request, route, first)
-            if rng.random() < 0.3:  # a duplicate at once: before, during or after the kill and the cut-over
-                again = answer_of(send(self.pair, method, request, key, route, retried))
-                with self._lock:
-                    self.duplicates += 1
-                    if again != first:
-                        self.mismatches.append(f"{method} {key}: {first[:3]} then {again[:3]}")
-            with self._lock:
-                self.retried.update(retried)
-
-    def ok_count(self) -> int:
-        return sum(1 for a in self.answers.values() if a[3][0] == "ok")
-
-    def refusals(self) -> list[tuple[str, object, Answer]]:
-        """The operations whose final answer was not OK: method, request, answer."""
-        return [(m, r, a) for m, r, _, a in self.answers.values() if a[0] != "ok"]
-
-    def deposited(self) -> int:
-        return sum(
-            r.amount.amount_minor  # type: ignore[attr-defined]
-            for m, r, _, a in self.answers.values()
-            if m == "Deposit" and a[0] == "ok"
-        )
-
-    def replays_that_differ(self) -> list[str]:
-        """Every key sent again through the map in force: those whose answer is not verbatim."""
-        differ = []
-        for key, (method, request, route, first) in self.answers.items():
-            again = answer_of(send(self.pair, method, request, key, route))
-            if again != first:
-                differ.append(f"{method} {key}: {first[:3]} then {again[:3]}")
-        return differ
 
 
 def _request_text(request: object) -> str:
@@ -353,7 +220,7 @@ class Tally:
     applied_refused: list[str]  # answered with an error, yet something was written
 
 
-def tally(pair: Pair, load: KeyedLoad) -> Tally:
+def tally(pair: Pair, load: Load) -> Tally:
     """Each key's legs, over both shards (call after every credit landed): a Deposit's one
     `deposit` leg under its key, a Transfer's `transfer_out` under its key and one `transfer_in`
     of its transfer id (under the key, or the credit's own key when it crossed shards)."""
@@ -396,7 +263,7 @@ class Case:
     shards: Shards
     moving: list[str]
     everyone: list[str]
-    load: KeyedLoad
+    load: Load
     version: int
     started: float
     notes: dict[str, object] = field(default_factory=dict)
@@ -409,9 +276,8 @@ def under_load(shards: Shards, n: int = 6) -> Iterator[Case]:
     moving, staying = accounts(pair, n)
     everyone = moving + staying
     seed(pair, everyone)
-    case = Case(
-        shards, moving, everyone, KeyedLoad(pair, everyone), load_shard_map(pair.map_path).version, 0.0
-    )
+    load = Load(pair.call, everyone, threads=3, retry_on=TRANSIENT)
+    case = Case(shards, moving, everyone, load, load_shard_map(pair.map_path).version, 0.0)
     case.load.start()
     case.started = time.monotonic()
     try:
@@ -420,6 +286,7 @@ def under_load(shards: Shards, n: int = 6) -> Iterator[Case]:
         time.sleep(0.5)  # load after the move too, through the map in force
     finally:
         case.load.stop()
+        assert not case.load.stuck, "a load thread is stuck"
 
 
 def check_and_report(name: str, case: Case, record: MoveRecord) -> None:
@@ -578,6 +445,21 @@ def _crash_old_owners_postgres(case: Case, server: LocalPostgres, name: str) -> 
     return watch
 
 
+def _new_orchestrator(case: Case, record: MoveRecord, at: Phase, then: str, watch: Reconnect) -> MoveRecord:
+    """The move from the journal (stopped at `at`) resumed or aborted (`then`) by a new orchestrator;
+    then how soon the subscription reconnected, as a figure of the case."""
+    resumed = find_move(case.shards.pair.databases, record.plan.move_id)
+    assert resumed.phase is at
+    with case.shards.move(resumed) as move:
+        if then == "resume":
+            move.run()
+        else:
+            move.abort()
+    watch.join()
+    case.notes["subscription_reconnected_after"] = watch.figure
+    return resumed
+
+
 @pytest.mark.parametrize(
     ("at", "then"),
     [
@@ -598,15 +480,7 @@ def test_old_owners_postgres_killed_mid_move_then_the_move_resumes_or_aborts(
             move.run(until=at)
         watch = _crash_old_owners_postgres(case, old_owner_server, record.plan.object_name)
         # A new orchestrator, from the journal: the first one's connections died with the server.
-        resumed = find_move(shards.pair.databases, record.plan.move_id)
-        assert resumed.phase is at
-        with shards.move(resumed) as move:
-            if then == "resume":
-                move.run()
-            else:
-                move.abort()
-        watch.join()
-    case.notes["subscription_reconnected_after"] = watch.figure
+        resumed = _new_orchestrator(case, record, at, then, watch)
     check_and_report(f"old owner's PostgreSQL killed at {at.value}, then {then}", case, resumed)
 
 
@@ -637,15 +511,7 @@ def test_old_owners_postgres_killed_during_the_copy_then_the_move_resumes_or_abo
         watch = _crash_old_owners_postgres(case, old_owner_server, name)
         orchestrator.join(30)
         assert not orchestrator.is_alive() and failed, "the first orchestrator outlived its server"
-        resumed = find_move(pair.databases, record.plan.move_id)
-        assert resumed.phase is Phase.PREPARED
-        with shards.move(resumed) as move:
-            if then == "resume":
-                move.run()
-            else:
-                move.abort()
-        watch.join()
-    case.notes["subscription_reconnected_after"] = watch.figure
+        resumed = _new_orchestrator(case, record, Phase.PREPARED, then, watch)
     check_and_report(f"old owner's PostgreSQL killed during the copy, then {then}", case, resumed)
 
 
@@ -688,7 +554,7 @@ def test_a_transfer_with_a_just_moved_account_is_not_refused_for_good(
         # The same key again, once the old owner's daemon has the new map (restarted: read at start).
         shards.kill(SOURCE)
         shards.start(SOURCE)
-        again = answer_of(send(pair, "Transfer", request, key, src))
+        again = answer_of(send(pair, "Transfer", request, key, src, retry_on=TRANSIENT))
         assert first[0] == "ok" or first[1] is grpc.StatusCode.UNAVAILABLE, (
             f"{src} -> {dst} ({moving[0]} moved to {TARGET}) answered by {SOURCE}: {first[1]} {first[2]!r};"
             f" the same key once it has the new map: {again[1]} {again[2]!r}"

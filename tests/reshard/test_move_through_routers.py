@@ -13,10 +13,9 @@ before and during the move, lost and applied twice. `--run-slow` runs a longer, 
 
 from __future__ import annotations
 
-import random
+import functools
 import shutil
 import statistics
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -36,16 +35,16 @@ from tests.reshard.cluster import (
     FIRST,
     LAST,
     SEEDED,
-    Answer,
+    TRANSIENT,
+    Call,
+    Load,
     Pair,
     accounts,
-    answer_of,
     assert_no_leftovers,
     check_ledger,
+    until_final,
 )
 from tests.reshard.conftest import new_pair
-
-TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 @dataclass
@@ -63,6 +62,12 @@ class Routers:
             router = self.following if which == "following" else self.stale
             self.channels[which] = grpc.insecure_channel(router.address)
         return transfer_pb2_grpc.TransferServiceStub(self.channels[which])
+
+    def send(self, method: str, request: object, key: uuid.UUID, route: str, sending: int = 0) -> object:
+        """One attempt (a `cluster.Sender`) through either router, as the key falls: its duplicate
+        (`sending` 1) through the other one."""
+        which = ("following", "stale")[(key.int + sending) % 2]
+        return getattr(self.stub(which), method)(request, metadata=key_metadata(key), timeout=5)
 
 
 @pytest.fixture
@@ -92,105 +97,12 @@ def routers(postgres: object, tmp_path: Path) -> Iterator[Routers]:
             process.terminate(5)
 
 
-@dataclass
-class Call:
-    """One operation as its caller saw it: when it started, how long it took to a final answer."""
-
-    started: float
-    seconds: float
-    moving: bool
-    answer: Answer
-
-
-@dataclass
-class RouterLoad:
-    """Keyed calls through both routers from a few threads until stopped."""
-
-    routers: Routers
-    moving: list[str]
-    everyone: list[str]
-    threads: int = 4
-    calls: list[Call] = field(default_factory=list)
-    first: dict[uuid.UUID, tuple[str, object, Answer]] = field(default_factory=dict)
-    mismatches: list[str] = field(default_factory=list)
-    duplicates: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _workers: list[threading.Thread] = field(default_factory=list)
-
-    def send(self, which: str, method: str, request: object, key: uuid.UUID) -> object:
-        give_up = time.monotonic() + 30
-        while True:
-            try:
-                return getattr(self.routers.stub(which), method)(
-                    request, metadata=key_metadata(key), timeout=5
-                )
-            except grpc.RpcError as err:
-                if err.code() not in TRANSIENT or time.monotonic() > give_up:
-                    return err
-                time.sleep(0.01)
-
-    def start(self) -> None:
-        self._workers = [
-            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.threads)
-        ]
-        for worker in self._workers:
-            worker.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        for worker in self._workers:
-            worker.join(60)
-
-    def _run(self, seed_: int) -> None:
-        rng = random.Random(seed_)
-        moving = set(self.moving)
-        while not self._stop.is_set():
-            key = new_key()
-            request: object
-            if rng.random() < 0.4:
-                account = rng.choice(self.everyone)
-                method, route = "Deposit", account
-                request = transfer_pb2.DepositRequest(account_id=account, amount=money(rng.randint(1, 9)))
-            else:
-                src, dst = rng.sample(self.everyone, 2)
-                method, route = "Transfer", src
-                request = transfer_pb2.TransferRequest(
-                    source_account_id=src, destination_account_id=dst, amount=money(rng.randint(1, 5))
-                )
-            which = rng.choice(("following", "stale"))
-            started = time.monotonic()
-            answer = answer_of(self.send(which, method, request, key))
-            call = Call(started, time.monotonic() - started, route in moving, answer)
-            again = None
-            if rng.random() < 0.3:  # the same key again at once, through the other router
-                again = answer_of(
-                    self.send("stale" if which == "following" else "following", method, request, key)
-                )
-            with self._lock:
-                self.calls.append(call)
-                self.first[key] = (method, request, answer)
-                if again is not None:
-                    self.duplicates += 1
-                    if again != answer:
-                        self.mismatches.append(f"{method} {key}: {answer[:2]} then {again[:2]}")
-
-    def deposited(self) -> int:
-        return sum(
-            r.amount.amount_minor  # type: ignore[attr-defined]
-            for m, r, a in self.first.values()
-            if m == "Deposit" and a[0] == "ok"
-        )
-
-
-def _seed(routers: Routers, everyone: list[str], load: RouterLoad) -> None:
+def _seed(routers: Routers, everyone: list[str]) -> None:
+    deposit = routers.stub("following").Deposit
     for account in everyone:
-        answer = load.send(
-            "following",
-            "Deposit",
-            transfer_pb2.DepositRequest(account_id=account, amount=money(SEEDED)),
-            new_key(),
-        )
+        request = transfer_pb2.DepositRequest(account_id=account, amount=money(SEEDED))
+        attempt = functools.partial(deposit, request, metadata=tuple(key_metadata(new_key())), timeout=5)
+        answer = until_final(attempt, retry_on=TRANSIENT, pause_s=0.01)
         assert not isinstance(answer, grpc.RpcError), answer
 
 
@@ -202,77 +114,86 @@ def _percentiles(values: list[float]) -> str:
     return f"p50 {statistics.median(ordered) * 1000:.0f} / p99 {p99 * 1000:.0f} / max {ordered[-1] * 1000:.0f} ms"
 
 
-def _run(routers: Routers, *, accounts_each: int, before_s: float, after_s: float) -> None:
+def _run(routers: Routers, *, accounts_each: int, moves: int, between_s: float) -> None:
+    """`moves` moves of the range, to shard-1 and back in turn, `between_s` apart under the load."""
     pair = routers.pair
     moving, staying = accounts(pair, accounts_each)
     everyone = moving + staying
-    load = RouterLoad(routers, moving, everyone)
-    _seed(routers, everyone, load)
+    load = Load(routers.send, everyone, retry_on=TRANSIENT, pause_s=0.01, timed=True)
+    _seed(routers, everyone)
+    settings = MoveSettings(copy_timeout_s=60, catch_up_timeout_s=60, final_sync_timeout_s=60)
+    records = []
+    windows: list[tuple[float, float]] = []  # each move's (start, end)
+    cut_overs: list[tuple[float, float]] = []  # each move's (fenced, committed)
     load.start()
     try:
-        time.sleep(before_s)
-        move_started = time.monotonic()
-        record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
-        settings = MoveSettings(copy_timeout_s=60, catch_up_timeout_s=60, final_sync_timeout_s=60)
-        phases: dict[str, float] = {}
-        with Move(
-            record,
-            map_path=pair.map_path,
-            databases=pair.databases,
-            settings=settings,
-            progress=lambda line: phases.setdefault(line.split(":")[0], time.monotonic()),
-        ) as move:
-            move.run()
-        move_ended = time.monotonic()
-        time.sleep(after_s)
+        time.sleep(between_s)
+        for number in range(moves):
+            started = time.monotonic()
+            target = "shard-1" if number % 2 == 0 else "shard-0"
+            record = start_move(pair.map_path, pair.databases, FIRST, LAST, target)
+            phases: dict[str, float] = {}
+            with Move(
+                record,
+                map_path=pair.map_path,
+                databases=pair.databases,
+                settings=settings,
+                progress=lambda line, seen=phases: seen.setdefault(line.split(":")[0], time.monotonic()),
+            ) as move:
+                move.run()
+            records.append(record)
+            windows.append((started, time.monotonic()))
+            cut_overs.append((phases["fenced"], phases["committed"]))
+            time.sleep(between_s)
     finally:
         load.stop()
 
-    assert record.phase is Phase.DONE
+    assert [r.phase for r in records] == [Phase.DONE] * moves
+    assert all(pair.owner(a) == ("shard-1" if moves % 2 else "shard-0") for a in moving)
     assert load.mismatches == []
     # Every key again through both routers, the stale one included: the first answer, verbatim.
-    differ = [
-        k
-        for k, (m, r, first) in load.first.items()
-        for which in ("following", "stale")
-        if answer_of(load.send(which, m, r, k)) != first
-    ]
+    differ = load.replays_that_differ(sendings=(0, 1))
     assert differ == []
     lost = [c for c in load.calls if c.answer[0] != "ok" and c.answer[1] in TRANSIENT]
     assert lost == [], f"{len(lost)} operations got no final answer"
     check_ledger(pair, len(everyone), load.deposited())
     assert_no_leftovers(pair)
+    assert len(load.answers) > 50
 
-    fenced, committed = phases["fenced"], phases["committed"]
-    cut_over = [
-        c.seconds
-        for c in load.calls
-        if c.moving and c.started < committed and c.started + c.seconds > fenced - 0.05
+    def during(call: Call, spans: list[tuple[float, float]], margin: float = 0.0) -> bool:
+        return any(
+            call.started < end and call.started + call.seconds > start - margin for start, end in spans
+        )
+
+    moved = set(moving)
+    first_move = windows[0][0]
+    cut_over = [c.seconds for c in load.calls if c.route in moved and during(c, cut_overs, margin=0.05)]
+    moved_before = [c.seconds for c in load.calls if c.route in moved and c.started + c.seconds < first_move]
+    others_before = [
+        c.seconds for c in load.calls if c.route not in moved and c.started + c.seconds < first_move
     ]
-    moved_before = [c.seconds for c in load.calls if c.moving and c.started + c.seconds < move_started]
-    others_before = [c.seconds for c in load.calls if not c.moving and c.started + c.seconds < move_started]
-    others_during = [
-        c.seconds
-        for c in load.calls
-        if not c.moving and move_started <= c.started and c.started + c.seconds <= move_ended
-    ]
-    figures = record.figures
-    phase_s = {k[:-2]: v for k, v in figures.items() if k.endswith("_s") and k != "write_pause_s"}
+    others_during = [c.seconds for c in load.calls if c.route not in moved and during(c, windows)]
+    rows = [sum(r.figures["rows_moved"].values()) for r in records]
+    per_phase = {
+        k[:-2]: round(statistics.median(float(r.figures[k]) for r in records), 3)
+        for k in records[0].figures
+        if k.endswith("_s") and k != "write_pause_s"
+    }
+    pauses = [float(r.figures["write_pause_s"]) for r in records]
     print(
-        f"\nmove through routers: {len(load.first)} operations ({load.duplicates} duplicates through the other"
-        f" router), rows moved {sum(figures['rows_moved'].values())} {figures['rows_moved']}, seconds per"
-        f" phase {phase_s}, fence to commit {figures['write_pause_s']} s; moved range: before the move"
-        f" {_percentiles(moved_before)}, calls spanning the cut-over ({len(cut_over)}) {_percentiles(cut_over)};"
-        f" other slots: before {_percentiles(others_before)}, during the move {_percentiles(others_during)};"
-        " lost 0, applied twice 0"
+        f"\n{moves} move(s) through routers: {len(load.answers)} operations ({load.duplicates} duplicates"
+        f" through the other router), rows moved per move {rows}, median seconds per phase {per_phase},"
+        f" fence to commit {pauses} s; moved range: before the moves {_percentiles(moved_before)}, calls"
+        f" spanning a cut-over ({len(cut_over)}) {_percentiles(cut_over)}; other slots: before"
+        f" {_percentiles(others_before)}, during the moves {_percentiles(others_during)}; lost 0,"
+        " applied twice 0"
     )
-    assert len(load.first) > 50
 
 
 def test_a_move_through_a_following_router_and_a_stale_one(routers: Routers) -> None:
-    _run(routers, accounts_each=12, before_s=1.0, after_s=1.0)
+    _run(routers, accounts_each=12, moves=1, between_s=1.0)
 
 
 @pytest.mark.slow
-def test_a_longer_move_through_routers(routers: Routers) -> None:
-    _run(routers, accounts_each=200, before_s=10.0, after_s=10.0)
+def test_moves_there_and_back_through_routers(routers: Routers) -> None:
+    _run(routers, accounts_each=200, moves=6, between_s=5.0)

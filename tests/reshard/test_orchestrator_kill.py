@@ -94,7 +94,7 @@ def test_an_orchestrator_killed_at_any_step_resumes_or_aborts_cleanly(
     everyone = moving + staying
     seed(pair, everyone)
     version = load_shard_map(pair.map_path).version
-    load = Load(pair, everyone, threads=2)
+    load = Load(pair.call, everyone, threads=2)
     load.start()
     try:
         time.sleep(0.3)
