@@ -24,7 +24,7 @@ from shardrouter.core.shardmap import load_shard_map
 from shardrouter.localcluster.postgres import free_port
 from shardrouter.reshard.move import Move, MoveSettings, find_move, start_move
 from shardrouter.reshard.plan import MoveError, Phase
-from shardrouter.reshard.verify import rows_in_range
+from shardrouter.reshard.verify import digests, rows_in_range
 from shardrouter.shardd.migrations import FENCED_TABLES
 from shardrouter.shardd.server import start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
@@ -70,6 +70,12 @@ def test_a_move_under_load_applies_every_key_once_and_replays_after(pair: Pair) 
     record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
     try:
         with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+            move.run(until=Phase.FENCED)
+            # From the fence on, nothing changes the range on the old owner, whatever the load does.
+            with psycopg.connect(pair.dsns["shard-0"], autocommit=True) as conn:
+                at_fence = digests(conn, record.plan)
+                time.sleep(0.5)
+                assert digests(conn, record.plan) == at_fence
             move.run()
         time.sleep(1.0)  # load after the cut-over too
     finally:
@@ -77,6 +83,7 @@ def test_a_move_under_load_applies_every_key_once_and_replays_after(pair: Pair) 
 
     assert record.phase is Phase.DONE
     assert sum(record.figures["rows_moved"].values()) > 0
+    assert {t: d.rows for t, d in at_fence.items()} == record.figures["rows_moved"]
     assert load.mismatches == []
     assert load.ok_count() > 50, f"the load barely ran: {load.ok_count()} successful calls"
     new_map = load_shard_map(pair.map_path)
