@@ -37,6 +37,7 @@ from shardrouter.core.shardmap import (
     update_shard_map,
     write_shard_map,
 )
+from shardrouter.localcluster.datadir import default_data_dir
 from shardrouter.localcluster.postgres import LocalPostgres, ReplicatedPostgres, free_port
 
 log = logging.getLogger(__name__)
@@ -45,12 +46,6 @@ _NUMBERED_SHARD = re.compile(r"shard-(\d+)")
 _SHARD_DATABASE_DIR = re.compile(r"pg-shard-(\d+)(-replicated)?")
 #: How long `shardd migrate` may take on a new, empty database.
 _MIGRATE_TIMEOUT_S = 120.0
-
-
-def default_data_dir() -> Path:
-    """Where the local cluster keeps its databases unless told otherwise."""
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "shard-router" / "cluster"
 
 
 @dataclass

