@@ -73,6 +73,13 @@ def _parser(default_dir: Path | None) -> argparse.ArgumentParser:
         "--dsn", action="append", default=[], metavar="SHARD=DSN", help="a shard's DSN (repeatable)"
     )
     parser.add_argument(
+        "--replication-dsn",
+        action="append",
+        default=[],
+        metavar="SHARD=DSN",
+        help="how the new owner's PostgreSQL reaches this shard's database, when not by its DSN (repeatable)",
+    )
+    parser.add_argument(
         "--stop-after",
         choices=[p.value for p in Phase if p not in (Phase.PLANNED, Phase.DONE, Phase.ABORTED)],
         help="stop once this phase is reached (copy now, cut over later with resume)",
@@ -117,14 +124,20 @@ def _databases(args: argparse.Namespace, default_dir: Path | None) -> ShardDatab
         ):
             raise MoveError(f"--databases {path}: must be a mapping of shard id to DSN")
         dsns.update(loaded)
-    for item in args.dsn:
-        shard, sep, dsn = item.partition("=")
-        if not sep or not shard or not dsn:
-            raise MoveError(f"--dsn {item!r}: give SHARD=DSN")
-        dsns[shard] = dsn
+    dsns.update(_pairs("--dsn", args.dsn))
     if not dsns:
         raise MoveError("no shard databases given: --databases FILE or --dsn SHARD=DSN")
-    return ShardDatabases(dsns)
+    return ShardDatabases(dsns, _pairs("--replication-dsn", args.replication_dsn) or None)
+
+
+def _pairs(flag: str, items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        shard, sep, dsn = item.partition("=")
+        if not sep or not shard or not dsn:
+            raise MoveError(f"{flag} {item!r}: give SHARD=DSN")
+        out[shard] = dsn
+    return out
 
 
 def _map_path(args: argparse.Namespace, default_dir: Path | None) -> Path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import psycopg
 from psycopg import sql
 
+from shardrouter.reshard import cli
 from shardrouter.reshard.move import Move, MoveSettings, find_move, start_move
 from shardrouter.reshard.plan import Phase
 from tests.reshard.cluster import FIRST, LAST, Pair, accounts, assert_no_leftovers, check_ledger, seed
@@ -35,4 +36,19 @@ def test_a_resumed_move_points_its_subscription_at_the_old_owner_where_it_is_now
     assert resumed.phase is Phase.DONE
     assert all(pair.owner(a) == "shard-1" for a in moving)
     check_ledger(pair, len(moving) + len(staying), len(moving))
+    assert_no_leftovers(pair)
+
+
+def test_the_new_owner_reaches_the_old_one_by_the_replication_dsn_given(pair: Pair) -> None:
+    moving, _ = accounts(pair, 2)
+    seed(pair, moving)
+    by_another_name = pair.dsns["shard-0"] + "?application_name=shardrouter-move"
+    common = ["--map", str(pair.map_path), *(f"--dsn={s}={d}" for s, d in pair.dsns.items())]
+    common.append(f"--replication-dsn=shard-0={by_another_name}")
+    assert cli.main(["--slots", f"{FIRST}-{LAST}", "--to", "shard-1", "--stop-after", "copied", *common]) == 0
+    with psycopg.connect(pair.dsns["shard-1"], autocommit=True) as conn:
+        assert conn.execute("SELECT subconninfo FROM pg_subscription").fetchall() == [(by_another_name,)]
+    (move_id,) = pair.sql("shard-0", "SELECT move_id FROM slot_moves")[0]
+    assert cli.main(["resume", str(move_id), *common]) == 0
+    assert all(pair.owner(a) == "shard-1" for a in moving)
     assert_no_leftovers(pair)
