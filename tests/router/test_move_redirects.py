@@ -22,8 +22,6 @@ from pathlib import Path
 import grpc
 import psycopg
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from shardrouter.core.errors import Reason, Unavailable, to_grpc_status
@@ -43,7 +41,7 @@ from shardrouter.shardd import fences
 from shardrouter.shardd.fences import SlotFence
 from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import key_metadata, make_settings, money
+from tests.conftest import error_info, key_metadata, make_settings, money
 from tests.router.fakeshard import SeenCall, start_fake_shard
 
 SLOW_POLL_S = 60.0  # no poll happens during a test: what a call learns, it learns on demand
@@ -153,19 +151,6 @@ def _deposit(
 ) -> tuple[transfer_pb2.DepositResponse, grpc.Call]:
     request = transfer_pb2.DepositRequest(account_id=account, amount=money(7))
     return stub.Deposit.with_call(request, metadata=metadata, timeout=timeout)  # type: ignore[no-any-return]
-
-
-def _error_info(error: grpc.RpcError) -> tuple[error_details_pb2.ErrorInfo, bool]:
-    """The ErrorInfo of a failed call, and whether it carried RetryInfo."""
-    status = rpc_status.from_call(error)  # type: ignore[arg-type]
-    assert status is not None
-    info = error_details_pb2.ErrorInfo()
-    retry = False
-    for detail in status.details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            detail.Unpack(info)
-        retry = retry or detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR)
-    return info, retry
 
 
 def _scrape(port: int) -> str:
@@ -289,7 +274,7 @@ def test_daemons_whose_maps_disagree_end_with_the_shards_answer(cluster: Cluster
         _deposit(stub, account, metadata)
     assert time.monotonic() - started < 2
     assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
-    info, retry = _error_info(refused.value)
+    info, retry = error_info(refused.value)
     assert info.reason == Reason.ACCOUNT_MOVED and retry
     assert info.metadata["owner_shard_id"] == "shard-a"  # shard-b's word, passed through as it said it
     assert info.metadata["map_version"] == "2"
@@ -338,7 +323,7 @@ def test_redirects_per_call_are_capped() -> None:
             with pytest.raises(grpc.RpcError) as refused:
                 _deposit(stub, _account_in_lower_half("bounced"), key_metadata())
         assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
-        assert _error_info(refused.value)[0].reason == Reason.ACCOUNT_MOVED
+        assert error_info(refused.value)[0].reason == Reason.ACCOUNT_MOVED
         assert len(fakes[0].calls) + len(fakes[1].calls) == MAX_REDIRECTS + 1
         # The same key and bytes every time.
         keys = {dict(c.metadata)["idempotency-key"] for f in fakes for c in f.calls}
@@ -434,7 +419,7 @@ def test_a_cut_over_that_outlasts_the_wait_is_answered_retryably_with_nothing_ap
     took = time.monotonic() - started
     assert 0.3 <= took < 2.0
     assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
-    info, retry = _error_info(refused.value)
+    info, retry = error_info(refused.value)
     assert info.reason == Reason.SLOT_RANGE_MOVING and retry
     assert cluster.records_of("shard-a", metadata[0][1]) == 0
     assert cluster.balance("shard-a", account) is None
@@ -451,4 +436,4 @@ def test_the_wait_for_a_cut_over_ends_before_the_callers_deadline(cluster: Clust
         _deposit(stub, account, key_metadata(), timeout=0.6)
     assert time.monotonic() - started < 0.6
     assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
-    assert _error_info(refused.value)[0].reason == Reason.SLOT_RANGE_MOVING
+    assert error_info(refused.value)[0].reason == Reason.SLOT_RANGE_MOVING

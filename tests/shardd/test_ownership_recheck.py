@@ -17,8 +17,6 @@ from pathlib import Path
 import grpc
 import psycopg
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from shardrouter.core.errors import Reason
 from shardrouter.core.keys import new_key
@@ -29,7 +27,7 @@ from shardrouter.shardd import fences
 from shardrouter.shardd.fences import SlotFence
 from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import key_metadata, make_settings, money
+from tests.conftest import error_info, key_metadata, make_settings, money
 
 SLOW_POLL_S = 60.0
 
@@ -94,18 +92,6 @@ def serve(database: str, ports: dict[str, int], map_path: Path) -> Iterator[Serv
         daemon.stop(0.2)
 
 
-def _error_info(error: grpc.RpcError) -> tuple[error_details_pb2.ErrorInfo, bool]:
-    status = rpc_status.from_call(error)  # type: ignore[arg-type]
-    assert status is not None
-    info = error_details_pb2.ErrorInfo()
-    retry = False
-    for detail in status.details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            detail.Unpack(info)
-        retry = retry or detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR)
-    return info, retry
-
-
 def test_a_daemon_that_just_became_the_owner_serves_at_once(
     serve: Serve, ports: dict[str, int], map_path: Path
 ) -> None:
@@ -138,7 +124,7 @@ def test_a_daemon_that_lost_the_account_refuses_it_as_moved_with_nothing_applied
             transfer_pb2.DepositRequest(account_id=ACCOUNT, amount=money(3)), metadata=metadata, timeout=5
         )
     assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
-    info, retry = _error_info(refused.value)
+    info, retry = error_info(refused.value)
     assert info.reason == Reason.ACCOUNT_MOVED and retry
     assert dict(info.metadata) == {"owner_shard_id": "shard-b", "map_version": "2"}
     assert "belongs to shard-b" in (refused.value.details() or "")
@@ -151,7 +137,7 @@ def test_a_daemon_that_lost_the_account_refuses_it_as_moved_with_nothing_applied
     # Reads are refused the same way.
     with pytest.raises(grpc.RpcError) as read_refused:
         stub.GetBalance(transfer_pb2.GetBalanceRequest(account_id=ACCOUNT), timeout=5)
-    assert _error_info(read_refused.value)[0].reason == Reason.ACCOUNT_MOVED
+    assert error_info(read_refused.value)[0].reason == Reason.ACCOUNT_MOVED
 
 
 def test_a_moved_account_is_refused_as_moved_before_its_fenced_slot_is_touched(
@@ -175,7 +161,7 @@ def test_a_moved_account_is_refused_as_moved_before_its_fenced_slot_is_touched(
     for call_metadata in (key_metadata(), metadata):  # a new key, and the completed one
         with pytest.raises(grpc.RpcError) as refused:
             stub.Deposit(request, metadata=call_metadata, timeout=5)
-        info, _ = _error_info(refused.value)
+        info, _ = error_info(refused.value)
         assert info.reason == Reason.ACCOUNT_MOVED
         assert info.metadata["owner_shard_id"] == "shard-b"
 
@@ -199,7 +185,7 @@ def test_a_credit_for_an_account_another_shard_owns_is_refused_retryably_not_sto
             credit, metadata=[("idempotency-key", str(key))], timeout=5
         )
     assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
-    info, _ = _error_info(refused.value)
+    info, _ = error_info(refused.value)
     assert info.reason == Reason.ACCOUNT_MOVED
     assert info.metadata["owner_shard_id"] == "shard-a"
     with psycopg.connect(database, autocommit=True) as conn:
