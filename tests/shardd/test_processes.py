@@ -69,8 +69,17 @@ def _children(parent_pid: int) -> list[int]:
     return found
 
 
+def _free_port_pair() -> int:
+    """A free port whose next one is free too: process i serves /metrics on the first plus i."""
+    for _ in range(100):
+        port = free_port()
+        if port_is_free(f"127.0.0.1:{port + 1}"):
+            return port
+    raise AssertionError("no two free ports in a row")
+
+
 def test_two_serving_processes_share_a_port_and_survive_a_kill(database: str, tmp_path: Path) -> None:
-    metrics = free_port()
+    metrics = _free_port_pair()
     process: ServiceProcess = shardd_process(
         tmp_path,
         shard_id="shard-0",
