@@ -350,6 +350,15 @@ class Move:
     def _clean_up(self) -> None:
         started = time.monotonic()
         name = self.plan.object_name
+        # The old rows go only once the map this move is given says the range has gone: where the
+        # map is published by hand (a ConfigMap), a resume with a copy from before the publication
+        # would otherwise delete the rows that copy still routes to.
+        p = self.plan
+        if not owns_range(load_shard_map(self._map_path), p.target, p.first_slot, p.last_slot):
+            raise MoveError(
+                f"the shard map {self._map_path} does not give slots {p.first_slot}-{p.last_slot} to "
+                f"{p.target} yet: publish the map the move committed, then resume to clean up"
+            )
         replication.drop_slot(self._source, name)
         replication.drop_publication(self._source, name)
         replication.set_replica_identity(self._source, full=False)

@@ -4,12 +4,16 @@ host), so the subscription it left must follow the DSN it is given when it resum
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import psycopg
+import pytest
 from psycopg import sql
 
 from shardrouter.reshard import cli
 from shardrouter.reshard.move import Move, MoveSettings, find_move, start_move
-from shardrouter.reshard.plan import Phase
+from shardrouter.reshard.plan import MoveError, Phase
 from tests.reshard.cluster import FIRST, LAST, Pair, accounts, assert_no_leftovers, check_ledger, seed
 
 QUICK = MoveSettings(copy_timeout_s=20, catch_up_timeout_s=20, final_sync_timeout_s=20)
@@ -51,4 +55,24 @@ def test_the_new_owner_reaches_the_old_one_by_the_replication_dsn_given(pair: Pa
     (move_id,) = pair.sql("shard-0", "SELECT move_id FROM slot_moves")[0]
     assert cli.main(["resume", str(move_id), *common]) == 0
     assert all(pair.owner(a) == "shard-1" for a in moving)
+    assert_no_leftovers(pair)
+
+
+def test_the_clean_up_waits_for_a_map_that_shows_the_move(pair: Pair, tmp_path: Path) -> None:
+    moving, _ = accounts(pair, 2)
+    seed(pair, moving)
+    before = tmp_path / "published-before.yaml"
+    shutil.copy(pair.map_path, before)
+    record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
+    with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+        move.run(until=Phase.COMMITTED)
+    # Resumed with a copy of the map from before the commit was published: the old rows stay.
+    with Move(record, map_path=before, databases=pair.databases, settings=QUICK) as move:
+        with pytest.raises(MoveError, match="publish the map the move committed"):
+            move.run()
+    assert record.phase is Phase.COMMITTED
+    assert pair.sql("shard-0", "SELECT count(*) FROM accounts WHERE id = ANY(%s)", (moving,)) == [(2,)]
+    with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+        move.run()
+    assert record.phase is Phase.DONE
     assert_no_leftovers(pair)
