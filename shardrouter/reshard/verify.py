@@ -21,12 +21,20 @@ from shardrouter.shardd.migrations import FENCED_TABLES
 
 @dataclass(frozen=True)
 class TableDigest:
-    """Rows of the moving slots in one table and their checksum, in all and slot by slot
-    (`by_slot`: slot -> (rows, checksum), slots with rows only)."""
+    """Rows of the moving slots in one table and their checksum, slot by slot (`by_slot`: slot ->
+    (rows, checksum), slots with rows only) and in all."""
 
-    rows: int
-    checksum: int
     by_slot: dict[int, tuple[int, int]]
+
+    @property
+    def rows(self) -> int:
+        """Rows of all the moving slots."""
+        return sum(n for n, _ in self.by_slot.values())
+
+    @property
+    def checksum(self) -> int:
+        """The checksum of all the moving slots' rows."""
+        return sum(c for _, c in self.by_slot.values())
 
     def slots_that_differ(self, other: TableDigest) -> list[int]:
         """The slots whose rows or checksum differ between the two sides."""
@@ -89,10 +97,7 @@ def digests(conn: psycopg.Connection[Any], plan: MovePlan) -> dict[str, TableDig
                     where=sql.SQL(plan.row_filter("t.account_hash")),
                 )
             ).fetchall()
-            by_slot = {int(slot): (int(n), int(checksum)) for slot, n, checksum in rows}
-            out[table] = TableDigest(
-                sum(n for n, _ in by_slot.values()), sum(c for _, c in by_slot.values()), by_slot
-            )
+            out[table] = TableDigest({int(slot): (int(n), int(checksum)) for slot, n, checksum in rows})
     return out
 
 
