@@ -214,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{parser.prog}: 'dev' is served by the shard-router command, not this module", file=sys.stderr)
         return int(ExitCode.USAGE)
     out = _Output(json_mode=ns.json)
-    # Off unless OTEL_* asks for it; then each operation and attempt is a span (shardclient.tracing).
+    # Off unless OTEL_* asks for it; then each operation and attempt is a span (shardrouter.client.tracing).
     tracing.configure_tracing("shard-router-cli")
     try:
         if ns.command in ("balance", "get-transfer"):

@@ -102,7 +102,7 @@ class TransferClient:
     ) -> None:
         """Connect to `target` (router or shard), or use `channel` as given.
 
-        Tracing (see `shardclient.tracing`): spans go to `tracer_provider`, else to the global
+        Tracing (see `shardrouter.client.tracing`): spans go to `tracer_provider`, else to the global
         provider if the application installed one; with neither, no span is made.
 
         `store` may be None for a read-only client. `metadata` is sent on every call (e.g. a token);
@@ -201,7 +201,7 @@ class TransferClient:
         """Send the stored operation until a final answer or until `budget_s` is spent.
 
         Each attempt has its own deadline (`attempt_timeout_s`, cut to the budget left) and is
-        recorded in the store. Retries follow `shardclient.retry`: backoff with full jitter between
+        recorded in the store. Retries follow `shardrouter.client.retry`: backoff with full jitter between
         `base_backoff_s` and `max_backoff_s`, or the server's RetryInfo / pushback delay. An operation
         that is already final is sent once more anyway: the shard replays its stored outcome.
         """

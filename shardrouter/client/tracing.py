@@ -2,7 +2,7 @@
 
 A trace of one `send_with_retries` reads:
 
-    shardclient.operation   (INTERNAL: idempotency.key, operation.id, operation.kind, final outcome)
+    shardrouter.client.operation   (INTERNAL: idempotency.key, operation.id, operation.kind, final outcome)
       TransferService/Transfer  attempt 1   (CLIENT: its traceparent goes to the router and shard)
       TransferService/Transfer  attempt 2   (linked to attempt 1: a retry of the same operation)
 
@@ -47,7 +47,7 @@ class AttemptSpans:
             return
         self._count += 1
         links: Sequence[Link] = (
-            [Link(self._first_attempt, {"shardclient.link": "first_attempt"})]
+            [Link(self._first_attempt, {"shardrouter.client.link": "first_attempt"})]
             if self._first_attempt is not None
             else []
         )
@@ -60,7 +60,7 @@ class AttemptSpans:
                 "rpc.method": self.method,
                 "idempotency.key": self.operation.idempotency_key,
                 "operation.id": self.operation.id,
-                "shardclient.attempt": self._count,
+                "shardrouter.client.attempt": self._count,
             },
         ) as span:
             if self._first_attempt is None:
@@ -92,7 +92,7 @@ class OperationTracer:
             yield spans
             return
         with self._tracer.start_as_current_span(
-            "shardclient.operation",
+            "shardrouter.client.operation",
             kind=SpanKind.INTERNAL,
             attributes={
                 "idempotency.key": operation.idempotency_key,
@@ -107,7 +107,7 @@ def record_operation(state: str, attempts: int) -> None:
     """The operation's final state and attempt count on the current operation span."""
     span = trace.get_current_span()
     span.set_attribute("operation.state", state)
-    span.set_attribute("shardclient.attempts", attempts)
+    span.set_attribute("shardrouter.client.attempts", attempts)
 
 
 __all__ = ["AttemptSpans", "OperationTracer", "record_attempt", "record_operation"]

@@ -131,7 +131,7 @@ def test_otel_environment_traces_the_command_without_touching_its_output(
     assert run.code == 0, run.output
     reply = run.json()  # stdout is still exactly one JSON object
     key = reply["operation"]["idempotency_key"]
-    assert '"name": "shardclient.operation"' in run.stderr, run.stderr
+    assert '"name": "shardrouter.client.operation"' in run.stderr, run.stderr
     assert '"name": "shardrouter.v1.TransferService/Deposit"' in run.stderr
     assert f'"idempotency.key": "{key}"' in run.stderr
     assert '"service.name": "cli-test"' in run.stderr

@@ -533,7 +533,7 @@ def test_caller_library_router_and_shard_in_one_trace_with_linked_retries(
             ("shardrouter.v1.TransferService/Deposit", SpanKind.CLIENT),  # router -> shard
             ("shardrouter.v1.TransferService/Deposit", SpanKind.SERVER),  # router
             ("shardrouter.v1.TransferService/Deposit", SpanKind.CLIENT),  # caller attempt
-            ("shardclient.operation", SpanKind.INTERNAL),
+            ("shardrouter.client.operation", SpanKind.INTERNAL),
         ], names
         assert len({s.context.trace_id for s in chain}) == 1
         assert chain[2].attributes is not None and chain[2].attributes["shard.id"] == "shard-obs"
@@ -547,8 +547,10 @@ def test_caller_library_router_and_shard_in_one_trace_with_linked_retries(
     assert chains[-1][-1].context.span_id not in first_send
     attempts = [c[4] for c in chains[:-1]]
     assert attempts[0].links == ()
-    for retry in attempts[1:]:
+    for number, retry in enumerate(attempts[1:], start=2):
         assert [link.context.span_id for link in retry.links] == [attempts[0].context.span_id]
+        assert dict(retry.links[0].attributes or {}) == {"shardrouter.client.link": "first_attempt"}
+        assert retry.attributes is not None and retry.attributes["shardrouter.client.attempt"] == number
     # The caller's side: the conflict is an error there (to retry), the replay is tagged.
     assert attempts[0].status.status_code is StatusCode.ERROR
     replay_attempt = chains[-1][4]
@@ -556,6 +558,10 @@ def test_caller_library_router_and_shard_in_one_trace_with_linked_retries(
     assert [e.name for e in replay_attempt.events] == ["idempotency.replay"]
     operation = chains[-1][-1]
     assert operation.attributes is not None and operation.attributes["operation.state"] == "succeeded"
+    assert operation.attributes["shardrouter.client.attempts"] == again.attempts
+    first_operation = chains[0][-1]
+    assert first_operation.attributes is not None
+    assert first_operation.attributes["shardrouter.client.attempts"] == first.attempts
 
 
 def test_statement_spans_can_be_switched_off(database: str) -> None:
