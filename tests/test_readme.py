@@ -36,7 +36,7 @@ import pytest
 
 from shardrouter.core.shardmap import load_shard_map
 from shardrouter.localcluster.postgres import free_port
-from tests.conftest import pg_data_dir
+from tests.helpers import pg_data_dir
 from tests.processes import ROOT, wait_serving
 
 READMES = (ROOT / "README.md", ROOT / "deploy" / "k8s" / "README.md")

@@ -20,7 +20,7 @@ from shardrouter.client import (
 from shardrouter.core.errors import Reason
 from shardrouter.shardd.server import ShardDaemon
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import deposit
+from tests.helpers import deposit
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from shardrouter.client import OperationState, SqliteOperationStore
 from shardrouter.shardd.server import ShardDaemon
 from shardrouter.v1 import transfer_pb2_grpc
 from tests.client.cli_helpers import balance_of, cli, crash_helper, ledger_count
-from tests.conftest import deposit
+from tests.helpers import deposit
 
 
 def _setup(stub: transfer_pb2_grpc.TransferServiceStub) -> None:

@@ -18,8 +18,8 @@ import yaml
 from shardrouter.client import SqliteOperationStore, TransferClient
 from shardrouter.core.shardmap import ShardMap, load_shard_map
 from shardrouter.localcluster.postgres import free_port
-from tests.conftest import pg_data_dir
 from tests.e2e.test_dev_cluster import _dev_up, _until_running, _wait_no_leftovers
+from tests.helpers import pg_data_dir
 from tests.processes import ROOT, wait_serving
 
 #: A small range of shard-0's (it owns 0-8191 in the even map of two shards).

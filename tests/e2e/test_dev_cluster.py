@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shardrouter.localcluster.postgres import free_port
-from tests.conftest import pg_data_dir, requires_tracing_ui
+from tests.helpers import pg_data_dir, requires_tracing_ui
 from tests.processes import ROOT
 
 

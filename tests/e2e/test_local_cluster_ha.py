@@ -13,7 +13,7 @@ from shardrouter.core.keys import KEY_METADATA, new_key
 from shardrouter.localcluster.cluster import LocalCluster
 from shardrouter.localcluster.postgres import ReplicatedPostgres, free_port
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import pg_data_dir
+from tests.helpers import pg_data_dir
 
 
 def _deposit(port: int, account: str) -> int:

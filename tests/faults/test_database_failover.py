@@ -31,8 +31,8 @@ import pytest
 from shardrouter.core.keys import KEY_METADATA
 from shardrouter.localcluster.postgres import ReplicatedPostgres
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import pg_data_dir
 from tests.faults.load import TRANSIENT, DepositLoad, Ledger
+from tests.helpers import pg_data_dir
 from tests.processes import shardd_process
 
 #: A shard daemon whose database connection broke mid-call may answer INTERNAL; its caller retries.

@@ -17,9 +17,9 @@ import pytest
 
 from shardrouter.localcluster.postgres import LocalPostgres
 from shardrouter.v1 import transfer_pb2_grpc
-from tests.conftest import pg_data_dir
 from tests.faults.load import TRANSIENT, DepositLoad, Ledger
 from tests.faults.tcp_proxy import TcpProxy
+from tests.helpers import pg_data_dir
 from tests.processes import shardd_process
 
 #: A shard daemon whose database connection broke mid-call may answer INTERNAL; its caller retries.

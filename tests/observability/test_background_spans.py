@@ -32,7 +32,7 @@ from shardrouter.shardd.observability import ShardStateCollector
 from shardrouter.shardd.partition_keeper import PartitionKeeper
 from shardrouter.shardd.server import MONTHS_AHEAD, ShardDaemon, prepare_database, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import key_metadata, money
+from tests.helpers import key_metadata, money
 
 SERVICE = "shardd/background-test"
 CREDIT = "shardrouter.internal.v1.ShardLedgerService/CreditTransfer"
@@ -80,7 +80,7 @@ def provider() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
 def pair(
     postgres: LocalPostgres, tmp_path: Path, provider: tuple[TracerProvider, InMemorySpanExporter]
 ) -> Iterator[TracedPair]:
-    from tests.conftest import make_settings
+    from tests.helpers import make_settings
 
     tracer_provider, exporter = provider
     ports = {"shard-0": free_port(), "shard-1": free_port()}

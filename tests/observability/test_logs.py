@@ -14,8 +14,8 @@ import pytest
 
 from shardrouter.core.logs import JsonFormatter
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import key_metadata, money
-from tests.observability.conftest import Traced
+from tests.helpers import key_metadata, money
+from tests.observability.traced import Traced
 from tests.processes import shardd_process, wait_serving
 
 

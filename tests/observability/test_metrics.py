@@ -33,7 +33,7 @@ from shardrouter.shardd.observability import (
 )
 from shardrouter.shardd.server import MONTHS_AHEAD, ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import deposit, key_metadata, make_settings, money
+from tests.helpers import deposit, key_metadata, make_settings, money
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

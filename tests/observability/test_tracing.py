@@ -20,8 +20,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from shardrouter.core import tracing
 from shardrouter.router import tracing as router_tracing
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import deposit, key_metadata, money
-from tests.observability.conftest import SERVICE, Traced
+from tests.helpers import deposit, key_metadata, money
+from tests.observability.traced import SERVICE, Traced
 
 DEPOSIT = "/shardrouter.v1.TransferService/Deposit"
 
@@ -174,7 +174,7 @@ def test_replay_from_the_database_is_one_read_only_transaction(database: str) ->
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from shardrouter.shardd.server import start_shard
-    from tests.conftest import make_settings
+    from tests.helpers import make_settings
 
     exporter = InMemorySpanExporter()
     provider = tracing.new_tracer_provider(SERVICE, [exporter], batch=False)
@@ -212,7 +212,7 @@ def test_transient_failure_is_an_error(database: str) -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from shardrouter.shardd.server import start_shard
-    from tests.conftest import make_settings
+    from tests.helpers import make_settings
 
     exporter = InMemorySpanExporter()
     provider = tracing.new_tracer_provider(SERVICE, [exporter], batch=False)
@@ -568,7 +568,7 @@ def test_statement_spans_can_be_switched_off(database: str) -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from shardrouter.shardd.server import start_shard
-    from tests.conftest import make_settings
+    from tests.helpers import make_settings
 
     exporter = InMemorySpanExporter()
     provider = tracing.new_tracer_provider("shardd/no-sql", [exporter], batch=False)

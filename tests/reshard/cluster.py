@@ -1,6 +1,7 @@
 """Two real shards over two databases of one real PostgreSQL (wal_level=logical), following one
-shard map file, and what the move tests ask of them: routing by the map in force, retries with one
-key, the ledger's invariants, and everything a move could leave behind."""
+shard map file (`new_pair` makes them, `start_daemons` serves them in this process), and what the
+move tests ask of them: routing by the map in force, retries with one key, the ledger's
+invariants, and everything a move could leave behind."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ import psycopg
 from grpc_status import rpc_status
 
 from shardrouter.core.keys import new_key
-from shardrouter.core.shardmap import ShardMap, load_shard_map
+from shardrouter.core.shardmap import ShardMap, even_shard_map, load_shard_map, write_shard_map
+from shardrouter.localcluster.postgres import LocalPostgres, free_port
 from shardrouter.reshard.move import ShardDatabases
+from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import key_metadata, money
+from tests.helpers import key_metadata, make_settings, money
 
 FIRST, LAST = 0, 4095  # a quarter of the slots, all owned by shard-0 in the even map
 SEEDED = 10_000  # what `seed` deposits into each account
@@ -65,6 +68,39 @@ class Pair:
     def close(self) -> None:
         for channel in self.channels.values():
             channel.close()
+
+
+def new_pair(postgres: LocalPostgres, tmp_path: Path) -> Pair:
+    """Two new databases and a map file giving each shard half of the slots (version 1)."""
+    ports = {"shard-0": free_port(), "shard-1": free_port()}
+    map_path = tmp_path / "shard-map.yaml"
+    write_shard_map(map_path, even_shard_map({s: f"127.0.0.1:{p}" for s, p in ports.items()}, version=1))
+    dsns = {}
+    for sid in ports:
+        name = f"mv{uuid.uuid4().hex[:10]}"
+        postgres.create_database(name)
+        dsns[sid] = postgres.dsn_for(name)
+    return Pair(map_path, dsns, ports)
+
+
+def start_daemons(pair: Pair, *, metrics: bool = False) -> dict[str, ShardDaemon]:
+    """An in-process daemon per shard of `pair`, on its port, following its map file (re-read every
+    0.1 s), relays on; with `metrics`, each serves /metrics on a free loopback port."""
+    return {
+        sid: start_shard(
+            make_settings(
+                pair.dsns[sid],
+                shard_id=sid,
+                listen=f"127.0.0.1:{port}",
+                shard_map=str(pair.map_path),
+                shard_map_reload_s=0.1,
+                relay_workers=1,
+                **({"metrics_port": free_port()} if metrics else {}),
+            ),
+            metrics_host="127.0.0.1" if metrics else None,
+        )
+        for sid, port in pair.ports.items()
+    }
 
 
 def accounts(pair: Pair, n: int) -> tuple[list[str], list[str]]:

@@ -26,7 +26,7 @@ from shardrouter.reshard.verify import digests, rows_in_range
 from shardrouter.shardd.migrations import FENCED_TABLES
 from shardrouter.shardd.server import start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import error_info, key_metadata, make_settings, money
+from tests.helpers import error_info, key_metadata, make_settings, money
 from tests.reshard.cluster import (
     FIRST,
     LAST,

@@ -53,7 +53,7 @@ from shardrouter.reshard.plan import Phase
 from shardrouter.reshard.replication import copy_state
 from shardrouter.reshard.verify import rows_in_range
 from shardrouter.v1 import transfer_pb2
-from tests.conftest import key_metadata, money, own_postgres
+from tests.helpers import key_metadata, money, own_postgres
 from tests.processes import ServiceProcess, shardd_process
 from tests.reshard.cluster import (
     FIRST,

@@ -3,7 +3,7 @@
 counts its fences by kind.
 
 Two in-process shard daemons with /metrics on loopback over two databases of a real PostgreSQL
-(wal_level=logical), following one shard map file (`conftest.new_pair`, `conftest.start_daemons`).
+(wal_level=logical), following one shard map file (`cluster.new_pair`, `cluster.start_daemons`).
 The tests refresh the database gauges themselves instead of waiting for the collector's next round.
 """
 
@@ -22,8 +22,7 @@ from shardrouter.reshard.plan import ACTIVE_PHASES, Phase
 from shardrouter.shardd import observability
 from shardrouter.shardd.server import ShardDaemon
 from tests.observability.test_metrics import Samples, collector_of, scrape, value
-from tests.reshard.cluster import FIRST, LAST, Pair, accounts, seed
-from tests.reshard.conftest import new_pair, start_daemons
+from tests.reshard.cluster import FIRST, LAST, Pair, accounts, new_pair, seed, start_daemons
 
 QUICK = MoveSettings(copy_timeout_s=30, catch_up_timeout_s=30, final_sync_timeout_s=30)
 FENCES = "shardd_slot_fences"

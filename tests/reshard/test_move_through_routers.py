@@ -29,7 +29,7 @@ from shardrouter.core.keys import new_key
 from shardrouter.reshard.move import Move, MoveSettings, start_move
 from shardrouter.reshard.plan import Phase
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import key_metadata, money
+from tests.helpers import key_metadata, money
 from tests.processes import ServiceProcess, router_process, shardd_process
 from tests.reshard.cluster import (
     FIRST,
@@ -42,9 +42,9 @@ from tests.reshard.cluster import (
     accounts,
     assert_no_leftovers,
     check_ledger,
+    new_pair,
     until_final,
 )
-from tests.reshard.conftest import new_pair
 
 
 @dataclass

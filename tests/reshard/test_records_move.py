@@ -14,7 +14,7 @@ from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
 from shardrouter.reshard.move import Move, MoveSettings, start_move
 from shardrouter.shardd.ledger.service import refund_key
 from shardrouter.v1 import transfer_pb2
-from tests.conftest import money
+from tests.helpers import money
 from tests.reshard.cluster import FIRST, LAST, Pair, accounts, assert_no_leftovers, seed, send
 
 

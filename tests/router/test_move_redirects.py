@@ -41,7 +41,7 @@ from shardrouter.shardd import fences
 from shardrouter.shardd.fences import SlotFence
 from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import error_info, key_metadata, make_settings, money
+from tests.helpers import error_info, key_metadata, make_settings, money
 from tests.router.fakeshard import SeenCall, start_fake_shard
 
 SLOW_POLL_S = 60.0  # no poll happens during a test: what a call learns, it learns on demand

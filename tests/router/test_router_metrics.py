@@ -14,7 +14,7 @@ from shardrouter.localcluster.postgres import free_port
 from shardrouter.router.server import start_router_thread
 from shardrouter.router.settings import RouterSettings
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import key_metadata, money
+from tests.helpers import key_metadata, money
 
 
 def _scrape(port: int) -> str:

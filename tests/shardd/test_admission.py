@@ -15,7 +15,7 @@ from shardrouter.core.errors import Reason, ShardRouterError
 from shardrouter.shardd.admission import AdmissionLimits
 from shardrouter.shardd.server import start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import deposit, key_metadata, make_settings, money
+from tests.helpers import deposit, key_metadata, make_settings, money
 from tests.processes import shardd_process
 
 

@@ -53,7 +53,7 @@ from shardrouter.internal.v1 import ledger_pb2
 from shardrouter.localcluster.postgres import LocalPostgres
 from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import deposit, make_settings, money
+from tests.helpers import deposit, make_settings, money
 
 PUBLIC = "/shardrouter.v1.TransferService/"
 INTERNAL = "/shardrouter.internal.v1.ShardLedgerService/"

@@ -14,7 +14,7 @@ from shardrouter.core.keys import new_key
 from shardrouter.shardd.server import prepare_database
 from shardrouter.shardd.settings import ShardSettings, parse_settings
 from shardrouter.v1 import transfer_pb2
-from tests.conftest import key_metadata, money
+from tests.helpers import key_metadata, money
 from tests.processes import ROOT
 
 

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 
 from shardrouter.shardd.server import ShardDaemon, start_shard
-from tests.conftest import make_settings
 from tests.connections import connection_drops
+from tests.helpers import make_settings
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 PROBE = b""  # an empty HealthCheckRequest: the whole server

@@ -24,7 +24,7 @@ from shardrouter.shardd.ledger.service import credit_key
 from shardrouter.shardd.relay import OutboxRelay
 from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import key_metadata, make_settings, money
+from tests.helpers import key_metadata, make_settings, money
 
 
 @dataclass

@@ -52,7 +52,7 @@ from shardrouter.core.keys import key_time, parse_key
 from shardrouter.core.validation import validate_deposit, validate_transfer
 from shardrouter.shardd.server import ShardDaemon
 from shardrouter.v1 import transfer_pb2
-from tests.conftest import money
+from tests.helpers import money
 
 PUBLIC = "/shardrouter.v1.TransferService/"
 INT64_MAX = 2**63 - 1

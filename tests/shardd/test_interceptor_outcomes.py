@@ -19,7 +19,7 @@ from grpc_status import rpc_status
 from shardrouter.core.keys import new_key
 from shardrouter.shardd.server import ShardDaemon
 from shardrouter.v1 import transfer_pb2
-from tests.conftest import deposit, key_metadata, money
+from tests.helpers import deposit, key_metadata, money
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from shardrouter.core.keys import new_key
 from shardrouter.v1 import transfer_pb2
-from tests.conftest import money
+from tests.helpers import money
 
 _accounts = itertools.count()
 

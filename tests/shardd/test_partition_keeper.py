@@ -22,7 +22,7 @@ from shardrouter.shardd.partition_keeper import PartitionKeeper
 from shardrouter.shardd.retention import run_retention
 from shardrouter.shardd.server import MONTHS_AHEAD, prepare_database, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import key_metadata, make_settings, money
+from tests.helpers import key_metadata, make_settings, money
 
 RETENTION = timedelta(days=30)
 Month = partitions.Month

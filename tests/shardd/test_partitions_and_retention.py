@@ -19,7 +19,7 @@ from shardrouter.shardd.idempotency.record import ClaimStatus
 from shardrouter.shardd.retention import run_retention
 from shardrouter.shardd.server import prepare_database
 from shardrouter.v1 import transfer_pb2
-from tests.conftest import key_metadata, money
+from tests.helpers import key_metadata, money
 
 RETENTION = timedelta(days=30)
 

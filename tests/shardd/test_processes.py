@@ -19,7 +19,7 @@ from shardrouter.localcluster.postgres import free_port
 from shardrouter.router.channels import CHANNEL_OPTIONS
 from shardrouter.shardd.processes import port_is_free
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import money
+from tests.helpers import money
 from tests.processes import ServiceProcess, shardd_process
 
 

@@ -28,7 +28,7 @@ from shardrouter.shardd import relay
 from shardrouter.shardd.relay import ShardClients
 from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import key_metadata, make_settings, money
+from tests.helpers import key_metadata, make_settings, money
 from tests.tls import TestCA, publish_like_a_secret
 
 CREDIT = "/shardrouter.internal.v1.ShardLedgerService/CreditTransfer"

@@ -24,7 +24,7 @@ from shardrouter.shardd.identity import IdentityPolicy
 from shardrouter.shardd.ledger.service import ShardLocator, TransferServicer
 from shardrouter.shardd.server import ShardDaemon, prepare_database, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import deposit, key_metadata, make_settings, money
+from tests.helpers import deposit, key_metadata, make_settings, money
 
 CACHE = pytest.mark.parametrize("cache_entries", [10_000, 0], ids=["memory", "database"])
 

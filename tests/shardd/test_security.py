@@ -12,7 +12,7 @@ from shardrouter.core.keys import new_key
 from shardrouter.core.tls import channel_credentials
 from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import key_metadata, make_settings, money
+from tests.helpers import key_metadata, make_settings, money
 from tests.tls import TestCA, publish_like_a_secret
 
 

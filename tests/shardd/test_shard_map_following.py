@@ -16,7 +16,7 @@ from shardrouter.core.shardmap import parse_shard_map
 from shardrouter.localcluster.postgres import LocalPostgres, free_port
 from shardrouter.shardd.server import start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.conftest import key_metadata, make_settings, money
+from tests.helpers import key_metadata, make_settings, money
 
 
 def _doc(version: int, ports: dict[str, int], first: str, second: str) -> dict[str, object]:

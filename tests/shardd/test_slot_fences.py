@@ -22,7 +22,7 @@ from shardrouter.shardd import fences
 from shardrouter.shardd.fences import SlotFence
 from shardrouter.shardd.migrations import FENCED_TABLES
 from shardrouter.v1 import transfer_pb2
-from tests.conftest import deposit, key_metadata, money
+from tests.helpers import deposit, key_metadata, money
 
 
 def _slot(account: str) -> int:

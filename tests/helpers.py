@@ -1,0 +1,118 @@
+"""What many tests share that is not a fixture: metadata with a key, Money, a keyed deposit, the
+error details of a failed call, settings of an in-process shard daemon, a PostgreSQL server's data
+folder, and the mark of tests that need the tracing UI. A plain module, imported by name; the
+fixtures built on it are in `tests/conftest.py`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from shardrouter.core.keys import new_key
+from shardrouter.localcluster.postgres import LocalPostgres
+from shardrouter.localcluster.tracing_ui import phoenix_installed
+from shardrouter.shardd.settings import ShardSettings
+from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
+
+#: Tests against the real tracing UI need the `tracing-ui` extra; CI sets SHARD_ROUTER_REQUIRE_TRACING_UI
+#: so that a missing extra fails there instead of skipping.
+requires_tracing_ui = pytest.mark.skipif(
+    not phoenix_installed() and not os.environ.get("SHARD_ROUTER_REQUIRE_TRACING_UI"),
+    reason="needs the tracing-ui extra (pip install -e '.[dev,tracing-ui]')",
+)
+
+
+def pg_data_dir() -> Path:
+    """A fresh folder for a PostgreSQL data directory.
+
+    Not under pytest's tmp_path: pytest resets its root to mode 0700 whenever a session starts, which
+    would lock the unprivileged server user out of a data directory in use.
+    """
+    return Path(tempfile.mkdtemp(prefix="shard-router-pg-")) / "data"
+
+
+def own_postgres() -> Iterator[LocalPostgres]:
+    """A fixture's body (`yield from own_postgres()`): a real PostgreSQL server of its own (embedded
+    wheel, wal_level=logical) on a loopback port, in a fresh `pg_data_dir`; at teardown it is
+    stopped and its data deleted, folder and all."""
+    server = LocalPostgres(pg_data_dir())
+    server.start()
+    yield server
+    server.destroy()
+    shutil.rmtree(server.data_dir.parent, ignore_errors=True)
+
+
+def make_settings(dsn: str, **overrides: object) -> ShardSettings:
+    """Shard settings for an in-process test daemon on a free port."""
+    values: dict[str, object] = {
+        "dsn": dsn,
+        "listen": "127.0.0.1:0",
+        "metrics_port": 0,
+        "dev_mode": True,
+        "workers": 32,
+        "pool_max": 16,
+        # Spare threads beyond the admission limits (16 + 8), as in production.
+        "max_in_flight": 16,
+        "max_waiting": 8,
+        "shutdown_grace_s": 1.0,
+        "relay_workers": 0,
+    }
+    values.update(overrides)
+    return ShardSettings(**values)  # type: ignore[arg-type]
+
+
+def key_metadata(key: uuid.UUID | str | None = None, caller: str | None = None) -> list[tuple[str, str]]:
+    """Metadata with an idempotency key (a new one unless given) and optionally a caller id."""
+    md = [("idempotency-key", str(key or new_key()))]
+    if caller:
+        md.append(("x-caller-id", caller))
+    return md
+
+
+def money(amount: int, currency: str = "EUR") -> transfer_pb2.Money:
+    """A Money message."""
+    return transfer_pb2.Money(amount_minor=amount, currency=currency)
+
+
+def deposit(
+    stub: transfer_pb2_grpc.TransferServiceStub, account: str, amount: int, currency: str = "EUR"
+) -> None:
+    """Deposit with a fresh key (test set-up)."""
+    stub.Deposit(
+        transfer_pb2.DepositRequest(account_id=account, amount=money(amount, currency)),
+        metadata=key_metadata(),
+    )
+
+
+def error_info(error: grpc.RpcError) -> tuple[error_details_pb2.ErrorInfo, bool]:
+    """The ErrorInfo of a failed call (empty if none), and whether it carried RetryInfo."""
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    assert status is not None, f"no rich status in {error}"
+    info = error_details_pb2.ErrorInfo()
+    retry = False
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            detail.Unpack(info)
+        retry = retry or detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR)
+    return info, retry
+
+
+__all__ = [
+    "deposit",
+    "error_info",
+    "key_metadata",
+    "make_settings",
+    "money",
+    "own_postgres",
+    "pg_data_dir",
+    "requires_tracing_ui",
+]
