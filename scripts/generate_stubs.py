@@ -20,9 +20,13 @@ PROTO_ROOT = ROOT / "proto"
 PACKAGE_DIRS = ("shardrouter/v1", "shardrouter/internal/v1")
 
 
+# Vendored for protoc and buf only: their Python modules come from googleapis-common-protos.
+VENDORED = PROTO_ROOT / "google"
+
+
 def proto_files() -> list[Path]:
-    """Every .proto under proto/, in a stable order."""
-    return sorted(PROTO_ROOT.rglob("*.proto"))
+    """Every .proto of ours under proto/ (not the vendored google/ ones), in a stable order."""
+    return sorted(p for p in PROTO_ROOT.rglob("*.proto") if not p.is_relative_to(VENDORED))
 
 
 def generate(out: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Any, TypeVar, cast
 import grpc
 from opentelemetry import trace
 
-from shardrouter.client.operation import Attempt, Operation, OperationState, Outcome, utc_now
+from shardrouter.client.operation import KINDS, Attempt, Operation, OperationState, Outcome, utc_now
 from shardrouter.client.retry import RetryPolicy, Verdict, backoff_s, classify, server_delay_s
 from shardrouter.client.status import (
     ErrorDetails,
@@ -42,12 +42,13 @@ from shardrouter.client.wire import (
 )
 from shardrouter.core.callers import CALLER_METADATA
 from shardrouter.core.keys import KEY_METADATA
+from shardrouter.core.rpcs import PUBLIC_SERVICE, rpc
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 
 __all__ = ["SendResult", "TransferClient"]
 
-_SERVICE = "/shardrouter.v1.TransferService/"
-_METHODS = {"transfer": _SERVICE + "Transfer", "deposit": _SERVICE + "Deposit"}
+# An operation kind is the lower-case name of a keyed public RPC ("transfer" -> Transfer).
+_METHODS = {kind: rpc(PUBLIC_SERVICE, kind.capitalize()).full_name for kind in KINDS}
 _RESERVED_METADATA = frozenset({KEY_METADATA, CALLER_METADATA})
 _MIN_ATTEMPT_S = 0.01  # below this, an attempt cannot finish: stop and report the budget exhausted
 _SERVER_DELAY_JITTER = 0.1  # wait up to 10 % longer than asked, so conflicting retries spread out

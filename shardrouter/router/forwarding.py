@@ -54,11 +54,12 @@ from shardrouter.core.errors import (
 )
 from shardrouter.core.keys import KEY_METADATA
 from shardrouter.core.metrics import RouterMetrics
+from shardrouter.core.rpcs import RpcDeclaration
 from shardrouter.core.shardmap import Shard, ShardMap
 from shardrouter.core.shardmap_file import ShardMapFile
 from shardrouter.router.channels import ChannelPool
 from shardrouter.router.metadata import CallerPolicy, MetadataEntry, forwardable
-from shardrouter.router.routing import METHODS_BY_PATH, RoutedMethod, routing_account
+from shardrouter.router.routing import METHODS_BY_PATH, routing_account
 from shardrouter.router.tracing import record_forwarded_status, record_move, router_span
 
 if TYPE_CHECKING:  # grpc's classes are generic only in the type stubs
@@ -246,14 +247,14 @@ class Forwarder(_GenericHandler):
         """The handler of a routed method, or None (the server answers UNIMPLEMENTED)."""
         return self._handlers.get(handler_call_details.method)
 
-    def _behaviour(self, method: RoutedMethod) -> Callable[[bytes, ServicerContext], Awaitable[bytes]]:
+    def _behaviour(self, method: RpcDeclaration) -> Callable[[bytes, ServicerContext], Awaitable[bytes]]:
         # A plain coroutine function: what grpc.aio's server runs on its event loop.
         async def serve(raw: bytes, context: ServicerContext) -> bytes:
             return await self._serve(method, raw, context)
 
         return serve
 
-    async def _serve(self, method: RoutedMethod, raw: bytes, context: ServicerContext) -> bytes:
+    async def _serve(self, method: RpcDeclaration, raw: bytes, context: ServicerContext) -> bytes:
         if self._metrics is None:
             return await self._answer(method, raw, context)
         with self._metrics.timed(method.full_name) as record:
@@ -267,7 +268,7 @@ class Forwarder(_GenericHandler):
             record(grpc.StatusCode.OK)
             return response
 
-    async def _answer(self, method: RoutedMethod, raw: bytes, context: ServicerContext) -> bytes:
+    async def _answer(self, method: RpcDeclaration, raw: bytes, context: ServicerContext) -> bytes:
         # abort raises; it is kept outside every try block so nothing can swallow it.
         try:
             outcome = await self._forward(method, raw, context)
@@ -288,7 +289,7 @@ class Forwarder(_GenericHandler):
         context.set_trailing_metadata(outcome.trailing_metadata)
         return outcome.response
 
-    async def _forward(self, method: RoutedMethod, raw: bytes, context: ServicerContext) -> Outcome:
+    async def _forward(self, method: RpcDeclaration, raw: bytes, context: ServicerContext) -> Outcome:
         """How the shard's call ended (OK or not); raises the router's own errors."""
         metadata = tuple(self._callers.outgoing(context))  # who is calling comes first
         account = routing_account(method, raw)
@@ -352,7 +353,7 @@ class Forwarder(_GenericHandler):
     async def _forward_to(
         self,
         shard: Shard,
-        method: RoutedMethod,
+        method: RpcDeclaration,
         raw: bytes,
         metadata: tuple[MetadataEntry, ...],
         keyed: bool,
@@ -388,7 +389,7 @@ class Forwarder(_GenericHandler):
         self,
         shard: Shard,
         address: str,
-        method: RoutedMethod,
+        method: RpcDeclaration,
         raw: bytes,
         metadata: tuple[MetadataEntry, ...],
         context: ServicerContext,
@@ -417,7 +418,7 @@ class Forwarder(_GenericHandler):
     async def _send(
         self,
         address: str,
-        method: RoutedMethod,
+        method: RpcDeclaration,
         raw: bytes,
         metadata: tuple[MetadataEntry, ...],
         context: ServicerContext,
@@ -456,7 +457,7 @@ class Forwarder(_GenericHandler):
         return max(remaining, 0.0)
 
     def _shard_unavailable(
-        self, shard: Shard, method: RoutedMethod, outcome: Outcome, attempts: int
+        self, shard: Shard, method: RpcDeclaration, outcome: Outcome, attempts: int
     ) -> Unavailable:
         log.warning(
             "shard %s unreachable for %s after %d attempt(s): %s",

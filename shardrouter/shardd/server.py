@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -17,10 +17,10 @@ from shardrouter.core import grpcserver, tls, tracing
 from shardrouter.core.error_interceptor import DomainErrorInterceptor
 from shardrouter.core.interceptors import ServerInterceptorBase
 from shardrouter.core.metrics import start_metrics_server
+from shardrouter.core.rpcs import INTERNAL_SERVICE, PUBLIC_SERVICE, RPCS, RpcDeclaration, RpcDeclarationError
 from shardrouter.core.shardmap import ShardMap, ShardMapError
 from shardrouter.core.shardmap_file import ShardMapFile
-from shardrouter.core.validation import validate_deposit, validate_transfer
-from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
+from shardrouter.internal.v1 import ledger_pb2_grpc
 from shardrouter.shardd import migrations, partitions
 from shardrouter.shardd.admission import Admission, AdmissionInterceptor, AdmissionLimits
 from shardrouter.shardd.db import Database
@@ -29,59 +29,46 @@ from shardrouter.shardd.idempotency.outcomes import OutcomeListener
 from shardrouter.shardd.idempotency.process_keys import CompletedKeys
 from shardrouter.shardd.identity import IdentityPolicy
 from shardrouter.shardd.ledger.service import (
+    REQUEST_VALIDATORS,
     ShardLedgerServicer,
     ShardLocator,
     TransferServicer,
-    validate_credit,
-    validate_transfer_id_only,
 )
 from shardrouter.shardd.observability import ShardMetrics, ShardStateCollector
 from shardrouter.shardd.partition_keeper import PartitionKeeper
 from shardrouter.shardd.settings import ShardSettings
-from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
+from shardrouter.v1 import transfer_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-PUBLIC_SERVICE = transfer_pb2.DESCRIPTOR.services_by_name["TransferService"].full_name
-INTERNAL_SERVICE = ledger_pb2.DESCRIPTOR.services_by_name["ShardLedgerService"].full_name
 # Partitions exist this many months past the current one, so an insert never lacks one.
 MONTHS_AHEAD = 2
 
 
 def mutating_methods(locator: ShardLocator | None = None) -> list[MutatingMethod]:
-    """Every mutating method of the shard, each guarded by the idempotency interceptor.
+    """Every keyed method of the shard (as the proto declares them), guarded by the idempotency interceptor.
 
-    With a `locator`, a method routed by an account also refuses, before any claim, an account that
-    another shard owns (`owned_here`).
+    Each is checked first by its request validator (`REQUEST_VALIDATORS`, beside the handlers). With
+    a `locator`, it also refuses, before any claim, an account that another shard owns (`owned_here`).
     """
-    methods = [
-        MutatingMethod(f"/{PUBLIC_SERVICE}/Transfer", validate_transfer, account_field="source_account_id"),
-        MutatingMethod(f"/{PUBLIC_SERVICE}/Deposit", validate_deposit, account_field="account_id"),
-        # The credit and its void share a scope: whichever claims the credit's key first wins for good.
-        MutatingMethod(
-            f"/{INTERNAL_SERVICE}/CreditTransfer",
-            validate_credit,
-            scope_name="transfer_in",
-            account_field="destination_account_id",
-        ),
-        MutatingMethod(
-            f"/{INTERNAL_SERVICE}/VoidCredit",
-            validate_transfer_id_only,
-            scope_name="transfer_in",
-            account_field="destination_account_id",
-        ),
-        MutatingMethod(
-            f"/{INTERNAL_SERVICE}/RefundTransfer",
-            validate_transfer_id_only,
-            account_field="source_account_id",
-        ),
-    ]
-    if locator is None:
-        return methods
-    return [
-        replace(m, validate=owned_here(m.validate, m.account_field, locator)) if m.account_field else m
-        for m in methods
-    ]
+    return [_guarded_method(d, locator) for d in RPCS if d.keyed]
+
+
+def _guarded_method(declaration: RpcDeclaration, locator: ShardLocator | None) -> MutatingMethod:
+    validate = REQUEST_VALIDATORS.get(declaration.name)
+    if validate is None:
+        raise RpcDeclarationError(
+            f"rpc {declaration.service}.{declaration.name} is keyed but has no request validator in "
+            "shardrouter.shardd.ledger.service.REQUEST_VALIDATORS"
+        )
+    if locator is not None:
+        validate = owned_here(validate, declaration.routing_field, locator)
+    return MutatingMethod(
+        declaration.full_name,
+        validate,
+        scope_name=declaration.scope_name,
+        account_field=declaration.routing_field,
+    )
 
 
 def owned_here(

@@ -22,42 +22,52 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
+from shardrouter.v1 import options_pb2 as shardrouter_dot_v1_dot_options__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dshardrouter/v1/transfer.proto\x12\x0eshardrouter.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"/\n\x05Money\x12\x14\n\x0c\x61mount_minor\x18\x01 \x01(\x03\x12\x10\n\x08\x63urrency\x18\x02 \x01(\t\"\x86\x01\n\x0fTransferRequest\x12\x19\n\x11source_account_id\x18\x01 \x01(\t\x12\x1e\n\x16\x64\x65stination_account_id\x18\x02 \x01(\t\x12%\n\x06\x61mount\x18\x03 \x01(\x0b\x32\x15.shardrouter.v1.Money\x12\x11\n\treference\x18\x04 \x01(\t\">\n\x10TransferResponse\x12*\n\x08transfer\x18\x01 \x01(\x0b\x32\x18.shardrouter.v1.Transfer\"\xde\x02\n\x08Transfer\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x19\n\x11source_account_id\x18\x02 \x01(\t\x12\x1e\n\x16\x64\x65stination_account_id\x18\x03 \x01(\t\x12%\n\x06\x61mount\x18\x04 \x01(\x0b\x32\x15.shardrouter.v1.Money\x12,\n\x05state\x18\x05 \x01(\x0e\x32\x1d.shardrouter.v1.TransferState\x12\x11\n\treference\x18\x06 \x01(\t\x12.\n\ncreated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12:\n\x11\x64\x65livery_attempts\x18\t \x03(\x0b\x32\x1f.shardrouter.v1.DeliveryAttempt\"i\n\x0f\x44\x65liveryAttempt\x12\x30\n\x0c\x61ttempted_at\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0bstatus_code\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"^\n\x0e\x44\x65positRequest\x12\x12\n\naccount_id\x18\x01 \x01(\t\x12%\n\x06\x61mount\x18\x02 \x01(\x0b\x32\x15.shardrouter.v1.Money\x12\x11\n\treference\x18\x03 \x01(\t\"K\n\x0f\x44\x65positResponse\x12\x10\n\x08\x65ntry_id\x18\x01 \x01(\t\x12&\n\x07\x62\x61lance\x18\x02 \x01(\x0b\x32\x15.shardrouter.v1.Money\"d\n\x12GetTransferRequest\x12\x19\n\x11source_account_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x1e\n\x16wait_for_completion_ms\x18\x03 \x01(\r\"A\n\x13GetTransferResponse\x12*\n\x08transfer\x18\x01 \x01(\x0b\x32\x18.shardrouter.v1.Transfer\"\'\n\x11GetBalanceRequest\x12\x12\n\naccount_id\x18\x01 \x01(\t\"}\n\x12GetBalanceResponse\x12\x12\n\naccount_id\x18\x01 \x01(\t\x12&\n\x07\x62\x61lance\x18\x02 \x01(\x0b\x32\x15.shardrouter.v1.Money\x12+\n\x05state\x18\x03 \x01(\x0e\x32\x1c.shardrouter.v1.AccountState*\x86\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_STATE_PENDING\x10\x01\x12\x1c\n\x18TRANSFER_STATE_COMPLETED\x10\x02\x12\x1b\n\x17TRANSFER_STATE_REFUNDED\x10\x03*_\n\x0c\x41\x63\x63ountState\x12\x1d\n\x19\x41\x43\x43OUNT_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41\x43\x43OUNT_STATE_OPEN\x10\x01\x12\x18\n\x14\x41\x43\x43OUNT_STATE_CLOSED\x10\x02\x32\xd9\x02\n\x0fTransferService\x12M\n\x08Transfer\x12\x1f.shardrouter.v1.TransferRequest\x1a .shardrouter.v1.TransferResponse\x12J\n\x07\x44\x65posit\x12\x1e.shardrouter.v1.DepositRequest\x1a\x1f.shardrouter.v1.DepositResponse\x12V\n\x0bGetTransfer\x12\".shardrouter.v1.GetTransferRequest\x1a#.shardrouter.v1.GetTransferResponse\x12S\n\nGetBalance\x12!.shardrouter.v1.GetBalanceRequest\x1a\".shardrouter.v1.GetBalanceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dshardrouter/v1/transfer.proto\x12\x0eshardrouter.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1cshardrouter/v1/options.proto\"/\n\x05Money\x12\x14\n\x0c\x61mount_minor\x18\x01 \x01(\x03\x12\x10\n\x08\x63urrency\x18\x02 \x01(\t\"\x86\x01\n\x0fTransferRequest\x12\x19\n\x11source_account_id\x18\x01 \x01(\t\x12\x1e\n\x16\x64\x65stination_account_id\x18\x02 \x01(\t\x12%\n\x06\x61mount\x18\x03 \x01(\x0b\x32\x15.shardrouter.v1.Money\x12\x11\n\treference\x18\x04 \x01(\t\">\n\x10TransferResponse\x12*\n\x08transfer\x18\x01 \x01(\x0b\x32\x18.shardrouter.v1.Transfer\"\xde\x02\n\x08Transfer\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x19\n\x11source_account_id\x18\x02 \x01(\t\x12\x1e\n\x16\x64\x65stination_account_id\x18\x03 \x01(\t\x12%\n\x06\x61mount\x18\x04 \x01(\x0b\x32\x15.shardrouter.v1.Money\x12,\n\x05state\x18\x05 \x01(\x0e\x32\x1d.shardrouter.v1.TransferState\x12\x11\n\treference\x18\x06 \x01(\t\x12.\n\ncreated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12:\n\x11\x64\x65livery_attempts\x18\t \x03(\x0b\x32\x1f.shardrouter.v1.DeliveryAttempt\"i\n\x0f\x44\x65liveryAttempt\x12\x30\n\x0c\x61ttempted_at\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0bstatus_code\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"^\n\x0e\x44\x65positRequest\x12\x12\n\naccount_id\x18\x01 \x01(\t\x12%\n\x06\x61mount\x18\x02 \x01(\x0b\x32\x15.shardrouter.v1.Money\x12\x11\n\treference\x18\x03 \x01(\t\"K\n\x0f\x44\x65positResponse\x12\x10\n\x08\x65ntry_id\x18\x01 \x01(\t\x12&\n\x07\x62\x61lance\x18\x02 \x01(\x0b\x32\x15.shardrouter.v1.Money\"d\n\x12GetTransferRequest\x12\x19\n\x11source_account_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x1e\n\x16wait_for_completion_ms\x18\x03 \x01(\r\"A\n\x13GetTransferResponse\x12*\n\x08transfer\x18\x01 \x01(\x0b\x32\x18.shardrouter.v1.Transfer\"\'\n\x11GetBalanceRequest\x12\x12\n\naccount_id\x18\x01 \x01(\t\"}\n\x12GetBalanceResponse\x12\x12\n\naccount_id\x18\x01 \x01(\t\x12&\n\x07\x62\x61lance\x18\x02 \x01(\x0b\x32\x15.shardrouter.v1.Money\x12+\n\x05state\x18\x03 \x01(\x0e\x32\x1c.shardrouter.v1.AccountState*\x86\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_STATE_PENDING\x10\x01\x12\x1c\n\x18TRANSFER_STATE_COMPLETED\x10\x02\x12\x1b\n\x17TRANSFER_STATE_REFUNDED\x10\x03*_\n\x0c\x41\x63\x63ountState\x12\x1d\n\x19\x41\x43\x43OUNT_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41\x43\x43OUNT_STATE_OPEN\x10\x01\x12\x18\n\x14\x41\x43\x43OUNT_STATE_CLOSED\x10\x02\x32\xce\x04\n\x0fTransferService\x12\x80\x01\n\x08Transfer\x12\x1f.shardrouter.v1.TransferRequest\x1a .shardrouter.v1.TransferResponse\"1\xca\xa5\x19\x15\n\x11source_account_id\x10\x01\x82\xd3\xe4\x93\x02\x12\"\r/v1/transfers:\x01*\x12u\n\x07\x44\x65posit\x12\x1e.shardrouter.v1.DepositRequest\x1a\x1f.shardrouter.v1.DepositResponse\")\xca\xa5\x19\x0e\n\naccount_id\x10\x01\x82\xd3\xe4\x93\x02\x11\"\x0c/v1/deposits:\x01*\x12\xaf\x01\n\x0bGetTransfer\x12\".shardrouter.v1.GetTransferRequest\x1a#.shardrouter.v1.GetTransferResponse\"W\xca\xa5\x19\x13\n\x11source_account_id\x82\xd3\xe4\x93\x02:\x12\x38/v1/accounts/{source_account_id}/transfers/{transfer_id}\x12\x8e\x01\n\nGetBalance\x12!.shardrouter.v1.GetBalanceRequest\x1a\".shardrouter.v1.GetBalanceResponse\"9\xca\xa5\x19\x0c\n\naccount_id\x82\xd3\xe4\x93\x02#\x12!/v1/accounts/{account_id}/balanceb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shardrouter.v1.transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERSTATE']._serialized_start=1303
-  _globals['_TRANSFERSTATE']._serialized_end=1437
-  _globals['_ACCOUNTSTATE']._serialized_start=1439
-  _globals['_ACCOUNTSTATE']._serialized_end=1534
-  _globals['_MONEY']._serialized_start=82
-  _globals['_MONEY']._serialized_end=129
-  _globals['_TRANSFERREQUEST']._serialized_start=132
-  _globals['_TRANSFERREQUEST']._serialized_end=266
-  _globals['_TRANSFERRESPONSE']._serialized_start=268
-  _globals['_TRANSFERRESPONSE']._serialized_end=330
-  _globals['_TRANSFER']._serialized_start=333
-  _globals['_TRANSFER']._serialized_end=683
-  _globals['_DELIVERYATTEMPT']._serialized_start=685
-  _globals['_DELIVERYATTEMPT']._serialized_end=790
-  _globals['_DEPOSITREQUEST']._serialized_start=792
-  _globals['_DEPOSITREQUEST']._serialized_end=886
-  _globals['_DEPOSITRESPONSE']._serialized_start=888
-  _globals['_DEPOSITRESPONSE']._serialized_end=963
-  _globals['_GETTRANSFERREQUEST']._serialized_start=965
-  _globals['_GETTRANSFERREQUEST']._serialized_end=1065
-  _globals['_GETTRANSFERRESPONSE']._serialized_start=1067
-  _globals['_GETTRANSFERRESPONSE']._serialized_end=1132
-  _globals['_GETBALANCEREQUEST']._serialized_start=1134
-  _globals['_GETBALANCEREQUEST']._serialized_end=1173
-  _globals['_GETBALANCERESPONSE']._serialized_start=1175
-  _globals['_GETBALANCERESPONSE']._serialized_end=1300
-  _globals['_TRANSFERSERVICE']._serialized_start=1537
-  _globals['_TRANSFERSERVICE']._serialized_end=1882
+  _globals['_TRANSFERSERVICE'].methods_by_name['Transfer']._loaded_options = None
+  _globals['_TRANSFERSERVICE'].methods_by_name['Transfer']._serialized_options = b'\312\245\031\025\n\021source_account_id\020\001\202\323\344\223\002\022\"\r/v1/transfers:\001*'
+  _globals['_TRANSFERSERVICE'].methods_by_name['Deposit']._loaded_options = None
+  _globals['_TRANSFERSERVICE'].methods_by_name['Deposit']._serialized_options = b'\312\245\031\016\n\naccount_id\020\001\202\323\344\223\002\021\"\014/v1/deposits:\001*'
+  _globals['_TRANSFERSERVICE'].methods_by_name['GetTransfer']._loaded_options = None
+  _globals['_TRANSFERSERVICE'].methods_by_name['GetTransfer']._serialized_options = b'\312\245\031\023\n\021source_account_id\202\323\344\223\002:\0228/v1/accounts/{source_account_id}/transfers/{transfer_id}'
+  _globals['_TRANSFERSERVICE'].methods_by_name['GetBalance']._loaded_options = None
+  _globals['_TRANSFERSERVICE'].methods_by_name['GetBalance']._serialized_options = b'\312\245\031\014\n\naccount_id\202\323\344\223\002#\022!/v1/accounts/{account_id}/balance'
+  _globals['_TRANSFERSTATE']._serialized_start=1363
+  _globals['_TRANSFERSTATE']._serialized_end=1497
+  _globals['_ACCOUNTSTATE']._serialized_start=1499
+  _globals['_ACCOUNTSTATE']._serialized_end=1594
+  _globals['_MONEY']._serialized_start=142
+  _globals['_MONEY']._serialized_end=189
+  _globals['_TRANSFERREQUEST']._serialized_start=192
+  _globals['_TRANSFERREQUEST']._serialized_end=326
+  _globals['_TRANSFERRESPONSE']._serialized_start=328
+  _globals['_TRANSFERRESPONSE']._serialized_end=390
+  _globals['_TRANSFER']._serialized_start=393
+  _globals['_TRANSFER']._serialized_end=743
+  _globals['_DELIVERYATTEMPT']._serialized_start=745
+  _globals['_DELIVERYATTEMPT']._serialized_end=850
+  _globals['_DEPOSITREQUEST']._serialized_start=852
+  _globals['_DEPOSITREQUEST']._serialized_end=946
+  _globals['_DEPOSITRESPONSE']._serialized_start=948
+  _globals['_DEPOSITRESPONSE']._serialized_end=1023
+  _globals['_GETTRANSFERREQUEST']._serialized_start=1025
+  _globals['_GETTRANSFERREQUEST']._serialized_end=1125
+  _globals['_GETTRANSFERRESPONSE']._serialized_start=1127
+  _globals['_GETTRANSFERRESPONSE']._serialized_end=1192
+  _globals['_GETBALANCEREQUEST']._serialized_start=1194
+  _globals['_GETBALANCEREQUEST']._serialized_end=1233
+  _globals['_GETBALANCERESPONSE']._serialized_start=1235
+  _globals['_GETBALANCERESPONSE']._serialized_end=1360
+  _globals['_TRANSFERSERVICE']._serialized_start=1597
+  _globals['_TRANSFERSERVICE']._serialized_end=2187
 # @@protoc_insertion_point(module_scope)

@@ -57,7 +57,7 @@ def _request(name: str, account: str) -> bytes:
 )
 def test_each_method_routes_by_its_field_one(name: str, field: str) -> None:
     method = METHODS_BY_PATH[SERVICE + name]
-    assert method.account_field == field
+    assert method.routing_field == field
     assert method.request_type.DESCRIPTOR.fields_by_name[field].number == 1
     assert routing_account(method, _request(name, "acct-42")) == "acct-42"
 
@@ -77,8 +77,8 @@ def test_malformed_routing_account_is_invalid_argument_naming_the_field(name: st
         routing_account(method, _request(name, account))
     error = caught.value
     assert error.reason == Reason.INVALID_REQUEST
-    assert [v.field for v in error.field_violations] == [method.account_field]
-    assert method.account_field in error.message
+    assert [v.field for v in error.field_violations] == [method.routing_field]
+    assert method.routing_field in error.message
 
 
 def test_undecodable_request_is_invalid_argument() -> None:

@@ -22,28 +22,35 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from shardrouter.v1 import options_pb2 as shardrouter_dot_v1_dot_options__pb2
 from shardrouter.v1 import transfer_pb2 as shardrouter_dot_v1_dot_transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$shardrouter/internal/v1/ledger.proto\x12\x17shardrouter.internal.v1\x1a\x1dshardrouter/v1/transfer.proto\"\xa7\x01\n\x15\x43reditTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x17\n\x0fsource_shard_id\x18\x02 \x01(\t\x12\x19\n\x11source_account_id\x18\x03 \x01(\t\x12\x1e\n\x16\x64\x65stination_account_id\x18\x04 \x01(\t\x12%\n\x06\x61mount\x18\x05 \x01(\x0b\x32\x15.shardrouter.v1.Money\"*\n\x16\x43reditTransferResponse\x12\x10\n\x08\x65ntry_id\x18\x01 \x01(\t\"X\n\x11VoidCreditRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x1e\n\x16\x64\x65stination_account_id\x18\x03 \x01(\t\")\n\x12VoidCreditResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"W\n\x15RefundTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x19\n\x11source_account_id\x18\x03 \x01(\t\"*\n\x16RefundTransferResponse\x12\x10\n\x08\x65ntry_id\x18\x01 \x01(\t2\xe1\x02\n\x12ShardLedgerService\x12q\n\x0e\x43reditTransfer\x12..shardrouter.internal.v1.CreditTransferRequest\x1a/.shardrouter.internal.v1.CreditTransferResponse\x12\x65\n\nVoidCredit\x12*.shardrouter.internal.v1.VoidCreditRequest\x1a+.shardrouter.internal.v1.VoidCreditResponse\x12q\n\x0eRefundTransfer\x12..shardrouter.internal.v1.RefundTransferRequest\x1a/.shardrouter.internal.v1.RefundTransferResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$shardrouter/internal/v1/ledger.proto\x12\x17shardrouter.internal.v1\x1a\x1cshardrouter/v1/options.proto\x1a\x1dshardrouter/v1/transfer.proto\"\xa7\x01\n\x15\x43reditTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x17\n\x0fsource_shard_id\x18\x02 \x01(\t\x12\x19\n\x11source_account_id\x18\x03 \x01(\t\x12\x1e\n\x16\x64\x65stination_account_id\x18\x04 \x01(\t\x12%\n\x06\x61mount\x18\x05 \x01(\x0b\x32\x15.shardrouter.v1.Money\"*\n\x16\x43reditTransferResponse\x12\x10\n\x08\x65ntry_id\x18\x01 \x01(\t\"X\n\x11VoidCreditRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x1e\n\x16\x64\x65stination_account_id\x18\x03 \x01(\t\")\n\x12VoidCreditResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"W\n\x15RefundTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x19\n\x11source_account_id\x18\x03 \x01(\t\"*\n\x16RefundTransferResponse\x12\x10\n\x08\x65ntry_id\x18\x01 \x01(\t2\xd9\x03\n\x12ShardLedgerService\x12\x9e\x01\n\x0e\x43reditTransfer\x12..shardrouter.internal.v1.CreditTransferRequest\x1a/.shardrouter.internal.v1.CreditTransferResponse\"+\xca\xa5\x19\'\n\x16\x64\x65stination_account_id\x10\x01\x1a\x0btransfer_in\x12\x92\x01\n\nVoidCredit\x12*.shardrouter.internal.v1.VoidCreditRequest\x1a+.shardrouter.internal.v1.VoidCreditResponse\"+\xca\xa5\x19\'\n\x16\x64\x65stination_account_id\x10\x01\x1a\x0btransfer_in\x12\x8c\x01\n\x0eRefundTransfer\x12..shardrouter.internal.v1.RefundTransferRequest\x1a/.shardrouter.internal.v1.RefundTransferResponse\"\x19\xca\xa5\x19\x15\n\x11source_account_id\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shardrouter.internal.v1.ledger_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CREDITTRANSFERREQUEST']._serialized_start=97
-  _globals['_CREDITTRANSFERREQUEST']._serialized_end=264
-  _globals['_CREDITTRANSFERRESPONSE']._serialized_start=266
-  _globals['_CREDITTRANSFERRESPONSE']._serialized_end=308
-  _globals['_VOIDCREDITREQUEST']._serialized_start=310
-  _globals['_VOIDCREDITREQUEST']._serialized_end=398
-  _globals['_VOIDCREDITRESPONSE']._serialized_start=400
-  _globals['_VOIDCREDITRESPONSE']._serialized_end=441
-  _globals['_REFUNDTRANSFERREQUEST']._serialized_start=443
-  _globals['_REFUNDTRANSFERREQUEST']._serialized_end=530
-  _globals['_REFUNDTRANSFERRESPONSE']._serialized_start=532
-  _globals['_REFUNDTRANSFERRESPONSE']._serialized_end=574
-  _globals['_SHARDLEDGERSERVICE']._serialized_start=577
-  _globals['_SHARDLEDGERSERVICE']._serialized_end=930
+  _globals['_SHARDLEDGERSERVICE'].methods_by_name['CreditTransfer']._loaded_options = None
+  _globals['_SHARDLEDGERSERVICE'].methods_by_name['CreditTransfer']._serialized_options = b'\312\245\031\'\n\026destination_account_id\020\001\032\013transfer_in'
+  _globals['_SHARDLEDGERSERVICE'].methods_by_name['VoidCredit']._loaded_options = None
+  _globals['_SHARDLEDGERSERVICE'].methods_by_name['VoidCredit']._serialized_options = b'\312\245\031\'\n\026destination_account_id\020\001\032\013transfer_in'
+  _globals['_SHARDLEDGERSERVICE'].methods_by_name['RefundTransfer']._loaded_options = None
+  _globals['_SHARDLEDGERSERVICE'].methods_by_name['RefundTransfer']._serialized_options = b'\312\245\031\025\n\021source_account_id\020\001'
+  _globals['_CREDITTRANSFERREQUEST']._serialized_start=127
+  _globals['_CREDITTRANSFERREQUEST']._serialized_end=294
+  _globals['_CREDITTRANSFERRESPONSE']._serialized_start=296
+  _globals['_CREDITTRANSFERRESPONSE']._serialized_end=338
+  _globals['_VOIDCREDITREQUEST']._serialized_start=340
+  _globals['_VOIDCREDITREQUEST']._serialized_end=428
+  _globals['_VOIDCREDITRESPONSE']._serialized_start=430
+  _globals['_VOIDCREDITRESPONSE']._serialized_end=471
+  _globals['_REFUNDTRANSFERREQUEST']._serialized_start=473
+  _globals['_REFUNDTRANSFERREQUEST']._serialized_end=560
+  _globals['_REFUNDTRANSFERRESPONSE']._serialized_start=562
+  _globals['_REFUNDTRANSFERRESPONSE']._serialized_end=604
+  _globals['_SHARDLEDGERSERVICE']._serialized_start=607
+  _globals['_SHARDLEDGERSERVICE']._serialized_end=1080
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from shardrouter.v1 import options_pb2 as _options_pb2
 from shardrouter.v1 import transfer_pb2 as _transfer_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

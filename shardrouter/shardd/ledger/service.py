@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
+from types import MappingProxyType
+from typing import Any
 
 import grpc
 from google.protobuf import timestamp_pb2
@@ -25,6 +28,7 @@ from shardrouter.core.errors import (
 )
 from shardrouter.core.keys import derived_key, new_key
 from shardrouter.core.shardmap_file import ShardMapFile
+from shardrouter.core.validation import validate_deposit, validate_transfer
 from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
 from shardrouter.shardd.db import Database, current_transaction
 from shardrouter.shardd.ledger import store
@@ -475,6 +479,7 @@ def _transfer_message(transfer: TransferRow, attempts: list[store.AttemptRow]) -
 __all__ = [
     "ACCOUNT_MOVED_RETRY_MS",
     "MAX_BALANCE",
+    "REQUEST_VALIDATORS",
     "ShardLedgerServicer",
     "ShardLocator",
     "TransferServicer",
@@ -483,3 +488,17 @@ __all__ = [
     "validate_credit",
     "validate_transfer_id_only",
 ]
+
+
+#: The state-free check of each keyed RPC's request, by method name, run by the idempotency
+#: interceptor before the key is claimed (a refusal there is answered and never stored). Which RPCs
+#: are keyed is declared in the proto; the shard refuses to start if one has no validator here.
+REQUEST_VALIDATORS: Mapping[str, Callable[[Any], None]] = MappingProxyType(
+    {
+        "Transfer": validate_transfer,
+        "Deposit": validate_deposit,
+        "CreditTransfer": validate_credit,
+        "VoidCredit": validate_transfer_id_only,
+        "RefundTransfer": validate_transfer_id_only,
+    }
+)
