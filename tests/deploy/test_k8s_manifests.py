@@ -38,6 +38,9 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from shardrouter.router import settings as router_settings
+from shardrouter.shardd import settings as shardd_settings
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
@@ -835,8 +838,6 @@ def test_environment_names_are_ones_the_code_reads(target: str) -> None:
 
 
 def test_allowed_names_are_read_by_the_settings_modules() -> None:
-    shardd_settings = pytest.importorskip("shardrouter.shardd.settings")
-    router_settings = pytest.importorskip("shardrouter.router.settings")
     assert set(shardd_settings.ENV_NAMES) >= SHARDD_ENV
     assert set(router_settings.ENV_NAMES) >= ROUTER_ENV
 
@@ -872,8 +873,6 @@ def resolved_env(c: dict[str, Any], pod_name: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("target", OVERLAYS)
 def test_the_settings_modules_accept_the_manifests_environment(target: str) -> None:
-    shardd_settings = pytest.importorskip("shardrouter.shardd.settings")
-    router_settings = pytest.importorskip("shardrouter.router.settings")
     router = router_settings.parse_settings(
         [], env=resolved_env(container(target, "Deployment", "router", "router"), "router-x")
     )
