@@ -1,3 +1,3 @@
-"""The benchmark harness of issue 16: pgbench baselines, the shard, the router and the idempotency paths
+"""The benchmark harness: pgbench baselines, the shard, the router and the idempotency paths
 measured in one run against one fresh, durable PostgreSQL. Run it with `python -m bench` (bench/README.md).
 """

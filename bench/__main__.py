@@ -1,4 +1,4 @@
-"""`python -m bench`: run the benchmark of issue 16 and print its table (bench/README.md).
+"""`python -m bench`: run the benchmark and print its table (bench/README.md).
 
 .venv/bin/python -m bench                                  # everything, default sizes (~8 min)
 .venv/bin/python -m bench --duration 2 --concurrency 1,8 --scenarios shard-deposit,pgbench-limit

@@ -1,4 +1,4 @@
-"""The run's table (plain text for the terminal, Markdown for a file), the issue's targets, and JSON.
+"""The run's table (plain text for the terminal, Markdown for a file), the performance targets, and JSON.
 
 CPU per operation is grouped by role: client (the load generator or pgbench), router, shard (every
 shard-like daemon: shard-a, shard-b, the cache-off twin and the no-idempotency twin; idle ones only
@@ -34,7 +34,7 @@ ROLES: dict[str, list[str]] = {
 
 @dataclass(frozen=True)
 class Target:
-    """One of the issue's targets, evaluated on a run."""
+    """One of the performance targets, evaluated on a run."""
 
     name: str
     figure: str
@@ -49,7 +49,7 @@ def best(result: RunResult, scenario: str) -> CellResult | None:
 
 
 def targets(result: RunResult) -> list[Target]:
-    """The issue's five targets (replay counted twice: from memory and from the database)."""
+    """The five performance targets (replay counted twice: from memory and from the database)."""
     out: list[Target] = []
 
     def ratio(name: str, num: str, den: str, required: str, test: Callable[[float], bool], fmt: str) -> None:

@@ -34,7 +34,7 @@ CURRENCY = "EUR"
 #: Seed balance of every account: transfers never run out of funds, deposits never reach the limit.
 SEED_BALANCE = 10**12
 
-#: Durable, as the issue asks (fsync and synchronous_commit on), sized for this 2-core / 24 GiB box.
+#: Durable, as the targets require (fsync and synchronous_commit on), sized for this 2-core / 24 GiB box.
 #: max_connections leaves room for pgbench's 128 clients beside the daemons' pools; a large
 #: max_wal_size keeps the bulk loads of the growth cells from forcing checkpoints mid-cell.
 PG_SETTINGS = {

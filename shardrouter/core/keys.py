@@ -1,7 +1,9 @@
 """Idempotency keys: UUIDv7 (RFC 9562), whose first 48 bits are the creation time in Unix milliseconds.
 
-The shard partitions its key table by that time, so the key alone says which partition holds it and
-whether it has expired (see DESIGN.md points 1 and 2). Python 3.11 has no `uuid.uuid7`, hence `new_key`.
+The shard stores that time with each record (`key_time`) and partitions its key table by it, so the
+key alone says which partition holds it and whether it is older than the retention window (a late
+retry is then refused as expired instead of being applied again). Python 3.11 has no `uuid.uuid7`,
+hence `new_key`.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ class LocalPostgres:
                 "\n# shard-router local cluster\nfsync = on\nsynchronous_commit = on\n"
                 "max_connections = 200\nshared_buffers = 64MB\nlisten_addresses = '127.0.0.1'\n"
                 "unix_socket_directories = ''\n"
-                # Moving slot ranges between shards copies with logical replication (issue 18).
+                # Moving slot ranges between shards copies with logical replication.
                 "wal_level = logical\n"
             )
 

@@ -1,6 +1,6 @@
 """Slot fences: a slot range of this shard that takes no writes, enforced by its database.
 
-The cut-over of a move (issue 18) fences the moving range on its old owner before the last catch-up.
+The cut-over of a move (`shard-router reshard`) fences the moving range on its old owner before the last catch-up.
 The fence is a row of `slot_fences`; a trigger on every table whose rows belong to an account's slot
 (`migrations.FENCED_TABLES`) refuses any insert, update or delete of a row in a fenced slot, whoever
 sends it: the API, the outbox relay, or a person with psql. shardd answers such a refused call

@@ -18,7 +18,7 @@ Each daemon has its own `MeterProvider` and Prometheus registry (`shardrouter.co
 - `shardd_outbox_backlog`, `shardd_outbox_oldest_age_seconds`: undelivered cross-shard credits.
 - `shardd_metrics_collector_errors_total`: failed refreshes of the database gauges.
 
-Moves of slot ranges (`shard-router reshard`, issue 18), from the `slot_moves` journal, which only the
+Moves of slot ranges (`shard-router reshard`), from the `slot_moves` journal, which only the
 old owner's database holds; each series is of a move that is not done or aborted, or of the one that
 finished last (the label sets stay few however many moves a shard has seen):
 

@@ -123,7 +123,7 @@ def test_every_alert_is_tested_firing_and_quiet() -> None:
     assert (fires | quiet) <= names, "tests of alerts that do not exist"
 
 
-def test_the_issue_17_alerts_exist() -> None:
+def test_the_availability_certificate_and_replication_alerts_exist() -> None:
     rules = {r["alert"]: r["expr"] for g in rule_groups() for r in g["rules"]}
     assert 'absent(up{job="shardd"})' in rules["ShardDaemonsAbsent"]
     assert 'absent(up{job="router"})' in rules["RouterAbsent"]

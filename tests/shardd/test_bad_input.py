@@ -1,4 +1,4 @@
-"""Bad input sent straight to a shard daemon, for every RPC (GitHub issue 9, shard part).
+"""Bad input sent straight to a shard daemon, for every RPC.
 
 Every RPC of the shard - public Transfer, Deposit, GetTransfer, GetBalance and internal CreditTransfer,
 VoidCredit, RefundTransfer - gets bad idempotency keys, bad caller ids, bad fields, oversized metadata

@@ -1,10 +1,10 @@
-"""The outbox relay's client certificate follows rotation without a restart (issue #17).
+"""The outbox relay's client certificate follows rotation without a restart.
 
 Two real shard daemons in this process, each with its own database, with mTLS from Secret-like
 folders (`tls.crt`, `tls.key`, `ca.crt` behind a `..data` symlink that an update swaps atomically).
 The renewal moves both shards to a new CA: a shard then trusts only certificates of the new CA, so
 the relay's old certificate really stops working at its next connection (forced by restarting the
-receiving shard). Before issue #17 the relay read its certificate once, and the credit stalled.
+receiving shard). (A relay that read its certificate only once would stall the credit there.)
 """
 
 from __future__ import annotations
