@@ -1,6 +1,6 @@
 """The "no idempotency" baseline: the shard's real `TransferServicer` without the idempotency interceptor.
 
-Everything else is as in `shardd.server.start_shard`: the same sync gRPC thread-pool server and options,
+Everything else is built by the same builders as `shardd.server.start_shard`: the same sync gRPC thread-pool server and options,
 the same `Database` pool (with its checkout probe), admission, domain error mapping, and the same
 settings (read from the SHARDD_* environment). The only difference is that a mutating call runs the
 handler in a transaction of its own, published with `shardd.db.bind_transaction` as the interceptor
@@ -74,32 +74,15 @@ def main() -> int:
     settings = parse_settings([])
     configure_logging("bench/noidem", level=settings.log_level, fmt=settings.log_format)
     stop = TerminationSignals(starting=False).stop
-    database = Database(
-        settings.dsn,
-        min_size=settings.pool_min,
-        max_size=settings.pool_max,
-        acquire_timeout_s=settings.pool_timeout_s,
-        transient_retry_ms=settings.transient_retry_ms,
-    )
+    # The shard's own builders: the same pool, server options and start-up order as `start_shard`.
+    database = shard_server.new_database(settings)
     admission = shard_server.admission_from(settings)  # the shard's own limits: a fair comparison
-    server = grpcserver.new_server(
-        workers=settings.workers,
-        max_calls=settings.max_calls,
-        interceptors=[AdmissionInterceptor(admission), DomainErrorInterceptor()],
-        options=grpcserver.server_options(
-            max_message_bytes=settings.max_message_bytes,
-            max_metadata_bytes=settings.max_metadata_bytes,
-            max_streams=settings.max_calls,
-        ),
-    )
+    server = shard_server.new_grpc_server(settings, [AdmissionInterceptor(admission), DomainErrorInterceptor()])
     transfer_pb2_grpc.add_TransferServiceServicer_to_server(
         PlainTransferServicer(database, ShardLocator(settings.shard_id)), server
     )
     health = grpcserver.add_health_and_reflection(server, [shard_server.PUBLIC_SERVICE])
-    grpcserver.bind(server, settings.listen, None)
-    server.start()
-    shard_server.prepare_database(settings.dsn, settings.retention)  # the real migrations and partitions
-    database.open()
+    shard_server.listen_when_ready(settings, server, database)  # the real migrations and partitions
     grpcserver.mark_serving(health, [shard_server.PUBLIC_SERVICE])
     log.info("no-idempotency twin serving on %s", settings.listen)
     stop.wait()

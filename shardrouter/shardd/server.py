@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import psycopg
@@ -16,6 +16,7 @@ from opentelemetry import trace
 from shardrouter.core import grpcserver, tls, tracing
 from shardrouter.core.error_interceptor import DomainErrorInterceptor
 from shardrouter.core.interceptors import ServerInterceptorBase
+from shardrouter.core.lifecycle import Stoppable, stop_all
 from shardrouter.core.metrics import start_metrics_server
 from shardrouter.core.rpcs import INTERNAL_SERVICE, PUBLIC_SERVICE, RPCS, RpcDeclaration, RpcDeclarationError
 from shardrouter.core.shardmap import ShardMap, ShardMapError
@@ -137,7 +138,8 @@ class ShardDaemon:
     health: health.HealthServicer
     #: The followed shard map (None when the daemon runs without one).
     shard_maps: ShardMapFile | None
-    background: list[object] = field(default_factory=list)
+    #: What runs beside the server, in start order (stopped in reverse).
+    background: list[Stoppable] = field(default_factory=list)
     #: The daemon's metrics (None when metrics_port is 0) and the port /metrics is served on.
     metrics: ShardMetrics | None = None
     metrics_port: int = 0
@@ -148,12 +150,11 @@ class ShardDaemon:
         return self.shard_maps.current if self.shard_maps is not None else None
 
     def stop(self, grace_s: float | None = None) -> None:
-        """Graceful stop: health NOT_SERVING, drain calls, stop the relay, close the pool."""
+        """Graceful stop: health NOT_SERVING, drain calls, stop the background parts, close the pool."""
         grpcserver.graceful_stop(
             self.server, self.health, self.settings.shutdown_grace_s if grace_s is None else grace_s
         )
-        for task in self.background:
-            task.stop()  # type: ignore[attr-defined]
+        stop_all(self.background)
         if self.metrics is not None:
             self.metrics.shutdown()  # its registry stops exposing the instruments
         self.database.close()
@@ -171,6 +172,146 @@ def admission_from(settings: ShardSettings) -> Admission:
     )
 
 
+def follow_shard_map(settings: ShardSettings) -> ShardMapFile | None:
+    """The daemon's shard map follower (not yet polling), or None when it runs without a map.
+
+    Ownership is decided by the map in force at each call, so from a new version on this shard refuses
+    the accounts it no longer owns (retryable UNAVAILABLE, ACCOUNT_MOVED), after reading the file once
+    more (`ShardLocator.require_local`).
+    """
+    if not settings.shard_map:
+        return None
+    shard_maps = ShardMapFile(settings.shard_map, interval_s=settings.shard_map_reload_s)
+    if shard_maps.current.shard_by_id(settings.shard_id) is None:
+        raise ShardMapError(f"shard map {settings.shard_map} has no shard {settings.shard_id!r}")
+    return shard_maps
+
+
+def new_database(
+    settings: ShardSettings, *, tracer_provider: trace.TracerProvider | None = None, traced: bool = False
+) -> Database:
+    """The daemon's connection pool (not yet open), as its settings give it."""
+    return Database(
+        settings.dsn,
+        min_size=settings.pool_min,
+        max_size=settings.pool_max,
+        acquire_timeout_s=settings.pool_timeout_s,
+        transient_retry_ms=settings.transient_retry_ms,
+        pipeline=settings.db_pipeline,
+        tracer_provider=tracer_provider,
+        traced=traced and settings.trace_statements,
+    )
+
+
+def new_idempotency_interceptor(
+    settings: ShardSettings,
+    database: Database,
+    locator: ShardLocator,
+    admission: Admission,
+    *,
+    listeners: Sequence[OutcomeListener],
+    tracer: trace.Tracer | None,
+) -> IdempotencyInterceptor:
+    """The interceptor guarding every keyed RPC, with this daemon's limits and memory."""
+    return IdempotencyInterceptor(
+        database=database,
+        methods=mutating_methods(locator),
+        config=idempotency_config(settings),
+        identity=IdentityPolicy(
+            dev_mode=settings.dev_mode, trusted_proxies=frozenset(settings.trusted_proxies)
+        ),
+        listeners=listeners,
+        tracer=tracer,
+        shard_id=settings.shard_id,
+        admission=admission,
+        completed=CompletedKeys(
+            max_entries=settings.replay_cache_entries, max_bytes=settings.replay_cache_mb * 1024 * 1024
+        ),
+    )
+
+
+def new_grpc_server(settings: ShardSettings, interceptors: Sequence[ServerInterceptorBase]) -> grpc.Server:
+    """The daemon's thread-pool gRPC server (no services yet), with its settings' limits."""
+    return grpcserver.new_server(
+        workers=settings.workers,
+        max_calls=settings.max_calls,
+        interceptors=list(interceptors),
+        options=grpcserver.server_options(
+            max_message_bytes=settings.max_message_bytes,
+            max_metadata_bytes=settings.max_metadata_bytes,
+            max_streams=settings.max_calls,
+            share_port=settings.processes > 1,
+            max_connection_age_s=settings.max_connection_age_s,
+            max_connection_age_grace_s=settings.max_connection_age_grace_s,
+        ),
+    )
+
+
+def listen_when_ready(
+    settings: ShardSettings,
+    server: grpc.Server,
+    database: Database,
+    credentials: grpc.ServerCredentials | None = None,
+) -> int:
+    """Bind and start `server`, migrate the schema and open the pool; the bound port.
+
+    A lone process listens first (health answers NOT_SERVING while the schema is prepared, so a
+    probe sees it alive); one of several processes on a shared port listens only once it can serve,
+    since the kernel hands it connections as soon as it listens (its parent migrated the schema).
+    """
+    if settings.processes > 1:
+        _prepare(settings, database)
+        port = grpcserver.bind(server, settings.listen, credentials)
+        server.start()
+        return port
+    port = grpcserver.bind(server, settings.listen, credentials)
+    server.start()
+    try:
+        _prepare(settings, database)
+    except BaseException:  # database unreachable, or SIGTERM during a migration: leave nothing running
+        server.stop(0)
+        raise
+    return port
+
+
+def _start(part: _Startable, into: list[Stoppable]) -> None:
+    part.start()
+    into.append(part)
+
+
+def start_background(daemon: ShardDaemon, *, metrics_host: str | None = None) -> None:
+    """Start what runs beside the server: map poll, partition keeper, state collector, /metrics, relay.
+
+    In a multi-process daemon only the first serving process runs the background work; the claim
+    protocol needs none of it to be safe across processes.
+    """
+    settings, background = daemon.settings, daemon.background
+    runs_background = settings.process_index <= 1
+    if daemon.shard_maps is not None:
+        _start(daemon.shard_maps, background)
+    if runs_background:
+        # Keeps months ahead partitioned while the daemon runs, whether or not the retention CronJob does.
+        _start(
+            PartitionKeeper(settings.dsn, retention=settings.retention, months_ahead=MONTHS_AHEAD), background
+        )
+    if daemon.metrics is not None and runs_background:
+        _start(
+            ShardStateCollector(daemon.database, retention=settings.retention, metrics=daemon.metrics),
+            background,
+        )
+    if daemon.metrics is not None:
+        host = metrics_host if metrics_host is not None else grpcserver.listen_host(settings.listen)
+        metrics_port = settings.metrics_port + max(0, settings.process_index - 1)
+        metrics_server = start_metrics_server(metrics_port, daemon.metrics.registry, host=host)
+        background.append(metrics_server)
+        daemon.metrics_port = metrics_server.port
+    if daemon.shard_maps is not None and settings.relay_workers > 0 and runs_background:
+        from shardrouter.shardd.relay import OutboxRelay
+
+        maps = daemon.shard_maps
+        _start(OutboxRelay(settings, daemon.database, lambda: maps.current), background)
+
+
 def start_shard(
     settings: ShardSettings,
     *,
@@ -185,69 +326,28 @@ def start_shard(
     Metrics: with `settings.metrics_port > 0`, /metrics is served on `metrics_host` (default: the
     host of `settings.listen`, so a loopback daemon exposes its metrics on loopback only).
     """
-    # Followed like the router's: ownership is decided by the map in force at each call, so from a
-    # new version on this shard refuses the accounts it no longer owns (retryable UNAVAILABLE,
-    # ACCOUNT_MOVED), after reading the file once more (`ShardLocator.require_local`).
-    shard_maps = (
-        ShardMapFile(settings.shard_map, interval_s=settings.shard_map_reload_s)
-        if settings.shard_map
-        else None
-    )
-    if shard_maps is not None and shard_maps.current.shard_by_id(settings.shard_id) is None:
-        raise ShardMapError(f"shard map {settings.shard_map} has no shard {settings.shard_id!r}")
+    shard_maps = follow_shard_map(settings)
     locator = ShardLocator(settings.shard_id, shard_maps)
     metrics = ShardMetrics() if settings.metrics_port > 0 else None
-    # In a multi-process daemon only the first serving process runs the background work; the claim
-    # protocol needs none of it to be safe across processes.
-    runs_background = settings.process_index <= 1
     traced = tracing.tracing_active(tracer_provider)
-    database = Database(
-        settings.dsn,
-        min_size=settings.pool_min,
-        max_size=settings.pool_max,
-        acquire_timeout_s=settings.pool_timeout_s,
-        transient_retry_ms=settings.transient_retry_ms,
-        pipeline=settings.db_pipeline,
-        tracer_provider=tracer_provider,
-        traced=traced and settings.trace_statements,
-    )
+    database = new_database(settings, tracer_provider=tracer_provider, traced=traced)
     if shard_maps is not None:
         database.on_slot_fenced = shard_maps.recheck
-    # Admission before anything touches the database: a shed call costs no connection. Guarded calls
-    # are admitted by the idempotency interceptor, after the answers it gives from memory.
     admission = admission_from(settings)
-    guarded = frozenset(m.full_name for m in mutating_methods())
-    interceptor = IdempotencyInterceptor(
-        database=database,
-        methods=mutating_methods(locator),
-        config=idempotency_config(settings),
-        identity=IdentityPolicy(
-            dev_mode=settings.dev_mode, trusted_proxies=frozenset(settings.trusted_proxies)
-        ),
+    guard = new_idempotency_interceptor(
+        settings,
+        database,
+        locator,
+        admission,
         listeners=[*listeners, *([metrics.observe] if metrics else [])],
         tracer=tracing.get_tracer(tracer_provider) if traced else None,
-        shard_id=settings.shard_id,
-        admission=admission,
-        completed=CompletedKeys(
-            max_entries=settings.replay_cache_entries, max_bytes=settings.replay_cache_mb * 1024 * 1024
-        ),
     )
-    interceptors: list[ServerInterceptorBase] = []
-    if traced:
-        interceptors.append(tracing.server_interceptor(tracer_provider))  # first: the SERVER span
-    interceptors.append(AdmissionInterceptor(admission, skip=guarded))
-    interceptors += [DomainErrorInterceptor(skip=set(guarded)), interceptor]
-    server = grpcserver.new_server(
-        workers=settings.workers,
-        max_calls=settings.max_calls,
-        interceptors=interceptors,
-        options=grpcserver.server_options(
-            max_message_bytes=settings.max_message_bytes,
-            max_metadata_bytes=settings.max_metadata_bytes,
-            max_streams=settings.max_calls,
-            share_port=settings.processes > 1,
-            max_connection_age_s=settings.max_connection_age_s,
-            max_connection_age_grace_s=settings.max_connection_age_grace_s,
+    server = new_grpc_server(
+        settings,
+        interceptor_chain(
+            idempotency=guard,
+            admission=admission,
+            tracing=tracing.server_interceptor(tracer_provider) if traced else None,
         ),
     )
     transfer_pb2_grpc.add_TransferServiceServicer_to_server(TransferServicer(database, locator), server)
@@ -258,47 +358,40 @@ def start_shard(
         if settings.tls_enabled
         else None
     )
-    if settings.processes > 1:
-        # One of several processes on a shared port: the kernel hands it connections as soon as it
-        # listens, so it listens only once it can serve (its parent already migrated the schema).
-        _prepare(settings, database)
-        port = grpcserver.bind(server, settings.listen, credentials)
-        server.start()
-    else:
-        port = grpcserver.bind(server, settings.listen, credentials)
-        server.start()  # health answers NOT_SERVING while the schema is prepared
-        try:
-            _prepare(settings, database)
-        except BaseException:  # database unreachable, or SIGTERM during a migration: leave nothing running
-            server.stop(0)
-            raise
+    port = listen_when_ready(settings, server, database, credentials)
     daemon = ShardDaemon(settings, server, port, database, health_servicer, shard_maps, metrics=metrics)
-    if shard_maps is not None:
-        shard_maps.start()
-        daemon.background.append(shard_maps)
-    # Keeps months ahead partitioned while the daemon runs, whether or not the retention CronJob does.
-    if runs_background:
-        keeper = PartitionKeeper(settings.dsn, retention=settings.retention, months_ahead=MONTHS_AHEAD)
-        keeper.start()
-        daemon.background.append(keeper)
-    if metrics is not None and runs_background:
-        collector = ShardStateCollector(database, retention=settings.retention, metrics=metrics)
-        collector.start()
-        daemon.background.append(collector)
-    if metrics is not None:
-        host = metrics_host if metrics_host is not None else grpcserver.listen_host(settings.listen)
-        metrics_port = settings.metrics_port + max(0, settings.process_index - 1)
-        metrics_server = start_metrics_server(metrics_port, metrics.registry, host=host)
-        daemon.background.append(metrics_server)
-        daemon.metrics_port = metrics_server.port
-    if shard_maps is not None and settings.relay_workers > 0 and runs_background:
-        from shardrouter.shardd.relay import OutboxRelay
-
-        maps = shard_maps
-        relay = OutboxRelay(settings, database, lambda: maps.current)
-        relay.start()
-        daemon.background.append(relay)
+    start_background(daemon, metrics_host=metrics_host)
     grpcserver.mark_serving(health_servicer, [PUBLIC_SERVICE, INTERNAL_SERVICE])
+    _warn_about(settings)
+    _log_serving(settings, port)
+    return daemon
+
+
+def interceptor_chain(
+    *,
+    idempotency: IdempotencyInterceptor,
+    admission: Admission,
+    tracing: ServerInterceptorBase | None,
+) -> list[ServerInterceptorBase]:
+    """The daemon's interceptors, outermost first.
+
+    The SERVER span first, so it covers everything; then admission for the unguarded methods (a shed
+    call costs no connection; guarded calls are admitted by the idempotency interceptor, after the
+    answers it gives from memory); then the domain-error mapping for the unguarded methods (the
+    guarded ones answer their own errors, since their outcome is stored); the idempotency
+    interceptor last, next to the handlers.
+    """
+    guarded = frozenset(m.full_name for m in mutating_methods())
+    chain: list[ServerInterceptorBase] = [] if tracing is None else [tracing]
+    chain += [
+        AdmissionInterceptor(admission, skip=guarded),
+        DomainErrorInterceptor(skip=set(guarded)),
+        idempotency,
+    ]
+    return chain
+
+
+def _warn_about(settings: ShardSettings) -> None:
     if settings.workers <= settings.max_in_flight + settings.max_waiting:
         log.warning(
             "workers (%d) do not exceed max_in_flight + max_waiting (%d): calls past the admission limits "
@@ -308,6 +401,9 @@ def start_shard(
         )
     if not settings.tls_enabled and not settings.dev_mode:
         log.warning("no TLS and not in dev mode: every call will be refused as unauthenticated")
+
+
+def _log_serving(settings: ShardSettings, port: int) -> None:
     if settings.process_index:
         log.info(
             "shard %s serving on port %d (process %d of %d)",
@@ -318,7 +414,10 @@ def start_shard(
         )
     else:
         log.info("shard %s serving on port %d", settings.shard_id, port)
-    return daemon
+
+
+class _Startable(Stoppable, Protocol):
+    def start(self) -> None: ...
 
 
 __all__ = [
@@ -327,9 +426,16 @@ __all__ = [
     "PUBLIC_SERVICE",
     "ShardDaemon",
     "admission_from",
+    "follow_shard_map",
     "idempotency_config",
+    "interceptor_chain",
+    "listen_when_ready",
     "mutating_methods",
+    "new_database",
+    "new_grpc_server",
+    "new_idempotency_interceptor",
     "owned_here",
     "prepare_database",
+    "start_background",
     "start_shard",
 ]
