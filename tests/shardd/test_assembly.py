@@ -8,8 +8,13 @@ from shardrouter.core.rpcs import RPCS
 from shardrouter.core.tracing import server_interceptor
 from shardrouter.shardd.admission import AdmissionInterceptor
 from shardrouter.shardd.idempotency import IdempotencyInterceptor
-from shardrouter.shardd.server import admission_from, interceptor_chain, new_database, new_idempotency_interceptor
 from shardrouter.shardd.ledger.service import ShardLocator
+from shardrouter.shardd.server import (
+    admission_from,
+    interceptor_chain,
+    new_database,
+    new_idempotency_interceptor,
+)
 from tests.helpers import make_settings
 
 _DSN = "postgresql://nobody@127.0.0.1:1/none"  # never opened: building touches no database
