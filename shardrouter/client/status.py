@@ -15,6 +15,9 @@ import grpc
 from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 
+from shardrouter.core.errors import RETRY_PUSHBACK_TRAILER
+from shardrouter.core.wire import DETAILS_TRAILER, MetadataEntry
+
 __all__ = [
     "DETAILS_TRAILER",
     "REPLAYED_TRAILER",
@@ -27,11 +30,9 @@ __all__ = [
     "was_replayed",
 ]
 
-DETAILS_TRAILER = "grpc-status-details-bin"
-RETRY_PUSHBACK_TRAILER = "grpc-retry-pushback-ms"
 REPLAYED_TRAILER = "idempotency-replayed"
 
-Trailers = Iterable[tuple[str, str | bytes]]
+Trailers = Iterable[MetadataEntry]
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,8 @@ from google.protobuf import duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from shardrouter.core.wire import MetadataEntry, StatusAnswer
+
 ERROR_DOMAIN = "shardrouter.v1"
 RETRY_PUSHBACK_TRAILER = "grpc-retry-pushback-ms"
 
@@ -160,21 +162,14 @@ def to_status_proto(error: ShardRouterError) -> status_pb2.Status:
 
 
 def to_grpc_status(
-    error: ShardRouterError, extra_trailers: Sequence[tuple[str, str | bytes]] = ()
+    error: ShardRouterError, extra_trailers: Sequence[MetadataEntry] = ()
 ) -> grpc.Status:
     """A `grpc.Status` ready for `context.abort_with_status`, with RetryInfo mirrored as pushback."""
     status = rpc_status.to_status(to_status_proto(error))
     trailers = list(status.trailing_metadata)
     if error.retry_after_ms is not None:
         trailers.append((RETRY_PUSHBACK_TRAILER, str(error.retry_after_ms)))
-    return _Status(status.code, status.details, tuple(trailers) + tuple(extra_trailers))
-
-
-@dataclass(frozen=True)
-class _Status(grpc.Status):
-    code: grpc.StatusCode
-    details: str
-    trailing_metadata: tuple[tuple[str, str | bytes], ...]
+    return StatusAnswer(status.code, status.details, tuple(trailers) + tuple(extra_trailers))
 
 
 def status_code_from_int(value: int) -> grpc.StatusCode:

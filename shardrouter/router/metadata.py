@@ -16,11 +16,10 @@ import grpc.aio
 
 from shardrouter.core.callers import CALLER_METADATA, peer_common_name
 from shardrouter.core.errors import Reason, Unauthenticated
+from shardrouter.core.wire import MetadataEntry
 
 if TYPE_CHECKING:  # grpc's classes are generic only in the type stubs
     ServicerContext = grpc.aio.ServicerContext[bytes, bytes]
-
-MetadataEntry = tuple[str, str | bytes]
 
 # Connection-level headers: gRPC sets its own on the router's outgoing call (a deadline travels as
 # the call's timeout, not as a copied `grpc-timeout`), and HTTP/2 pseudo-headers (":authority") may

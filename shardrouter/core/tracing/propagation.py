@@ -8,7 +8,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-MetadataEntry = tuple[str, str | bytes]
+from shardrouter.core.wire import MetadataEntry
 
 TRACE_HEADERS = frozenset({"traceparent", "tracestate", "baggage"})
 

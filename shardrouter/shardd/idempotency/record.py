@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-Trailer = tuple[str, str | bytes]
+from shardrouter.core.wire import MetadataEntry as Trailer
 
 
 @dataclass(frozen=True)
