@@ -30,6 +30,7 @@ from pathlib import Path
 import psycopg
 import yaml
 
+from shardrouter.core import failpoints
 from shardrouter.core.shardmap import ShardMapError, load_shard_map
 from shardrouter.reshard import replication
 from shardrouter.reshard.journal import MoveRecord
@@ -332,6 +333,7 @@ def main(argv: Sequence[str] | None = None, *, default_dir: Path | None = None) 
         _print_progress(
             f"move {record.plan.move_id}: slots {first}-{last} from {record.plan.source} to {record.plan.target}"
         )
+        failpoints.reached("reshard.planned")  # journaled, nothing made yet
         with Move(
             record, map_path=map_path, databases=databases, settings=settings, progress=_print_progress
         ) as mv:

@@ -22,6 +22,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from shardrouter.core import failpoints
 from shardrouter.core.shardmap import ShardMap, load_shard_map, update_shard_map
 from shardrouter.reshard import journal, replication
 from shardrouter.reshard.journal import MoveObject, MoveRecord
@@ -341,6 +342,7 @@ class Move:
             self._progress(
                 f"committed: shard map version {written[0].version} gives the range to {self.plan.target}"
             )
+            failpoints.reached("reshard.map_written")  # the commit point passed, not yet journaled
         fences.lower_fence(self._target, self.plan.move_id)
         pause = time.time() - float(self.record.figures.get("fenced_at_unix", time.time()))
         self._phase(
@@ -407,6 +409,7 @@ class Move:
     def _phase(self, phase: Phase, **figures: Any) -> None:
         journal.set_phase(self._source, self.record, phase, **figures)
         self._progress(f"{phase.value}: " + ", ".join(f"{k}={v}" for k, v in figures.items()))
+        failpoints.reached(f"reshard.{phase.value}")  # crash tests stop here (core/failpoints.py)
 
     def _record(self, kind: str, name: str, shard: str) -> None:
         journal.record_object(self._source, self.record, MoveObject(kind, name, shard))

@@ -2,8 +2,9 @@
 a load with duplicates, then the move resumed or aborted by a new process: every key applied
 once, every retry a verbatim replay, money conserved, nothing left behind.
 
-The kill lands as soon as the process reports a step (its progress line), so it strikes while the
-next step is under way: creating the next object, copying, waiting for the stream, or deleting.
+The process is started with the step's failpoint armed (`SHARD_ROUTER_FAILPOINTS`, see
+`shardrouter/core/failpoints.py`): it stops right after journaling the step and says so, and only
+then is it killed, so the kill lands exactly there, never a step later.
 """
 
 from __future__ import annotations
@@ -19,21 +20,23 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shardrouter.core import failpoints
 from shardrouter.core.shardmap import load_shard_map
 from shardrouter.reshard.move import find_move
 from shardrouter.reshard.plan import Phase
 from tests.reshard.cluster import FIRST, LAST, Load, Pair, accounts, assert_no_leftovers, check_ledger, seed
 
-#: What the orchestrator prints when it reaches a step (after its clock time).
+#: The failpoint of each step: the process stops right after it journaled the phase (or, for
+#: map_written, after it replaced the map file: the commit point passed, not yet journaled).
 KILL_POINTS = {
-    "planned": r"move m\w+: slots",
-    "prepared": r"prepared:",
-    "copied": r"copied:",
-    "caught_up": r"caught_up:",
-    "fenced": r"fenced:",
-    "verified": r"verified:",
-    "map_written": r"committed: shard map version",  # the commit point passed, not yet journaled
-    "committed": r"committed: commit_s",
+    "planned": "reshard.planned",
+    "prepared": "reshard.prepared",
+    "copied": "reshard.copied",
+    "caught_up": "reshard.caught_up",
+    "fenced": "reshard.fenced",
+    "verified": "reshard.verified",
+    "map_written": "reshard.map_written",
+    "committed": "reshard.committed",
 }
 BEFORE_COMMIT = [k for k in KILL_POINTS if k not in ("map_written", "committed")]
 
@@ -44,13 +47,15 @@ def _reshard(pair: Pair, databases: Path, *args: str) -> list[str]:
 
 
 def _kill_at(pair: Pair, databases: Path, point: str) -> str:
-    """Start a move and SIGKILL its process once it prints the step `point`; the move's id."""
+    """Start a move and SIGKILL its process once it is paused at the failpoint of step `point`; the
+    move's id."""
+    failpoint, version = KILL_POINTS[point], load_shard_map(pair.map_path).version
     process = subprocess.Popen(
         _reshard(pair, databases, "--slots", f"{FIRST}-{LAST}", "--to", "shard-1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", failpoints.ENV: f"{failpoint}=pause"},
     )
     assert process.stdout is not None
     move_id, seen = "", []
@@ -60,7 +65,7 @@ def _kill_at(pair: Pair, databases: Path, point: str) -> str:
             seen.append(line)
             found = re.search(r"move (m\w+):", line)
             move_id = move_id or (found[1] if found else "")
-            if re.search(KILL_POINTS[point], line):
+            if line.startswith(f"failpoint {failpoint}: paused"):
                 process.send_signal(signal.SIGKILL)
                 break
             assert time.monotonic() < deadline, "".join(seen)
@@ -72,6 +77,11 @@ def _kill_at(pair: Pair, databases: Path, point: str) -> str:
         process.stdout.close()
     assert process.returncode == -signal.SIGKILL
     assert move_id, "".join(seen)
+    # Killed exactly at the step: the journal shows it, not the next one (the map is the commit point).
+    assert find_move(pair.databases, move_id).phase is (
+        Phase.VERIFIED if point == "map_written" else Phase(point)
+    )
+    assert load_shard_map(pair.map_path).version == version + (point in ("map_written", "committed"))
     return move_id
 
 
