@@ -21,7 +21,7 @@ helps, the shard's answer goes to the caller unchanged.
 
 The handler is a `grpc.aio` coroutine and the shard call goes out on a `grpc.aio` channel: a call
 waiting for its shard is a suspended coroutine, not a blocked worker thread. Measured with
-`python -m tests.router.bench_forwarding` (unary GetBalance to a loopback echo shard, 32 calls in
+`python -m bench.forwarding` (unary GetBalance to a loopback echo shard, 32 calls in
 flight): a sync `grpc.server` + sync-channel forwarder did ~1,100 rps, this asyncio one ~1,550 rps
 (+40%). A caller's cancellation (or expired deadline) cancels the handler's task, and with it the
 shard call it is awaiting.

@@ -108,7 +108,7 @@ class ShardSettings:
     #: Seconds a connection past its age still has for the calls running on it.
     max_connection_age_grace_s: float = 30.0
     #: With tracing on, also a span per SQL statement (psycopg instrumentation); the transaction span
-    #: is always there. Off saves most of tracing's cost on a busy shard (scripts/bench_tracing_overhead.py).
+    #: is always there. Off saves most of tracing's cost on a busy shard (`python -m bench.tracing_overhead`).
     trace_statements: bool = True
     #: Log format: "json" or "text".
     log_format: str = "json"

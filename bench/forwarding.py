@@ -1,10 +1,11 @@
 """Forwarding throughput of the router (`grpc.aio`) versus a sync `grpc.server` forwarder.
 
-Not a test (pytest does not collect it). Run:  python -m tests.router.bench_forwarding [seconds [rounds]]
+Run from the repository root:  .venv/bin/python -m bench.forwarding [seconds [rounds]]   (defaults 5 and 3)
 
 Each variant runs in its own process between the same echo upstream (a bytes echo on loopback, its
 own process) and the same load generator (a `grpc.aio` client with 32 calls in flight, its own
-process), so the figures differ only by the forwarder. "router" is the real `router.server` router.
+process), so the figures differ only by the forwarder. "router" is the real router
+(`shardrouter.router.server`).
 The sync forwarder below is the router as it was before it moved to asyncio - a thread-pool
 `grpc.server` with sync channels doing the same hot-path work (decode a copy to read the routing
 account, look up the shard, filter metadata, pass the deadline, cancel the shard call when the
@@ -23,9 +24,20 @@ import tempfile
 import time
 from concurrent import futures
 from dataclasses import dataclass
+from multiprocessing.context import SpawnContext
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
+
+if TYPE_CHECKING:  # grpc's classes are generic only in the type stubs
+    _GenericHandler = grpc.GenericRpcHandler[bytes, bytes]
+    _MethodHandler = grpc.RpcMethodHandler[bytes, bytes]
+else:
+    _GenericHandler = grpc.GenericRpcHandler
+    _MethodHandler = grpc.RpcMethodHandler
 
 CONCURRENCY = 32
 WARMUP_S = 1.0
@@ -38,13 +50,13 @@ WORKERS = 32  # the router's default `workers`; the sync forwarder's thread pool
 # --- echo upstream (stands in for a shard) -------------------------------------------------------------
 
 
-def _run_echo(port_out: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]
+def _run_echo(port_out: Queue[int], stop: Event) -> None:
     def echo(raw: bytes, context: grpc.ServicerContext) -> bytes:
         context.set_trailing_metadata((("x-shard", "echo"),))
         return raw
 
-    class Handler(grpc.GenericRpcHandler):
-        def service(self, details):
+    class Handler(_GenericHandler):
+        def service(self, details: grpc.HandlerCallDetails) -> _MethodHandler | None:
             return grpc.unary_unary_rpc_method_handler(echo)
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=[("grpc.so_reuseport", 0)])
@@ -58,7 +70,7 @@ def _run_echo(port_out: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-
 # --- the two forwarders ---------------------------------------------------------------------------------
 
 
-def _run_router(map_path: str, port_out: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]
+def _run_router(map_path: str, port_out: Queue[int], stop: Event) -> None:
     """The real router (asyncio)."""
     from shardrouter.router.server import start_router
     from shardrouter.router.settings import RouterSettings
@@ -81,7 +93,7 @@ def _run_router(map_path: str, port_out: mp.Queue, stop: mp.Event) -> None:  # t
     asyncio.run(main())
 
 
-def _run_sync_forwarder(map_path: str, port_out: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]
+def _run_sync_forwarder(map_path: str, port_out: Queue[int], stop: Event) -> None:
     """The previous design: sync `grpc.server` with a thread pool, sync channels to the shards."""
     from shardrouter.core import grpcserver
     from shardrouter.core.shardmap import load_shard_map
@@ -98,7 +110,7 @@ def _run_sync_forwarder(map_path: str, port_out: mp.Queue, stop: mp.Event) -> No
         details: str
         trailing_metadata: tuple[tuple[str, str | bytes], ...]
 
-    def handler_for(path: str):
+    def handler_for(path: str) -> _MethodHandler:
         method = METHODS_BY_PATH[path]
 
         def forward(raw: bytes, context: grpc.ServicerContext) -> bytes:
@@ -115,7 +127,7 @@ def _run_sync_forwarder(map_path: str, port_out: mp.Queue, stop: mp.Event) -> No
                 raw, timeout=timeout, metadata=tuple(forwardable(context.invocation_metadata()))
             )
             if not context.add_callback(call.cancel):
-                call.cancel()
+                call.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs leaves Future.cancel untyped
             with contextlib.suppress(grpc.RpcError, grpc.FutureCancelledError):
                 call.result()
             initial = forwardable(call.initial_metadata() or ())
@@ -132,8 +144,8 @@ def _run_sync_forwarder(map_path: str, port_out: mp.Queue, stop: mp.Event) -> No
 
     handlers = {path: handler_for(path) for path in METHODS_BY_PATH}
 
-    class Handler(grpc.GenericRpcHandler):
-        def service(self, details):
+    class Handler(_GenericHandler):
+        def service(self, details: grpc.HandlerCallDetails) -> _MethodHandler | None:
             return handlers.get(details.method)
 
     server = grpc.server(
@@ -153,7 +165,7 @@ def _run_sync_forwarder(map_path: str, port_out: mp.Queue, stop: mp.Event) -> No
 # --- load generator -------------------------------------------------------------------------------------
 
 
-def _run_load(port: int, seconds: float, result_out: mp.Queue) -> None:  # type: ignore[type-arg]
+def _run_load(port: int, seconds: float, result_out: Queue[tuple[float, int]]) -> None:
     from shardrouter.v1 import transfer_pb2
 
     request = transfer_pb2.GetBalanceRequest(account_id="acct-bench").SerializeToString()
@@ -164,7 +176,7 @@ def _run_load(port: int, seconds: float, result_out: mp.Queue) -> None:  # type:
 
     async def main() -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = channel.unary_unary(METHOD)
+            call = channel.unary_unary(METHOD, None, None)
             await call(request, timeout=5, metadata=metadata)
             done = 0
             errors = 0
@@ -191,7 +203,7 @@ def _run_load(port: int, seconds: float, result_out: mp.Queue) -> None:  # type:
     asyncio.run(main())
 
 
-def _measure(port: int, seconds: float, ctx: mp.context.SpawnContext) -> tuple[float, int]:
+def _measure(port: int, seconds: float, ctx: SpawnContext) -> tuple[float, int]:
     out = ctx.Queue()
     load = ctx.Process(target=_run_load, args=(port, seconds, out))
     load.start()
@@ -201,6 +213,7 @@ def _measure(port: int, seconds: float, ctx: mp.context.SpawnContext) -> tuple[f
 
 
 def main(argv: list[str]) -> int:
+    """Measure each variant `rounds` times for `seconds` each, alternating them, and print the medians."""
     seconds = float(argv[0]) if argv else 5.0
     rounds = int(argv[1]) if len(argv) > 1 else 3
     ctx = mp.get_context("spawn")

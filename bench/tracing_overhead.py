@@ -1,6 +1,6 @@
 """What tracing costs a shard: the real daemon with tracing off and on, side by side in one run.
 
-    python scripts/bench_tracing_overhead.py [--rounds 4] [--seconds 5] [--clients 2] [--threads 8]
+    .venv/bin/python -m bench.tracing_overhead [--rounds 4] [--seconds 5] [--clients 2] [--threads 8]
 
 Starts a throw-away PostgreSQL on loopback and two real shard daemons (`shardd.server.start_shard`) on
 four databases of it: one with tracing off (no provider: no tracing interceptor, no spans, no
@@ -24,13 +24,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from opentelemetry.sdk.trace import ReadableSpan  # noqa: E402
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult  # noqa: E402
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased  # noqa: E402
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
 
 class CountingExporter(SpanExporter):
@@ -40,6 +36,7 @@ class CountingExporter(SpanExporter):
         self.count = 0
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        """Count the spans and drop them."""
         self.count += len(spans)
         return SpanExportResult.SUCCESS
 
@@ -90,6 +87,7 @@ def _round(address: str, seconds: float, clients: int, threads: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Load the four daemons in turn, round after round, and print the medians."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
