@@ -9,6 +9,8 @@ does not pin a whole shard's traffic to one of them.
 
 The pool belongs to the router's event loop: every method is called on the loop's thread (the
 forwarder's coroutines, and the shard map listener, which hops onto the loop), so it needs no lock.
+Its channel options, TLS credentials and how long a replaced channel lives are those of every client
+of the shards (`core.channels`, shared with the outbox relay).
 """
 
 from __future__ import annotations
@@ -21,20 +23,14 @@ from typing import TYPE_CHECKING
 import grpc
 import grpc.aio
 
-log = logging.getLogger(__name__)
-
-#: Channel arguments of every channel to a shard.
-CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    # The shards' servers allow pings every 5 s without calls (`grpcserver.server_options`).
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    # A restarted shard is found again within about a second, not after grpc's default 20 s backoff.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1_000),
+from shardrouter.core.channels import (
+    CHANNEL_OPTIONS,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    channel_options,
+    new_aio_channel,
 )
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # grpc's classes are generic only in the type stubs
     #: A bytes-in, bytes-out callable of one method on one shard's channel.
@@ -48,7 +44,7 @@ class ChannelPool:
         self,
         *,
         credentials: grpc.ChannelCredentials | None = None,
-        max_message_bytes: int = 4 * 1024 * 1024,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         retire_after_s: float = 60.0,
         connections: int = 1,
     ) -> None:
@@ -56,14 +52,7 @@ class ChannelPool:
             raise ValueError("connections must be at least 1")
         self._credentials = credentials
         self._connections = connections
-        self._options = [
-            *CHANNEL_OPTIONS,
-            ("grpc.max_send_message_length", max_message_bytes),
-            # Responses (a transfer with its delivery history) may be larger than requests.
-            ("grpc.max_receive_message_length", max(max_message_bytes, 4 * 1024 * 1024)),
-            # Without it, channels with equal arguments share one connection (grpc's global pool).
-            *((("grpc.use_local_subchannel_pool", 1),) if connections > 1 else ()),
-        ]
+        self._options = channel_options(max_message_bytes=max_message_bytes, connections=connections)
         self._retire_after_s = retire_after_s
         self._channels: dict[str, tuple[grpc.aio.Channel, ...]] = {}
         self._callables: dict[str, dict[str, tuple[BytesCallable, ...]]] = {}
@@ -153,9 +142,7 @@ class ChannelPool:
         log.info("closed channel to %s", address)
 
     def _new_channel(self, address: str) -> grpc.aio.Channel:
-        if self._credentials is not None:
-            return grpc.aio.secure_channel(address, self._credentials, options=self._options)
-        return grpc.aio.insecure_channel(address, options=self._options)
+        return new_aio_channel(address, self._credentials, self._options)
 
 
 __all__ = [

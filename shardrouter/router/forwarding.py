@@ -40,12 +40,10 @@ from typing import TYPE_CHECKING, cast
 
 import grpc
 import grpc.aio
-from google.protobuf.message import DecodeError
-from google.rpc import error_details_pb2, status_pb2
 from opentelemetry import trace
 
+from shardrouter.core.channels import has_our_error_info, our_error_info, unreached
 from shardrouter.core.errors import (
-    ERROR_DOMAIN,
     Internal,
     Reason,
     ShardRouterError,
@@ -57,6 +55,7 @@ from shardrouter.core.metrics import RouterMetrics
 from shardrouter.core.rpcs import RpcDeclaration
 from shardrouter.core.shardmap import Shard, ShardMap
 from shardrouter.core.shardmap_file import ShardMapFile
+from shardrouter.core.wire import DETAILS_TRAILER
 from shardrouter.router.channels import ChannelPool
 from shardrouter.router.metadata import CallerPolicy, MetadataEntry, forwardable
 from shardrouter.router.routing import METHODS_BY_PATH, routing_account
@@ -71,7 +70,6 @@ else:
 
 log = logging.getLogger(__name__)
 
-DETAILS_TRAILER = "grpc-status-details-bin"
 #: RetryInfo delay the router advises when a shard cannot be reached.
 SHARD_UNAVAILABLE_RETRY_MS = 500
 #: First backoff between attempts to reach a shard; doubled per attempt, with jitter.
@@ -480,39 +478,6 @@ def _entries(metadata: object) -> tuple[MetadataEntry, ...]:
     """Metadata (a `grpc.aio.Metadata`, a tuple of pairs, or None) as a tuple of (key, value)."""
     # The type stubs say the sync API's `_Metadatum` for AioRpcError; at run time it is aio Metadata.
     return tuple(cast("Iterable[MetadataEntry]", metadata or ()))
-
-
-def unreached(code: grpc.StatusCode, trailers: tuple[MetadataEntry, ...]) -> bool:
-    """Whether a failed call never got an answer from the shard (the channel could not reach it).
-
-    Every status a shard sends carries `google.rpc.ErrorInfo` of our domain in the details trailer,
-    an UNAVAILABLE of its own (database down) included - that one must reach the caller as sent.
-    An UNAVAILABLE without it was made by the transport: connection refused, reset, or TLS failure.
-    """
-    if code is not grpc.StatusCode.UNAVAILABLE:
-        return False
-    return not has_our_error_info(trailers)
-
-
-def has_our_error_info(trailers: tuple[MetadataEntry, ...]) -> bool:
-    """Whether the trailers hold a `google.rpc.Status` with an ErrorInfo of the shardrouter domain."""
-    return our_error_info(trailers) is not None
-
-
-def our_error_info(trailers: tuple[MetadataEntry, ...]) -> error_details_pb2.ErrorInfo | None:
-    """The ErrorInfo of the shardrouter domain in the trailers' `google.rpc.Status`, if any."""
-    for key, value in trailers:
-        if key != DETAILS_TRAILER or not isinstance(value, bytes):
-            continue
-        try:
-            status = status_pb2.Status.FromString(value)
-        except DecodeError:
-            continue
-        for detail in status.details:
-            info = error_details_pb2.ErrorInfo()
-            if detail.Unpack(info) and info.domain == ERROR_DOMAIN:
-                return info
-    return None
 
 
 def move_refusal(outcome: Outcome) -> MoveRefusal | None:

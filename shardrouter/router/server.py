@@ -26,6 +26,7 @@ import grpc.aio
 from opentelemetry import trace
 
 from shardrouter.core import grpcserver, tls, tracing
+from shardrouter.core.channels import CertificateRotation, retire_after_s
 from shardrouter.core.metrics import MetricsServer, RouterMetrics, start_metrics_server
 from shardrouter.core.shardmap import ShardMap
 from shardrouter.core.shardmap_file import ShardMapFile
@@ -98,7 +99,7 @@ async def start_router(
         credentials=shard_certificates.credentials if shard_certificates else None,
         max_message_bytes=settings.max_message_bytes,
         # In-flight calls on a channel dropped from the map may run until their (capped) deadline.
-        retire_after_s=settings.max_deadline_s + 1,
+        retire_after_s=retire_after_s(settings.max_deadline_s),
         connections=settings.shard_connections,
     )
 
@@ -161,16 +162,19 @@ async def start_router(
     router = Router(settings, server, port, health_servicer, shard_maps, pool, metrics, metrics_server)
     if shard_certificates is not None:
         router.background.append(
-            loop.create_task(_follow_rotation(shard_certificates, pool, settings.reload_interval_s))
+            loop.create_task(
+                _follow_rotation(CertificateRotation(shard_certificates, settings.reload_interval_s), pool)
+            )
         )
     return router
 
 
-async def _follow_rotation(files: tls.ClientCertificateFiles, pool: ChannelPool, interval_s: float) -> None:
+async def _follow_rotation(rotation: CertificateRotation, pool: ChannelPool) -> None:
     """Poll the router's client certificate files; on a rotation, new channels use the new ones."""
     while True:
-        await asyncio.sleep(interval_s)
-        credentials = await asyncio.to_thread(files.changed)
+        await asyncio.sleep(rotation.wait_s())
+        # Off the loop: a stalled volume must not hold calls.
+        credentials = await asyncio.to_thread(rotation.renewed)
         if credentials is not None:
             pool.replace_credentials(credentials)
 

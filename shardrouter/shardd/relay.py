@@ -14,8 +14,12 @@ Tracing: the polls run untraced, so an idle relay leaves no spans. A poll that f
 in one job span, `outbox.deliver` or `outbox.refund`, whose children are the job's statements and,
 through the `traceparent` it sends, the destination shard's spans of the calls it makes.
 
+Channels: those of every client of the shards (`core.channels`, shared with the router): the same
+options (keepalive, reconnect backoff), the same rule for a daemon that was not reached (tried at
+the shard's next daemon), and the same certificate rotation.
+
 TLS: the relay's client certificate is the shard's own (`tls_cert`, `tls_key`, `tls_ca`) and follows
-its rotation as the router's does (`tls.ClientCertificateFiles`): polled at most once a
+its rotation as the router's does (`core.channels.CertificateRotation`): polled at most once a
 second, when a call is about to be made; after a renewal new calls go out on new channels that
 present the new certificate, calls in flight finish on the old ones, and a half-written set is
 skipped (the last good certificate stays in use).
@@ -39,6 +43,14 @@ from opentelemetry import trace
 
 from shardrouter.core import tls, tracing
 from shardrouter.core.callers import CALLER_METADATA
+from shardrouter.core.channels import (
+    CERT_POLL_S,
+    CertificateRotation,
+    channel_options,
+    new_channel,
+    retire_after_s,
+    unreached,
+)
 from shardrouter.core.errors import ShardRouterError
 from shardrouter.core.keys import KEY_METADATA
 from shardrouter.core.shardmap import ShardMap
@@ -59,7 +71,7 @@ _INTERNAL = "/shardrouter.internal.v1.ShardLedgerService"
 _IDLE_S = 0.2
 _MAX_BACKOFF_S = 60.0
 #: How often, at most, the client certificate files are checked for a rotation (s).
-_CERT_POLL_S = 1.0
+_CERT_POLL_S = CERT_POLL_S
 
 
 @dataclass(frozen=True)
@@ -73,7 +85,7 @@ class RelayStats:
 
 
 class ShardClients:
-    """One channel per peer shard, with keepalive, reused by every worker.
+    """One channel per daemon of the peer shards (`core.channels` options), reused by every worker.
 
     With TLS the channels are replaced when the client certificate is renewed; the replaced ones are
     closed once every call that may still run on them has reached its deadline.
@@ -85,13 +97,14 @@ class ShardClients:
         self._channels: dict[str, grpc.Channel] = {}  # by daemon address
         self._turns = itertools.count()
         self._lock = threading.Lock()
+        self._options = channel_options(max_message_bytes=settings.max_message_bytes)
         # Start-up: an unreadable certificate file is an error here, as for the server's.
-        self._certificates = (
+        self._rotation = CertificateRotation(
             tls.ClientCertificateFiles(settings.tls_cert, settings.tls_key, settings.tls_ca)
             if settings.tls_enabled
-            else None
+            else None,
+            _CERT_POLL_S,
         )
-        self._next_poll = time.monotonic() + _CERT_POLL_S
         # Channels replaced by a rotation, each with the time after which no call can still run on it.
         self._retired: list[tuple[float, grpc.Channel]] = []
 
@@ -100,8 +113,8 @@ class ShardClients:
     ) -> tuple[grpc.StatusCode, str]:
         """Send raw request bytes to a shard's internal method; the status and message it answered.
 
-        A shard served by several daemons is tried at each of them in turn until one answers with
-        something other than UNAVAILABLE (the same key everywhere: the shard applies it once).
+        A shard served by several daemons is tried at each of them in turn until one is reached
+        (`core.channels.unreached`; the same key everywhere: the shard applies it once).
         """
         shard = self._map().shard_by_id(shard_id)
         if shard is None:
@@ -119,8 +132,9 @@ class ShardClients:
             try:
                 rpc(payload, timeout=timeout_s, metadata=metadata)
             except grpc.RpcError as err:
-                answer = err.code(), err.details() or ""
-                if answer[0] is grpc.StatusCode.UNAVAILABLE:
+                call: grpc.Call = err  # type: ignore[assignment]  # a failed call is both
+                answer = call.code(), call.details() or ""
+                if unreached(answer[0], call.trailing_metadata() or ()):
                     continue
                 return answer
             return grpc.StatusCode.OK, ""
@@ -141,16 +155,13 @@ class ShardClients:
     def _follow_rotation(self) -> None:
         """On a renewed client certificate, retire the channels (call with the lock held)."""
         now = time.monotonic()
-        if self._certificates is None or now < self._next_poll:
-            return
-        self._next_poll = now + _CERT_POLL_S
         for _, channel in [r for r in self._retired if r[0] <= now]:
             channel.close()
         self._retired = [r for r in self._retired if r[0] > now]
-        if self._certificates.changed() is None:  # unchanged, or a half-written set: keep the channels
+        if self._rotation.renewed() is None:  # not due, unchanged, or half-written: keep the channels
             return
         # A call may still be running on a retired channel until its deadline: close it only after.
-        closes_at = now + self._settings.relay_call_timeout_s + 1
+        closes_at = now + retire_after_s(self._settings.relay_call_timeout_s)
         self._retired += [(closes_at, channel) for channel in self._channels.values()]
         log.info("client certificate rotated: new channels to %d shard(s)", len(self._channels))
         self._channels.clear()
@@ -160,18 +171,7 @@ class ShardClients:
             self._follow_rotation()
             channel = self._channels.get(address)
             if channel is None:
-                options = [
-                    ("grpc.keepalive_time_ms", 30_000),
-                    ("grpc.enable_retries", 0),  # the outbox is the retry loop
-                    # A shard back from a restart is reached within a second, not after a long backoff.
-                    ("grpc.initial_reconnect_backoff_ms", 200),
-                    ("grpc.max_reconnect_backoff_ms", 5_000),
-                ]
-                if self._certificates is not None:
-                    creds = self._certificates.credentials
-                    channel = grpc.secure_channel(address, creds, options=options)
-                else:
-                    channel = grpc.insecure_channel(address, options=options)
+                channel = new_channel(address, self._rotation.credentials, self._options)
                 self._channels[address] = channel
             return channel
 
