@@ -1,7 +1,7 @@
 """Server interceptor that turns domain errors raised by handlers into their gRPC status.
 
-Servicers raise `shardrouter.core.errors` types and never call `abort`; this is the one place that maps
-them for methods the idempotency interceptor does not already guard. An unexpected exception becomes
+Servicers raise `shardrouter.core.errors` types and never call `abort`; this maps them (through
+`core.status`) for methods the idempotency interceptor does not already guard. An unexpected exception becomes
 INTERNAL with a message that leaks nothing of the server's internals.
 """
 
@@ -14,8 +14,9 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from shardrouter.core.errors import Internal, InvalidArgument, Reason, ShardRouterError, to_grpc_status
+from shardrouter.core.errors import Internal, InvalidArgument, Reason, ShardRouterError
 from shardrouter.core.interceptors import MethodHandler, UnaryInterceptor
+from shardrouter.core.status import abort_with_error
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +44,14 @@ class DomainErrorInterceptor(UnaryInterceptor):
                 request = _decode(deserialize, raw, method)
                 return behaviour(request, context)
             except ShardRouterError as error:
-                context.abort_with_status(to_grpc_status(error))
-            except Exception as exc:
+                abort_with_error(context, error)
+            except Exception:
                 if context.code() not in (None, grpc.StatusCode.OK):  # type: ignore[attr-defined]
                     raise  # the handler aborted on purpose (health, reflection)
                 log.exception("unexpected failure in %s", method)
-                internal = Internal("the server failed unexpectedly; retry later", reason=Reason.INTERNAL)
-                context.abort_with_status(to_grpc_status(internal))
-                raise AssertionError("unreachable") from exc
-            return None  # pragma: no cover
+                abort_with_error(
+                    context, Internal("the server failed unexpectedly; retry later", reason=Reason.INTERNAL)
+                )
 
         return grpc.unary_unary_rpc_method_handler(mapped, response_serializer=handler.response_serializer)
 

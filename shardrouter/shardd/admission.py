@@ -31,8 +31,9 @@ from typing import Any
 import grpc
 
 from shardrouter.core.callers import CALLER_METADATA, peer_common_name
-from shardrouter.core.errors import Reason, ResourceExhausted, ShardRouterError, Unavailable, to_grpc_status
+from shardrouter.core.errors import Reason, ResourceExhausted, ShardRouterError, Unavailable
 from shardrouter.core.interceptors import MethodHandler, UnaryInterceptor, with_behaviour
+from shardrouter.core.status import abort_with_error
 
 __all__ = ["Admission", "AdmissionInterceptor", "AdmissionLimits", "caller_bucket"]
 
@@ -138,8 +139,7 @@ class AdmissionInterceptor(UnaryInterceptor):
             try:
                 limits.acquire(caller)
             except ShardRouterError as error:
-                context.abort_with_status(to_grpc_status(error))
-                raise AssertionError("unreachable") from None
+                abort_with_error(context, error)
             try:
                 return behaviour(request, context)
             finally:

@@ -1,0 +1,154 @@
+"""What one guarded call carries from step to step, and the shapes of the steps and of the key store.
+
+The interceptor's steps (`steps.py`) are chained once per guarded method; per call they pass along
+one frozen `GuardedCall` (built by the first two steps from the key and the request) and nothing else
+but what a step opened for the ones below it: the key's flight in this process, the transaction's
+connection. Each step either answers or hands the call to the next one.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol
+
+import grpc
+from google.protobuf.message import Message
+from opentelemetry import trace
+
+from shardrouter.shardd.idempotency.outcomes import OutcomeKind
+from shardrouter.shardd.idempotency.process_keys import KeyFlight, ScopedKey
+from shardrouter.shardd.idempotency.record import Claim, IdempotencyRecord, StoredOutcome, Trailer
+
+
+@dataclass(frozen=True)
+class MutatingMethod:
+    """A method the interceptor guards, with its request validator (state-free checks only)."""
+
+    full_name: str  # "/package.Service/Method"
+    validate: Callable[[Any], None]
+    #: Keys are unique per (scope name, caller). Methods that must fence each other share one name.
+    scope_name: str = ""
+    #: The request field naming the account the call is routed by; its records move with that
+    #: account's slot when the slot moves to another shard ("": routed by something else).
+    account_field: str = ""
+
+    @property
+    def scope_prefix(self) -> str:
+        """The scope name, defaulting to the full method name."""
+        return self.scope_name or self.full_name
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRead:
+    """The call's idempotency key, read and checked (format, age, clock skew)."""
+
+    key: uuid.UUID
+    #: The key as text, as logs, spans and this process's memory know it.
+    text: str
+    #: The creation time the UUIDv7 carries (its partition).
+    time: datetime
+    #: When the key leaves the retention window.
+    expires_at: datetime
+    #: `idempotency-expires-at`: every answer to a call with a readable key carries it.
+    expiry_trailer: Trailer
+
+
+@dataclass(frozen=True, slots=True)
+class GuardedCall:
+    """A validated call of a guarded method: the input every step after decoding is given."""
+
+    context: grpc.ServicerContext
+    #: The call's `idempotency` span (the invalid span when tracing is off).
+    span: trace.Span
+    #: `scope name|caller`: keys are unique per scope.
+    scope: str
+    key: KeyRead
+    request: Message
+    #: SHA-256 of the method name and the request's deterministic serialisation.
+    request_hash: bytes
+    #: The account the call is routed by, if its method names one.
+    account_id: str | None
+
+    @property
+    def scoped_key(self) -> ScopedKey:
+        """(scope, key text): how this process's memory knows the key."""
+        return (self.scope, self.key.text)
+
+
+#: How a call is answered: the outcome (stored, or to be stored) and its kind.
+Answered = tuple[StoredOutcome, OutcomeKind]
+#: The key's completed record, and whether this call made it (claimed the key and ran the handler).
+Settled = tuple[IdempotencyRecord, bool]
+
+
+class CallStep(Protocol):
+    """A step given the validated call (answer_from_memory)."""
+
+    def __call__(self, call: GuardedCall) -> Answered:
+        """Answer the call, or hand it on."""
+        ...
+
+
+class FlightStep(Protocol):
+    """A step of the call that leads the key's flight in this process (admit, claim_or_replay)."""
+
+    def __call__(self, call: GuardedCall, flight: KeyFlight) -> Settled:
+        """The key's completed record, from the database or made by this call."""
+        ...
+
+
+class TransactionStep(Protocol):
+    """A step inside the transaction that claimed the key (store_outcome, run_handler)."""
+
+    def __call__(self, call: GuardedCall, conn: Any) -> StoredOutcome:
+        """The outcome of the handler, stored (or to be stored) in `conn`'s transaction."""
+        ...
+
+
+class KeyStore(Protocol):
+    """What the steps need of the key table: `steps.DatabaseKeys` over PostgreSQL (a fake in unit tests).
+
+    A transaction rolls back when its block raises and commits otherwise; a savepoint inside it undoes
+    the handler's writes when the handler raises, the key's claim staying in place.
+    """
+
+    def transaction(self) -> AbstractContextManager[Any]:
+        """The call's one transaction (its connection); transient failures raised as ours."""
+        ...
+
+    def claim(
+        self,
+        conn: Any,
+        call: GuardedCall,
+        *,
+        method: str,
+        statement_timeout_ms: int | None,
+        traceparent: str | None,
+    ) -> Claim:
+        """Claim the call's key, or find its committed record, or find it in flight elsewhere."""
+        ...
+
+    def savepoint(self, conn: Any) -> AbstractContextManager[Any]:
+        """A savepoint around the handler's writes."""
+        ...
+
+    def complete(self, conn: Any, call: GuardedCall, outcome: StoredOutcome) -> None:
+        """Store the outcome of the key this transaction claimed."""
+        ...
+
+
+__all__ = [
+    "Answered",
+    "CallStep",
+    "FlightStep",
+    "GuardedCall",
+    "KeyRead",
+    "KeyStore",
+    "MutatingMethod",
+    "Settled",
+    "TransactionStep",
+]

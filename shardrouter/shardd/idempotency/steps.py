@@ -1,0 +1,505 @@
+"""The steps of a guarded call, each with one job; the interceptor chains them once per method.
+
+    read_key -> check_key_age -> decode_and_validate      build the call's input (`GuardedCall`)
+    -> answer_from_memory   a key this process completed, or a duplicate joining its flight
+    -> admit                an admission slot (left out of the chain when there are no limits)
+    -> claim_or_replay      one transaction: claim the key, or replay its committed record
+    -> store_outcome        the handler's outcome stored in that transaction
+    -> run_handler          the real handler, in a savepoint
+
+Each step answers (returns, or raises a `ShardRouterError`) or hands the call to the next one; the
+interceptor's entry point (`interceptor.GuardedMethod`) writes the answer. The steps know the key
+table only through a `KeyStore`: `DatabaseKeys` here, over PostgreSQL and `store`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import datetime, timedelta
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from shardrouter.core.errors import (
+    Aborted,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    Reason,
+    ShardRouterError,
+    to_status_proto,
+)
+from shardrouter.core.interceptors import MethodHandler
+from shardrouter.core.keys import KEY_FORMAT_HINT, KEY_METADATA, key_time, parse_key
+from shardrouter.core.tracing import SERVER_ERROR_CODES, span_context_of_traceparent, traceparent_of
+from shardrouter.shardd.admission import Admission
+from shardrouter.shardd.db import Database, bind_transaction, mapped_database_errors
+from shardrouter.shardd.idempotency import store
+from shardrouter.shardd.idempotency.call import (
+    Answered,
+    FlightStep,
+    GuardedCall,
+    KeyRead,
+    KeyStore,
+    MutatingMethod,
+    Settled,
+    TransactionStep,
+)
+from shardrouter.shardd.idempotency.config import IdempotencyConfig
+from shardrouter.shardd.idempotency.outcomes import OutcomeKind
+from shardrouter.shardd.idempotency.process_keys import CompletedKeys, KeyFlight, KeyFlights
+from shardrouter.shardd.idempotency.record import (
+    Claim,
+    ClaimStatus,
+    IdempotencyRecord,
+    RecordState,
+    StoredOutcome,
+    Trailer,
+)
+from shardrouter.shardd.identity import IdentityPolicy
+
+EXPIRES_AT_TRAILER = "idempotency-expires-at"
+
+# --- building the input: the key rules, the request --------------------------------------------
+
+
+def read_key(metadata: Sequence[tuple[str, str | bytes]], retention: timedelta) -> KeyRead:
+    """The call's one `idempotency-key` entry, parsed (InvalidArgument if missing, repeated or bad)."""
+    values = [v for k, v in metadata if k == KEY_METADATA]
+    if not values:
+        raise InvalidArgument(
+            f"missing idempotency-key: every mutating call needs one; {KEY_FORMAT_HINT}",
+            reason=Reason.IDEMPOTENCY_KEY_MISSING,
+        )
+    if len(values) > 1:
+        raise InvalidArgument(
+            f"the idempotency-key metadata entry was sent {len(values)} times; send exactly one",
+            reason=Reason.IDEMPOTENCY_KEY_INVALID,
+        )
+    value = values[0]
+    if not isinstance(value, str):
+        raise InvalidArgument(
+            f"the idempotency-key must be text, not binary; {KEY_FORMAT_HINT}",
+            reason=Reason.IDEMPOTENCY_KEY_INVALID,
+        )
+    key = parse_key(value)
+    moment = key_time(key)
+    expires_at = moment + retention
+    return KeyRead(
+        key, str(key), moment, expires_at, (EXPIRES_AT_TRAILER, expires_at.isoformat(timespec="milliseconds"))
+    )
+
+
+def check_key_age(key: KeyRead, now: datetime, config: IdempotencyConfig) -> None:
+    """Refuse a key past the retention window (EXPIRED) or dated beyond the allowed clock skew."""
+    moment, expires_at = key.time, key.expires_at
+    if expires_at <= now:
+        raise FailedPrecondition(
+            f"idempotency key from {moment.isoformat(timespec='seconds')} is older than the "
+            f"{config.retention.days}-day retention window, so this shard can no longer "
+            "tell whether the operation was applied; do not retry it with a new key - reconcile it "
+            "(look the operation up, e.g. GetTransfer or GetBalance) before deciding",
+            reason=Reason.IDEMPOTENCY_KEY_EXPIRED,
+            metadata={"key_time": moment.isoformat(), "expired_at": expires_at.isoformat()},
+        )
+    if moment - now > config.max_clock_skew:
+        raise InvalidArgument(
+            f"idempotency key is dated {moment.isoformat(timespec='seconds')}, further in the future "
+            f"than the allowed clock skew of {int(config.max_clock_skew.total_seconds())} s; "
+            "check the caller's clock and generate keys with the current time",
+            reason=Reason.IDEMPOTENCY_KEY_FROM_FUTURE,
+        )
+
+
+class DecodeAndValidate:
+    """decode_and_validate: the request decoded and validated (ownership included), its scope and hash."""
+
+    __slots__ = ("_deserialize", "_identity", "_method", "_name_prefix")
+
+    def __init__(self, method: MutatingMethod, handler: MethodHandler, identity: IdentityPolicy) -> None:
+        self._method = method
+        self._deserialize = handler.request_deserializer
+        self._identity = identity
+        self._name_prefix = method.full_name.encode() + b"\x00"
+
+    def __call__(
+        self,
+        raw: bytes,
+        context: grpc.ServicerContext,
+        metadata: Sequence[tuple[str, str | bytes]],
+        span: trace.Span,
+        key: KeyRead,
+    ) -> GuardedCall:
+        """The call's input for the next steps; InvalidArgument (never stored) for a bad request."""
+        method = self._method
+        request = self._decode(raw)
+        method.validate(request)
+        scope = f"{method.scope_prefix}|{self._identity.caller_of(context, metadata)}"
+        span.set_attribute("idempotency.scope", scope)
+        # Fields this shard does not know cannot change what it does, so they are not part of the
+        # request: a newer client's retry through an older one is the same request, not a reuse.
+        request.DiscardUnknownFields()
+        request_hash = hashlib.sha256(
+            self._name_prefix + request.SerializeToString(deterministic=True)
+        ).digest()
+        account_field = method.account_field
+        account_id = str(getattr(request, account_field)) if account_field else None
+        return GuardedCall(context, span, scope, key, request, request_hash, account_id)
+
+    def _decode(self, raw: bytes) -> Message:
+        deserialize = self._deserialize
+        try:
+            if deserialize is None:
+                raise Internal(f"{self._method.full_name} has no request deserializer")
+            message: Message = deserialize(raw)
+            return message
+        except DecodeError as exc:
+            raise InvalidArgument(
+                f"the request body is not a valid {self._method.full_name} request message (protobuf)",
+                reason=Reason.INVALID_REQUEST,
+            ) from exc
+
+
+# --- the steps given the call ----------------------------------------------------------------
+
+
+class AnswerFromMemory:
+    """answer_from_memory: a key this process completed is replayed; a duplicate of a key another
+    thread here works on joins that call's flight; the flight's leader goes on to the database."""
+
+    __slots__ = ("_completed", "_flights", "_follow_timeout_s", "_in_flight_retry_ms", "_next")
+
+    def __init__(
+        self, next_step: FlightStep, completed: CompletedKeys, flights: KeyFlights, config: IdempotencyConfig
+    ) -> None:
+        self._next = next_step
+        self._completed = completed
+        self._flights = flights
+        # The leading call settles within one database read unless it claimed the key; a bounded
+        # wait keeps a worker thread from queueing behind a slow database.
+        self._follow_timeout_s = config.claim_lock_timeout_ms / 1000
+        self._in_flight_retry_ms = config.in_flight_retry_ms
+
+    def __call__(self, call: GuardedCall) -> Answered:
+        """The call's outcome and kind: from memory when this process knows the key, else the database."""
+        scoped = call.scoped_key
+        cached = self._completed.get(scoped)
+        if cached is not None:
+            return replay(cached, call, source="memory"), OutcomeKind.REPLAY
+        flight, leads = self._flights.join(scoped)
+        if not leads:
+            flight.wait_settled(self._follow_timeout_s)
+            if flight.record is not None:
+                return replay(flight.record, call, source="memory"), OutcomeKind.REPLAY
+            raise in_flight(call.span, self._in_flight_retry_ms)
+        record: IdempotencyRecord | None = None
+        try:
+            record, made = self._next(call, flight)
+        finally:
+            if record is not None:
+                self._completed.put(scoped, record)
+            self._flights.land(scoped, flight, record)
+        assert record.outcome is not None
+        if made:
+            return record.outcome, OutcomeKind.NEW
+        return replay(record, call, source="database"), OutcomeKind.REPLAY
+
+
+class Admit:
+    """admit: an admission slot held while the database works (RESOURCE_EXHAUSTED/UNAVAILABLE if shed)."""
+
+    __slots__ = ("_admission", "_next")
+
+    def __init__(self, next_step: FlightStep, admission: Admission) -> None:
+        self._next = next_step
+        self._admission = admission
+
+    def __call__(self, call: GuardedCall, flight: KeyFlight) -> Settled:
+        """The next step's answer, inside a slot."""
+        with self._admission.admitted(call.context):
+            return self._next(call, flight)
+
+
+class ClaimOrReplay:
+    """claim_or_replay: one transaction that claims the key and runs the steps below in it, or finds
+    the key's committed record (replayed, no lock), or finds it in flight elsewhere (ABORTED)."""
+
+    __slots__ = ("_in_flight_retry_ms", "_keys", "_method", "_next")
+
+    def __init__(
+        self, next_step: TransactionStep, keys: KeyStore, method: str, config: IdempotencyConfig
+    ) -> None:
+        self._next = next_step
+        self._keys = keys
+        self._method = method
+        self._in_flight_retry_ms = config.in_flight_retry_ms
+
+    def __call__(self, call: GuardedCall, flight: KeyFlight) -> Settled:
+        """The key's completed record, and whether this call made it."""
+        keys = self._keys
+        traceparent = traceparent_of(call.span)
+        with keys.transaction() as conn:
+            claim = keys.claim(
+                conn,
+                call,
+                method=self._method,
+                statement_timeout_ms=statement_timeout_ms(call.context),
+                traceparent=traceparent,
+            )
+            if claim.status is ClaimStatus.IN_FLIGHT:
+                raise in_flight(call.span, self._in_flight_retry_ms)
+            if claim.status is ClaimStatus.EXISTING:
+                assert claim.existing is not None and claim.existing.outcome is not None
+                return claim.existing, False
+            flight.mark_claimed()
+            outcome = self._next(call, conn)
+        assert claim.created_at is not None
+        record = IdempotencyRecord(
+            scope=call.scope,
+            key=call.key.key,
+            key_time=call.key.time,
+            method=self._method,
+            request_hash=call.request_hash,
+            state=RecordState.COMPLETED,
+            outcome=outcome,
+            created_at=claim.created_at,
+            completed_at=None,
+            first_traceparent=traceparent,
+        )
+        return record, True
+
+
+class StoreOutcome:
+    """store_outcome: the handler's outcome (success or business refusal) stored with the claim."""
+
+    __slots__ = ("_keys", "_next")
+
+    def __init__(self, next_step: TransactionStep, keys: KeyStore) -> None:
+        self._next = next_step
+        self._keys = keys
+
+    def __call__(self, call: GuardedCall, conn: Any) -> StoredOutcome:
+        """The next step's outcome, stored in the transaction."""
+        outcome = self._next(call, conn)
+        self._keys.complete(conn, call, outcome)
+        return outcome
+
+
+class RunHandler:
+    """run_handler: the real handler in a savepoint; a stored-kind refusal undoes its writes and
+    becomes the outcome, any other error leaves the whole transaction to roll back."""
+
+    __slots__ = ("_behaviour", "_keys", "_method", "_serialize")
+
+    def __init__(self, handler: MethodHandler, keys: KeyStore, method: str) -> None:
+        assert handler.unary_unary is not None  # only unary-unary methods are guarded
+        self._behaviour = handler.unary_unary
+        self._serialize = handler.response_serializer
+        self._keys = keys
+        self._method = method
+
+    def __call__(self, call: GuardedCall, conn: Any) -> StoredOutcome:
+        """The handler's outcome, to store."""
+        context = call.context
+        try:
+            with self._keys.savepoint(conn), bind_transaction(conn, call.key.key):
+                response = self._behaviour(call.request, context)
+        except ShardRouterError as error:
+            if not error.is_stored_outcome:
+                raise
+            return StoredOutcome(
+                code=error.code.value[0],
+                message=error.message,
+                details=to_status_proto(error).SerializeToString(deterministic=True),
+                response=None,
+                trailers=handler_trailers(context),
+            )
+        if response is None:
+            raise Internal(f"{self._method} handler returned no response")
+        serialize = self._serialize
+        return StoredOutcome(
+            code=0,
+            message="",
+            details=None,
+            response=serialize(response) if serialize else response,
+            trailers=handler_trailers(context),
+        )
+
+
+# --- what the steps share --------------------------------------------------------------------
+
+
+def replay(record: IdempotencyRecord, call: GuardedCall, *, source: str) -> StoredOutcome:
+    """The stored outcome of a completed key, or FailedPrecondition if the key was used for another
+    request. `source`: where the record came from, "memory" (this process's) or "database"."""
+    assert record.outcome is not None
+    span = call.span
+    span.set_attribute("idempotency.record_source", source)
+    _link_first_attempt(span, record.first_traceparent)
+    if record.request_hash != call.request_hash:
+        span.add_event(
+            "idempotency.key_reused",
+            {
+                "idempotency.first_method": record.method,
+                "idempotency.first_used_at": record.created_at.isoformat(),
+            },
+        )
+        raise FailedPrecondition(
+            "this idempotency key was already used for a different request "
+            f"to {record.method}; use a new key for a new operation",
+            reason=Reason.IDEMPOTENCY_KEY_REUSED,
+            metadata={"first_used_at": record.created_at.isoformat()},
+        )
+    span.add_event(
+        "idempotency.replay",
+        {
+            "idempotency.first_used_at": record.created_at.isoformat(),
+            "idempotency.stored_status_code": record.outcome.code,
+        },
+    )
+    return record.outcome
+
+
+def in_flight(span: trace.Span, retry_ms: int) -> Aborted:
+    """The answer to a duplicate of a key in flight: retry shortly (ABORTED + RetryInfo)."""
+    span.add_event("idempotency.conflict", {"idempotency.retry_after_ms": retry_ms})
+    return Aborted(
+        "an earlier attempt with this idempotency key is still in progress; "
+        f"retry the same request with the same key in {retry_ms} ms",
+        reason=Reason.IDEMPOTENCY_KEY_IN_FLIGHT,
+        retry_after_ms=retry_ms,
+    )
+
+
+_NO_DEADLINE_S = 24 * 3600  # grpc reports "no deadline" as an enormous time remaining
+
+
+def statement_timeout_ms(context: grpc.ServicerContext) -> int | None:
+    """No statement may outlive the caller's deadline (the work would be wasted and rolled back)."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining < _NO_DEADLINE_S:
+        return max(1, int(remaining * 1000))
+    return None
+
+
+def handler_trailers(context: grpc.ServicerContext) -> tuple[Trailer, ...]:
+    """The trailers the handler set (stored with its outcome)."""
+    return tuple((k, v) for k, v in (context.trailing_metadata() or ()))
+
+
+def _link_first_attempt(span: trace.Span, first_traceparent: str | None) -> None:
+    """Link a replay's (or a key reuse's) span to the span of the attempt that claimed the key."""
+    first = span_context_of_traceparent(first_traceparent)
+    if first is None or not span.is_recording():
+        return
+    span.add_link(first, {"idempotency.link": "first_attempt"})
+    span.set_attribute("idempotency.first_trace_id", format(first.trace_id, "032x"))
+
+
+class DatabaseKeys:
+    """The `KeyStore` of a running shard: the key table in PostgreSQL, through `store`."""
+
+    def __init__(self, database: Database, config: IdempotencyConfig, tracer: trace.Tracer | None) -> None:
+        self._database = database
+        self._claim_lock_timeout_ms = config.claim_lock_timeout_ms
+        self._handler_lock_timeout_ms = config.handler_lock_timeout_ms
+        self._tracer = tracer
+
+    @contextmanager
+    def transaction(self) -> Iterator[Any]:
+        """`db.transaction`: connection checkout, key claim, handler statements, stored outcome, commit.
+
+        Refusals raised inside (conflict, key reuse) are answers, not database failures; only the
+        mapped transient failures and unexpected exceptions make the span an error.
+        """
+        db, tracer = self._database, self._tracer
+        with (
+            _NO_SPAN
+            if tracer is None
+            else tracer.start_as_current_span(
+                "db.transaction",
+                kind=SpanKind.CLIENT,
+                attributes=_DB_ATTRIBUTES,
+                record_exception=False,
+                set_status_on_exception=False,
+            )
+        ) as span:
+            try:
+                # In pipeline mode (the default), statements whose results are not fetched go out
+                # with the next fetched one (store.py's timeline).
+                with (
+                    mapped_database_errors(db.transient_retry_ms, db.on_slot_fenced),
+                    db.connection() as conn,
+                    db.call_transaction(conn),
+                ):
+                    yield conn
+            except ShardRouterError as error:
+                if error.code in SERVER_ERROR_CODES:
+                    span.record_exception(error)
+                    span.set_status(Status(StatusCode.ERROR, error.message))
+                raise
+            except Exception as exc:
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+                raise
+
+    def claim(
+        self,
+        conn: Any,
+        call: GuardedCall,
+        *,
+        method: str,
+        statement_timeout_ms: int | None,
+        traceparent: str | None,
+    ) -> Claim:
+        """`store.claim_key` for the call."""
+        return store.claim_key(
+            conn,
+            scope=call.scope,
+            key=call.key.key,
+            key_time=call.key.time,
+            method=method,
+            request_hash=call.request_hash,
+            account_id=call.account_id,
+            claim_lock_timeout_ms=self._claim_lock_timeout_ms,
+            handler_lock_timeout_ms=self._handler_lock_timeout_ms,
+            statement_timeout_ms=statement_timeout_ms,
+            traceparent=traceparent,
+        )
+
+    def savepoint(self, conn: Any) -> AbstractContextManager[Any]:
+        """psycopg's nested transaction: a savepoint."""
+        savepoint: AbstractContextManager[Any] = conn.transaction()
+        return savepoint
+
+    def complete(self, conn: Any, call: GuardedCall, outcome: StoredOutcome) -> None:
+        """`store.complete_key` for the call."""
+        store.complete_key(conn, scope=call.scope, key=call.key.key, key_time=call.key.time, outcome=outcome)
+
+
+#: Tracing off: no `db.transaction` span (a no-op context, reused by every call).
+_NO_SPAN: AbstractContextManager[trace.Span] = nullcontext(trace.INVALID_SPAN)
+_DB_ATTRIBUTES = {"db.system": "postgresql", "db.system.name": "postgresql"}
+
+
+__all__ = [
+    "EXPIRES_AT_TRAILER",
+    "Admit",
+    "AnswerFromMemory",
+    "ClaimOrReplay",
+    "DatabaseKeys",
+    "DecodeAndValidate",
+    "RunHandler",
+    "StoreOutcome",
+    "check_key_age",
+    "handler_trailers",
+    "in_flight",
+    "read_key",
+    "replay",
+    "statement_timeout_ms",
+]
