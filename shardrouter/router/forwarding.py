@@ -48,13 +48,13 @@ from shardrouter.core.errors import (
     Reason,
     ShardRouterError,
     Unavailable,
-    to_grpc_status,
 )
 from shardrouter.core.keys import KEY_METADATA
 from shardrouter.core.metrics import RouterMetrics
 from shardrouter.core.rpcs import RpcDeclaration
 from shardrouter.core.shardmap import Shard, ShardMap
 from shardrouter.core.shardmap_file import ShardMapFile
+from shardrouter.core.status import abort_with_error_async
 from shardrouter.core.wire import DETAILS_TRAILER
 from shardrouter.router.channels import ChannelPool
 from shardrouter.router.metadata import CallerPolicy, MetadataEntry, forwardable
@@ -271,14 +271,13 @@ class Forwarder(_GenericHandler):
         try:
             outcome = await self._forward(method, raw, context)
         except ShardRouterError as error:
-            status = to_grpc_status(error)
-            await context.abort(status.code, status.details, status.trailing_metadata)
+            await abort_with_error_async(context, error)
         except Exception:
             log.exception("unexpected failure forwarding %s", method.name)
-            status = to_grpc_status(
-                Internal("the router failed unexpectedly forwarding the call", reason=Reason.INTERNAL)
+            await abort_with_error_async(
+                context,
+                Internal("the router failed unexpectedly forwarding the call", reason=Reason.INTERNAL),
             )
-            await context.abort(status.code, status.details, status.trailing_metadata)
         initial = forwardable(outcome.initial_metadata)
         if initial:
             await context.send_initial_metadata(tuple(initial))
