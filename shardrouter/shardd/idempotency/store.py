@@ -69,8 +69,7 @@ def claim_key(
     the account's slot.
     """
     # One round trip for the settings, the replay read and the advisory lock: round trips are most
-    # of a call's cost (scripts/bench_concurrency_model.py). The lock is only tried when no committed
-    # record exists, so a replay takes none.
+    # of a call's cost. The lock is only tried when no committed record exists, so a replay takes none.
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(
             "SELECT set_config('lock_timeout', %s, true) AS lock_timeout,"
