@@ -3,7 +3,8 @@ caller's identity made trustworthy.
 
 The shards believe the router's `x-caller-id` (the router's client certificate is a trusted proxy to
 them), so the router must never relay a caller's unverified claim outside dev mode: with mTLS from
-callers it overwrites the entry with the verified certificate's common name.
+callers it overwrites the entry with the verified certificate's common name. Which to believe is the
+rule every part follows (`core.callers.CallerRule`); no proxy in front of the router is trusted.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import grpc.aio
 
-from shardrouter.core.callers import CALLER_METADATA, peer_common_name
+from shardrouter.core.callers import CALLER_METADATA, CallerRule, peer_common_name
 from shardrouter.core.errors import Reason, Unauthenticated
 from shardrouter.core.wire import MetadataEntry
 
@@ -59,19 +60,24 @@ class CallerPolicy:
     #: Without verified callers, believe a caller-sent `x-caller-id` (local development only).
     dev_mode: bool
 
+    @property
+    def rule(self) -> CallerRule:
+        """The caller rule at the router: with verified callers, their certificates' names only."""
+        return CallerRule(dev_mode=self.dev_mode and not self.verifies_callers)
+
     def outgoing(self, context: ServicerContext) -> list[MetadataEntry]:
         """The metadata to send to the shard for this call."""
         metadata = forwardable(context.invocation_metadata() or ())
-        if self.verifies_callers:
-            common_name = peer_common_name(context)
-            if common_name is None:  # cannot happen with require_client_auth; refuse if it does
-                raise Unauthenticated(
-                    "the router requires a verified client certificate (mTLS); the caller has none",
-                    reason=Reason.UNAUTHENTICATED,
-                )
-            return [(k, v) for k, v in metadata if k != CALLER_METADATA] + [(CALLER_METADATA, common_name)]
-        if self.dev_mode:
+        verified = peer_common_name(context) if self.verifies_callers else None
+        if self.rule.believes_claim(verified):  # dev mode: the claim goes on as sent, the shard checks it
             return metadata
+        if verified is not None:
+            return [(k, v) for k, v in metadata if k != CALLER_METADATA] + [(CALLER_METADATA, verified)]
+        if self.verifies_callers:  # cannot happen with require_client_auth; refuse if it does
+            raise Unauthenticated(
+                "the router requires a verified client certificate (mTLS); the caller has none",
+                reason=Reason.UNAUTHENTICATED,
+            )
         raise Unauthenticated(
             "the router requires callers to present a client certificate (mTLS) so that it can tell "
             "the shards who is calling; configure ROUTER_TLS_CA, or ROUTER_DEV_MODE for local runs",

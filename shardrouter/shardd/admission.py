@@ -13,8 +13,11 @@ while the shard has room. So:
 Both refusals carry RetryInfo and apply nothing. A flooding caller is thus the one refused, and callers
 sending at a modest rate are not (tests/shardd/test_admission.py measures it).
 
-Which caller a call counts for: the verified client certificate's name; a trusted proxy's (the
-router's) `x-caller-id`; without TLS the claimed `x-caller-id`, else the peer's address. Calls that a
+Which caller a call counts for: the caller by the rule every part follows (`core.callers.CallerRule`):
+the verified client certificate's name, a trusted proxy's (the router's) `x-caller-id`, an unverified
+peer's `x-caller-id` in dev mode only; else the peer's address. Not told whether the daemon runs in
+dev mode (`Admission(dev_mode=None)`), a plaintext connection counts as dev mode: a shard without TLS
+outside dev mode refuses every keyed call as unauthenticated anyway. Calls that a
 shard answers without its database (an in-flight duplicate, a replay from memory) are never counted:
 the idempotency interceptor admits its calls itself, after those answers. Health and reflection are
 never shed.
@@ -30,7 +33,7 @@ from typing import Any
 
 import grpc
 
-from shardrouter.core.callers import CALLER_METADATA, peer_common_name
+from shardrouter.core.callers import CALLER_METADATA, CallerRule, is_plaintext, peer_common_name
 from shardrouter.core.errors import Reason, ResourceExhausted, ShardRouterError, Unavailable
 from shardrouter.core.interceptors import MethodHandler, UnaryInterceptor, with_behaviour
 from shardrouter.core.status import abort_with_error
@@ -100,14 +103,22 @@ class AdmissionLimits:
 class Admission:
     """`AdmissionLimits` applied to gRPC calls: which caller a call counts for, and its slot."""
 
-    def __init__(self, limits: AdmissionLimits, trusted_proxies: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        limits: AdmissionLimits,
+        trusted_proxies: frozenset[str] = frozenset(),
+        *,
+        dev_mode: bool | None = None,
+    ) -> None:
         self.limits = limits
         self.trusted = trusted_proxies
+        #: None: not told; a plaintext connection then counts as dev mode (see the module docstring).
+        self.dev_mode = dev_mode
 
     @contextmanager
     def admitted(self, context: grpc.ServicerContext) -> Iterator[None]:
         """Hold a slot for the call while the block runs; raises at once if it is shed."""
-        caller = caller_bucket(context, self.trusted)
+        caller = caller_bucket(context, self.trusted, dev_mode=self.dev_mode)
         self.limits.acquire(caller)
         try:
             yield
@@ -132,10 +143,10 @@ class AdmissionInterceptor(UnaryInterceptor):
         """The handler behind an admission check."""
         behaviour = handler.unary_unary
         assert behaviour is not None
-        limits, trusted = self._admission.limits, self._admission.trusted
+        limits, trusted, dev_mode = self._admission.limits, self._admission.trusted, self._admission.dev_mode
 
         def admitted(request: Any, context: grpc.ServicerContext) -> Any:
-            caller = caller_bucket(context, trusted)
+            caller = caller_bucket(context, trusted, dev_mode=dev_mode)
             try:
                 limits.acquire(caller)
             except ShardRouterError as error:
@@ -148,13 +159,14 @@ class AdmissionInterceptor(UnaryInterceptor):
         return with_behaviour(handler, admitted)
 
 
-def caller_bucket(context: grpc.ServicerContext, trusted: frozenset[str]) -> str:
-    """Verified certificate name; a trusted proxy's or a plaintext peer's claimed caller; the peer host."""
+def caller_bucket(
+    context: grpc.ServicerContext, trusted: frozenset[str], *, dev_mode: bool | None = None
+) -> str:
+    """The caller by `CallerRule` (dev mode None: a plaintext connection is dev mode); the peer host."""
+    rule = CallerRule(is_plaintext(context) if dev_mode is None else dev_mode, trusted)
+    # Never refused here: a malformed entry is refused by the key's scope check, a read is not scoped.
     claimed = next(
         (v[:128] for k, v in context.invocation_metadata() if k == CALLER_METADATA and isinstance(v, str)),
         None,
     )
-    verified = peer_common_name(context)
-    if verified is not None:
-        return claimed if claimed and verified in trusted else verified
-    return claimed or context.peer().rsplit(":", 1)[0]
+    return rule.caller(peer_common_name(context), claimed or None) or context.peer().rsplit(":", 1)[0]
