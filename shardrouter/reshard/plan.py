@@ -1,40 +1,19 @@
-"""What a move is: a slot range, the shard that owns it, the shard it goes to, and its phases."""
+"""What a move is: a slot range, the shard that owns it, the shard it goes to, and its phases
+(`core.moves`, shared with the shard daemon's move metrics)."""
 
 from __future__ import annotations
 
 import re
 import uuid
 from dataclasses import dataclass
-from enum import StrEnum
 
+from shardrouter.core.moves import ACTIVE_PHASES, Phase
 from shardrouter.core.shardmap import ShardMap
 
 
 class MoveError(RuntimeError):
     """A move that cannot start or go on; the message says why and what to do."""
 
-
-class Phase(StrEnum):
-    """A move's phases, in order; `aborted` ends a move that never committed."""
-
-    PLANNED = "planned"
-    PREPARED = "prepared"
-    COPIED = "copied"
-    CAUGHT_UP = "caught_up"
-    FENCED = "fenced"
-    VERIFIED = "verified"
-    COMMITTED = "committed"
-    DONE = "done"
-    ABORTED = "aborted"
-
-    @property
-    def rank(self) -> int:
-        """Its place in the order of phases."""
-        return list(Phase).index(self)
-
-
-#: A move in one of these phases still holds objects or a fence.
-ACTIVE_PHASES = frozenset(p for p in Phase if p not in (Phase.DONE, Phase.ABORTED))
 
 _RANGE = re.compile(r"(\d+)-(\d+)|(\d+)")
 

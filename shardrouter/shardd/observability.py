@@ -56,6 +56,7 @@ from prometheus_client import CollectorRegistry
 
 from shardrouter.core import tracing
 from shardrouter.core.metrics import new_metrics_pipeline
+from shardrouter.core.moves import FINISHED_PHASES, Phase
 from shardrouter.shardd import partitions
 from shardrouter.shardd.db import Database
 from shardrouter.shardd.idempotency.outcomes import CallOutcome, OutcomeKind
@@ -68,21 +69,10 @@ DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 COLLECT_INTERVAL_S = 15.0
 #: No metrics query may run longer than this (it shares the pool with the traffic).
 QUERY_TIMEOUT_MS = 2000
-#: A move's phases in order: `shardrouter.reshard.plan.Phase`, which sits above this package, so
-#: the order is written again here (a test keeps the two equal). The rank gauge is the index.
-MOVE_PHASES = (
-    "planned",
-    "prepared",
-    "copied",
-    "caught_up",
-    "fenced",
-    "verified",
-    "committed",
-    "done",
-    "aborted",
-)
+#: A move's phases in order, as its journal names them (`core.moves.Phase`). The rank gauge is the index.
+MOVE_PHASES = tuple(phase.value for phase in Phase)
 #: A move in one of these phases holds nothing any more.
-FINISHED_MOVE_PHASES = frozenset({"done", "aborted"})
+FINISHED_MOVE_PHASES = frozenset(phase.value for phase in FINISHED_PHASES)
 #: What a fence in this database is, by the journal of the move that raised it.
 FENCE_KINDS = ("incoming", "outgoing", "moved_out", "stale")
 
