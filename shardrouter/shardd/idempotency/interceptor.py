@@ -139,6 +139,11 @@ class IdempotencyInterceptor(UnaryInterceptor):
         )
         self._keys = DatabaseKeys(database, config, tracer)
 
+    @property
+    def guarded_methods(self) -> frozenset[str]:
+        """The full names of the methods this interceptor guards; every other method passes through."""
+        return frozenset(self._methods)
+
     def applies_to(self, method: str) -> bool:
         """Only the mutating methods are guarded."""
         return method in self._methods
