@@ -1,7 +1,9 @@
 """Request validation shared by the router and the shard daemons.
 
 Checks here depend on the request alone, never on stored state, so a failure is answered with
-INVALID_ARGUMENT before any idempotency key is claimed (a corrected request may reuse the key).
+INVALID_ARGUMENT before any idempotency key is claimed (a corrected request may reuse the key). The
+helpers (`account_problems`, `money_problems`, `is_uuid`, `raise_if_any`) also serve the shard's
+internal API's validators (`shardd.ledger.service`).
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def money_problems(field: str, money: transfer_pb2.Money, has_money: bool) -> li
     return problems
 
 
-def _account_problems(field: str, account_id: str) -> list[FieldViolation]:
+def account_problems(field: str, account_id: str) -> list[FieldViolation]:
+    """What is wrong with the account id in `field` (empty list if nothing)."""
     problem = account_id_problem(account_id)
     return [] if problem is None else [FieldViolation(field, problem)]
 
@@ -68,7 +71,8 @@ def _reference_problems(reference: str) -> list[FieldViolation]:
     return []
 
 
-def _raise_if_any(what: str, problems: list[FieldViolation]) -> None:
+def raise_if_any(what: str, problems: list[FieldViolation]) -> None:
+    """Raise InvalidArgument naming every problem of a `what` request, if there is any."""
     if problems:
         summary = "; ".join(f"{v.field} {v.description}" for v in problems)
         raise InvalidArgument(
@@ -78,42 +82,43 @@ def _raise_if_any(what: str, problems: list[FieldViolation]) -> None:
 
 def validate_transfer(request: transfer_pb2.TransferRequest) -> None:
     """Raise InvalidArgument listing every problem of a TransferRequest."""
-    problems = _account_problems("source_account_id", request.source_account_id)
-    problems += _account_problems("destination_account_id", request.destination_account_id)
+    problems = account_problems("source_account_id", request.source_account_id)
+    problems += account_problems("destination_account_id", request.destination_account_id)
     if request.source_account_id and request.source_account_id == request.destination_account_id:
         problems.append(FieldViolation("destination_account_id", "must differ from source_account_id"))
     problems += money_problems("amount", request.amount, request.HasField("amount"))
     problems += _reference_problems(request.reference)
-    _raise_if_any("Transfer", problems)
+    raise_if_any("Transfer", problems)
 
 
 def validate_deposit(request: transfer_pb2.DepositRequest) -> None:
     """Raise InvalidArgument listing every problem of a DepositRequest."""
-    problems = _account_problems("account_id", request.account_id)
+    problems = account_problems("account_id", request.account_id)
     problems += money_problems("amount", request.amount, request.HasField("amount"))
     problems += _reference_problems(request.reference)
-    _raise_if_any("Deposit", problems)
+    raise_if_any("Deposit", problems)
 
 
 def validate_get_balance(request: transfer_pb2.GetBalanceRequest) -> None:
     """Raise InvalidArgument if the account id is malformed."""
-    _raise_if_any("GetBalance", _account_problems("account_id", request.account_id))
+    raise_if_any("GetBalance", account_problems("account_id", request.account_id))
 
 
 def validate_get_transfer(request: transfer_pb2.GetTransferRequest) -> None:
     """Raise InvalidArgument if the account id or transfer id is malformed."""
-    problems = _account_problems("source_account_id", request.source_account_id)
-    if not _is_uuid(request.transfer_id):
+    problems = account_problems("source_account_id", request.source_account_id)
+    if not is_uuid(request.transfer_id):
         problems.append(FieldViolation("transfer_id", "must be the UUID returned by Transfer"))
     if request.wait_for_completion_ms > MAX_WAIT_MS:
         problems.append(FieldViolation("wait_for_completion_ms", f"must be at most {MAX_WAIT_MS}"))
-    _raise_if_any("GetTransfer", problems)
+    raise_if_any("GetTransfer", problems)
 
 
 _UUID_PATTERN = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
-def _is_uuid(text: str) -> bool:
+def is_uuid(text: str) -> bool:
+    """Whether `text` is a UUID in canonical form (lower-case hex, hyphenated), as `str(uuid)` gives."""
     return _UUID_PATTERN.fullmatch(text) is not None
 
 
@@ -124,7 +129,10 @@ __all__ = [
     "MAX_REFERENCE_LENGTH",
     "MAX_WAIT_MS",
     "account_id_problem",
+    "account_problems",
+    "is_uuid",
     "money_problems",
+    "raise_if_any",
     "validate_deposit",
     "validate_get_balance",
     "validate_get_transfer",

@@ -21,14 +21,22 @@ from google.protobuf import timestamp_pb2
 from shardrouter.core.errors import (
     FailedPrecondition,
     FieldViolation,
-    InvalidArgument,
     NotFound,
     Reason,
     Unavailable,
 )
 from shardrouter.core.keys import derived_key, new_key
 from shardrouter.core.shardmap_file import ShardMapFile
-from shardrouter.core.validation import validate_deposit, validate_transfer
+from shardrouter.core.validation import (
+    account_problems,
+    is_uuid,
+    money_problems,
+    raise_if_any,
+    validate_deposit,
+    validate_get_balance,
+    validate_get_transfer,
+    validate_transfer,
+)
 from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
 from shardrouter.shardd.db import Database, current_transaction
 from shardrouter.shardd.ledger import store
@@ -224,7 +232,6 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         self, request: transfer_pb2.GetBalanceRequest, context: grpc.ServicerContext
     ) -> transfer_pb2.GetBalanceResponse:
         """An account's balance and state."""
-        from shardrouter.core.validation import validate_get_balance
 
         validate_get_balance(request)
         self._locator.require_local(request.account_id)
@@ -247,7 +254,6 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         self, request: transfer_pb2.GetTransferRequest, context: grpc.ServicerContext
     ) -> transfer_pb2.GetTransferResponse:
         """A transfer with its delivery history, optionally waiting for it to leave PENDING."""
-        from shardrouter.core.validation import validate_get_transfer
 
         validate_get_transfer(request)
         self._locator.require_local(request.source_account_id)
@@ -351,17 +357,13 @@ class ShardLedgerServicer(ledger_pb2_grpc.ShardLedgerServiceServicer):
 
 def validate_credit(request: ledger_pb2.CreditTransferRequest) -> None:
     """State-free checks of a credit (the relay built it, but the shard trusts nothing)."""
-    from shardrouter.core.validation import account_id_problem, money_problems
-
     problems = money_problems("amount", request.amount, request.HasField("amount"))
     for name in ("source_account_id", "destination_account_id"):
-        problem = account_id_problem(getattr(request, name))
-        if problem:
-            problems.append(FieldViolation(name, problem))
+        problems += account_problems(name, getattr(request, name))
     if request.source_account_id and request.source_account_id == request.destination_account_id:
         problems.append(FieldViolation("destination_account_id", "must differ from source_account_id"))
     problems += _transfer_id_problems(request.transfer_id)
-    _refuse("CreditTransfer", problems)
+    raise_if_any("CreditTransfer", problems)
 
 
 def validate_transfer_id_only(
@@ -375,35 +377,14 @@ def validate_transfer_id_only(
     )
     account = str(getattr(request, field))
     if account:
-        from shardrouter.core.validation import account_id_problem
-
-        problem = account_id_problem(account)
-        if problem is not None:
-            problems.append(FieldViolation(field, problem))
+        problems += account_problems(field, account)
     if len(request.reason) > 500 or any(not ch.isprintable() for ch in request.reason):
         problems.append(FieldViolation("reason", "must be at most 500 printable characters"))
-    _refuse(type(request).__name__.removesuffix("Request"), problems)
+    raise_if_any(type(request).__name__.removesuffix("Request"), problems)
 
 
 def _transfer_id_problems(transfer_id: str) -> list[FieldViolation]:
-    return (
-        [] if _is_uuid(transfer_id) else [FieldViolation("transfer_id", "must be a UUID in canonical form")]
-    )
-
-
-def _refuse(what: str, problems: list[FieldViolation]) -> None:
-    if problems:
-        summary = "; ".join(f"{p.field} {p.description}" for p in problems)
-        raise InvalidArgument(
-            f"invalid {what} request: {summary}", reason=Reason.INVALID_REQUEST, field_violations=problems
-        )
-
-
-def _is_uuid(text: str) -> bool:
-    try:
-        return str(uuid.UUID(text)) == text
-    except ValueError:
-        return False
+    return [] if is_uuid(transfer_id) else [FieldViolation("transfer_id", "must be a UUID in canonical form")]
 
 
 def _usable_account(account: AccountRow | None, account_id: str, currency: str) -> AccountRow:
