@@ -43,6 +43,7 @@ from shardrouter.client.wire import (
 from shardrouter.core.callers import CALLER_METADATA
 from shardrouter.core.keys import KEY_METADATA
 from shardrouter.core.rpcs import PUBLIC_SERVICE, rpc
+from shardrouter.core.wire import MetadataEntry
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 
 __all__ = ["SendResult", "TransferClient"]
@@ -366,7 +367,7 @@ def _serialize(message: Any) -> bytes:
     return data
 
 
-def _trailers_of(error: grpc.RpcError) -> tuple[tuple[str, str | bytes], ...]:
+def _trailers_of(error: grpc.RpcError) -> tuple[MetadataEntry, ...]:
     # grpc-stubs types these as objects with .key/.value; at run time they are (key, value) tuples.
-    raw = cast(Sequence[tuple[str, str | bytes]], error.trailing_metadata() or ())
+    raw = cast(Sequence[MetadataEntry], error.trailing_metadata() or ())
     return tuple((key, value) for key, value in raw)
