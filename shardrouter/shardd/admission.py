@@ -15,9 +15,7 @@ sending at a modest rate are not (tests/shardd/test_admission.py measures it).
 
 Which caller a call counts for: the caller by the rule every part follows (`core.callers.CallerRule`):
 the verified client certificate's name, a trusted proxy's (the router's) `x-caller-id`, an unverified
-peer's `x-caller-id` in dev mode only; else the peer's address. Not told whether the daemon runs in
-dev mode (`Admission(dev_mode=None)`), a plaintext connection counts as dev mode: a shard without TLS
-outside dev mode refuses every keyed call as unauthenticated anyway. Calls that a
+peer's `x-caller-id` in dev mode only; else the peer's address. Calls that a
 shard answers without its database (an in-flight duplicate, a replay from memory) are never counted:
 the idempotency interceptor admits its calls itself, after those answers. Health and reflection are
 never shed.
@@ -33,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from shardrouter.core.callers import CALLER_METADATA, CallerRule, is_plaintext, peer_common_name
+from shardrouter.core.callers import CALLER_METADATA, CallerRule, peer_common_name
 from shardrouter.core.errors import Reason, ResourceExhausted, ShardRouterError, Unavailable
 from shardrouter.core.interceptors import MethodHandler, UnaryInterceptor, with_behaviour
 from shardrouter.core.status import abort_with_error
@@ -108,11 +106,11 @@ class Admission:
         limits: AdmissionLimits,
         trusted_proxies: frozenset[str] = frozenset(),
         *,
-        dev_mode: bool | None = None,
+        dev_mode: bool,
     ) -> None:
         self.limits = limits
         self.trusted = trusted_proxies
-        #: None: not told; a plaintext connection then counts as dev mode (see the module docstring).
+        #: Whether the daemon runs in dev mode: only then is an unverified peer's x-caller-id believed.
         self.dev_mode = dev_mode
 
     @contextmanager
@@ -160,10 +158,10 @@ class AdmissionInterceptor(UnaryInterceptor):
 
 
 def caller_bucket(
-    context: grpc.ServicerContext, trusted: frozenset[str], *, dev_mode: bool | None = None
+    context: grpc.ServicerContext, trusted: frozenset[str], *, dev_mode: bool
 ) -> str:
-    """The caller by `CallerRule` (dev mode None: a plaintext connection is dev mode); the peer host."""
-    rule = CallerRule(is_plaintext(context) if dev_mode is None else dev_mode, trusted)
+    """The caller by `CallerRule`, else the peer host."""
+    rule = CallerRule(dev_mode, trusted)
     # Never refused here: a malformed entry is refused by the key's scope check, a read is not scoped.
     claimed = next(
         (v[:128] for k, v in context.invocation_metadata() if k == CALLER_METADATA and isinstance(v, str)),

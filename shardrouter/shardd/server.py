@@ -169,6 +169,7 @@ def admission_from(settings: ShardSettings) -> Admission:
             retry_after_ms=settings.in_flight_retry_ms,
         ),
         frozenset(settings.trusted_proxies),
+        dev_mode=settings.dev_mode,
     )
 
 

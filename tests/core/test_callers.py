@@ -72,12 +72,6 @@ def test_admission_does_not_believe_the_entry_outside_dev_mode_from_an_untrusted
     assert caller_bucket(proxied, trusted, dev_mode=False) == "alice"  # type: ignore[arg-type]
 
 
-def test_admission_not_told_the_mode_takes_a_plaintext_connection_for_dev_mode() -> None:
-    trusted = frozenset({"router"})
-    assert caller_bucket(FakeContext(claim="alice"), trusted) == "alice"  # type: ignore[arg-type]
-    assert caller_bucket(FakeContext(claim="alice", tls=True), trusted) == PEER_HOST  # type: ignore[arg-type]
-
-
 def test_admission_counts_the_call_for_the_caller_of_the_rule() -> None:
     admission = Admission(
         AdmissionLimits(max_in_flight=1, max_waiting=0), frozenset({"router"}), dev_mode=False
