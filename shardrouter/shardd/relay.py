@@ -41,7 +41,7 @@ from datetime import UTC, datetime
 import grpc
 from opentelemetry import trace
 
-from shardrouter.core import tls, tracing
+from shardrouter.core import rpcs, tls, tracing
 from shardrouter.core.callers import CALLER_METADATA
 from shardrouter.core.channels import (
     CERT_POLL_S,
@@ -67,7 +67,6 @@ _PERMANENT = {
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.INVALID_ARGUMENT,
 }
-_INTERNAL = "/shardrouter.internal.v1.ShardLedgerService"
 _IDLE_S = 0.2
 _MAX_BACKOFF_S = 60.0
 #: How often, at most, the client certificate files are checked for a rotation (s).
@@ -111,7 +110,8 @@ class ShardClients:
     def call(
         self, shard_id: str, method: str, payload: bytes, key: uuid.UUID, timeout_s: float
     ) -> tuple[grpc.StatusCode, str]:
-        """Send raw request bytes to a shard's internal method; the status and message it answered.
+        """Send raw request bytes to a shard's internal method (by name, as the proto declares it); the
+        status and message it answered.
 
         A shard served by several daemons is tried at each of them in turn until one is reached
         (`core.channels.unreached`; the same key everywhere: the shard applies it once).
@@ -124,11 +124,12 @@ class ShardClients:
                 [(KEY_METADATA, str(key)), (CALLER_METADATA, f"relay:{self._settings.shard_id}")]
             )
         )  # with a current job span, the callee's spans join its trace
+        path = rpcs.rpc(rpcs.INTERNAL_SERVICE, method).full_name
         first = next(self._turns)
         answer: tuple[grpc.StatusCode, str] = (grpc.StatusCode.UNAVAILABLE, "no address")
         for i in range(len(shard.addresses)):
             address = shard.addresses[(first + i) % len(shard.addresses)]
-            rpc = self._channel(address).unary_unary(f"{_INTERNAL}/{method}", None, None)
+            rpc = self._channel(address).unary_unary(path, None, None)
             try:
                 rpc(payload, timeout=timeout_s, metadata=metadata)
             except grpc.RpcError as err:
