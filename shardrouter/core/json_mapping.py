@@ -54,6 +54,7 @@ __all__ = [
     "WrongType",
     "compact_transfer_request",
     "created_location",
+    "created_resource_route",
     "message_to_json_bytes",
     "request_from_http",
     "response_json_from_wire",
@@ -419,21 +420,18 @@ def response_json_from_wire(declaration: RpcDeclaration, data: bytes) -> bytes:
     return message_to_json_bytes(declaration.response_type.FromString(data))
 
 
-def created_location(declaration: RpcDeclaration, response: Message) -> str | None:
-    """The path of what `declaration` created, for `Location`, or None if no GET route returns it.
+def created_resource_route(declaration: RpcDeclaration) -> tuple[str, RpcDeclaration] | None:
+    """Which response field of `declaration` is a created resource, and the GET RPC that returns it.
 
     The GET route is the one whose response has a message field of the same type as a field of this
     response, with every path variable a field of that message (TransferResponse.transfer is the
-    Transfer that GetTransfer returns, found by source_account_id and transfer_id).
+    Transfer that GetTransfer returns, found by source_account_id and transfer_id). None if no route
+    returns anything this call answers with.
     """
-    for field in _descriptor(response).fields:
-        if (
-            field.type != FieldDescriptor.TYPE_MESSAGE
-            or field.is_repeated
-            or not response.HasField(field.name)
-        ):
+    for field in _descriptor(declaration.response_type).fields:
+        if field.type != FieldDescriptor.TYPE_MESSAGE or field.is_repeated:
             continue
-        created: Message = getattr(response, field.name)
+        created = _message_of(field)
         for other in RPCS:
             route = other.http
             if other is declaration or route is None or route.verb != "GET":
@@ -443,17 +441,29 @@ def created_location(declaration: RpcDeclaration, response: Message) -> str | No
                 for f in _descriptor(other.response_type).fields
                 if f.type == FieldDescriptor.TYPE_MESSAGE
             }
-            if _message_of(field).full_name not in returns:
-                continue
-            names = _descriptor(created).fields_by_name
-            if not all(name in names for name in route.path_fields):
-                continue
-            path = route.path
-            for name in route.path_fields:
-                value = str(getattr(created, name))
-                if not value:
-                    break
-                path = path.replace("{" + name + "}", quote(value, safe=""), 1)
-            else:
-                return path
+            if created.full_name in returns and all(
+                name in created.fields_by_name for name in route.path_fields
+            ):
+                return field.name, other
     return None
+
+
+def created_location(declaration: RpcDeclaration, response: Message) -> str | None:
+    """The path of what `declaration` created, for `Location` (see `created_resource_route`), or None.
+
+    None too when the response lacks the resource or a path value is empty.
+    """
+    found = created_resource_route(declaration)
+    if found is None or not response.HasField(found[0]):
+        return None
+    field, getter = found
+    route = getter.http
+    assert route is not None
+    created: Message = getattr(response, field)
+    path = route.path
+    for name in route.path_fields:
+        value = str(getattr(created, name))
+        if not value:
+            return None
+        path = path.replace("{" + name + "}", quote(value, safe=""), 1)
+    return path
