@@ -339,7 +339,7 @@ def openapi_document(title: str = "shard-router", version: str = "v1") -> dict[s
                         "or bare; a UUIDv7 is recommended. Generate it once per operation, store it, and "
                         "send it unchanged on every retry."
                     ),
-                    "schema": {"type": "string", "minLength": 1, "maxLength": MAX_KEY_LENGTH + 2},
+                    "schema": {"type": "string", "minLength": 1, "maxLength": 2 * MAX_KEY_LENGTH + 2},
                 }
             },
             "headers": {
