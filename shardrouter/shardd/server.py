@@ -14,7 +14,6 @@ from grpc_health.v1 import health
 from opentelemetry import trace
 
 from shardrouter.core import grpcserver, tls, tracing
-from shardrouter.core.error_interceptor import DomainErrorInterceptor
 from shardrouter.core.interceptors import ServerInterceptorBase
 from shardrouter.core.lifecycle import Stoppable, stop_all
 from shardrouter.core.metrics import start_metrics_server
@@ -23,12 +22,13 @@ from shardrouter.core.shardmap import ShardMap, ShardMapError
 from shardrouter.core.shardmap_file import ShardMapFile
 from shardrouter.internal.v1 import ledger_pb2_grpc
 from shardrouter.shardd import migrations, partitions
-from shardrouter.shardd.admission import Admission, AdmissionInterceptor, AdmissionLimits
+from shardrouter.shardd.admission import Admission, AdmissionLimits
 from shardrouter.shardd.db import Database
 from shardrouter.shardd.idempotency import IdempotencyConfig, IdempotencyInterceptor, MutatingMethod
 from shardrouter.shardd.idempotency.outcomes import OutcomeListener
 from shardrouter.shardd.idempotency.process_keys import CompletedKeys
 from shardrouter.shardd.identity import IdentityPolicy
+from shardrouter.shardd.interceptor_chain import build_interceptors
 from shardrouter.shardd.ledger.service import (
     REQUEST_VALIDATORS,
     ShardLedgerServicer,
@@ -345,7 +345,7 @@ def start_shard(
     )
     server = new_grpc_server(
         settings,
-        interceptor_chain(
+        build_interceptors(
             idempotency=guard,
             admission=admission,
             tracing=tracing.server_interceptor(tracer_provider) if traced else None,
@@ -366,30 +366,6 @@ def start_shard(
     _warn_about(settings)
     _log_serving(settings, port)
     return daemon
-
-
-def interceptor_chain(
-    *,
-    idempotency: IdempotencyInterceptor,
-    admission: Admission,
-    tracing: ServerInterceptorBase | None,
-) -> list[ServerInterceptorBase]:
-    """The daemon's interceptors, outermost first.
-
-    The SERVER span first, so it covers everything; then admission for the unguarded methods (a shed
-    call costs no connection; guarded calls are admitted by the idempotency interceptor, after the
-    answers it gives from memory); then the domain-error mapping for the unguarded methods (the
-    guarded ones answer their own errors, since their outcome is stored); the idempotency
-    interceptor last, next to the handlers.
-    """
-    guarded = frozenset(m.full_name for m in mutating_methods())
-    chain: list[ServerInterceptorBase] = [] if tracing is None else [tracing]
-    chain += [
-        AdmissionInterceptor(admission, skip=guarded),
-        DomainErrorInterceptor(skip=set(guarded)),
-        idempotency,
-    ]
-    return chain
 
 
 def _warn_about(settings: ShardSettings) -> None:
@@ -429,7 +405,6 @@ __all__ = [
     "admission_from",
     "follow_shard_map",
     "idempotency_config",
-    "interceptor_chain",
     "listen_when_ready",
     "mutating_methods",
     "new_database",

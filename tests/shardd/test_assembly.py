@@ -1,4 +1,4 @@
-"""The shard daemon's composition root: interceptor order and which methods each interceptor takes."""
+"""The shard daemon's composition root, as `start_shard` builds it: every declared RPC meets the right interceptors."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from shardrouter.core.rpcs import RPCS
 from shardrouter.core.tracing import server_interceptor
 from shardrouter.shardd.admission import AdmissionInterceptor
 from shardrouter.shardd.idempotency import IdempotencyInterceptor
+from shardrouter.shardd.interceptor_chain import build_interceptors
 from shardrouter.shardd.ledger.service import ShardLocator
 from shardrouter.shardd.server import (
     admission_from,
-    interceptor_chain,
-    new_database,
+        new_database,
     new_idempotency_interceptor,
 )
 from tests.helpers import make_settings
@@ -26,7 +26,7 @@ def _chain(traced: bool):
     guard = new_idempotency_interceptor(
         settings, new_database(settings), ShardLocator(settings.shard_id), admission, listeners=(), tracer=None
     )
-    return guard, interceptor_chain(
+    return guard, build_interceptors(
         idempotency=guard, admission=admission, tracing=server_interceptor(None) if traced else None
     )
 

@@ -28,7 +28,7 @@ def _guard() -> IdempotencyInterceptor:
 
 
 def _admission() -> Admission:
-    return Admission(AdmissionLimits(max_in_flight=2, max_waiting=0))
+    return Admission(AdmissionLimits(max_in_flight=2, max_waiting=0), dev_mode=True)
 
 
 class _Span(ServerInterceptorBase):

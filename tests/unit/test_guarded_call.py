@@ -355,7 +355,7 @@ def test_a_transient_or_unexpected_failure_rolls_back_and_leaves_the_key_free(
 
 def test_a_saturated_shard_sheds_new_keys_but_still_answers_from_memory() -> None:
     limits = AdmissionLimits(max_in_flight=1, max_waiting=0)
-    shard = Shard(admission=Admission(limits))
+    shard = Shard(admission=Admission(limits, dev_mode=True))
     md = keyed()
     assert shard.call(deposit(), md).code is grpc.StatusCode.OK
     limits.acquire("someone-else")  # the shard is now full
@@ -369,7 +369,7 @@ def test_a_saturated_shard_sheds_new_keys_but_still_answers_from_memory() -> Non
 
 def test_the_chain_leaves_admission_out_when_there_are_no_limits() -> None:
     without = Shard()
-    with_limits = Shard(admission=Admission(AdmissionLimits(max_in_flight=4, max_waiting=0)))
+    with_limits = Shard(admission=Admission(AdmissionLimits(max_in_flight=4, max_waiting=0), dev_mode=True))
     handler = grpc.unary_unary_rpc_method_handler(lambda request, context: None)
     method = MutatingMethod(DEPOSIT, validate_deposit)
     first = chain(without.collaborators, method, handler, without.keys)
