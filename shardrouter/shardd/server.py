@@ -68,12 +68,12 @@ def _guarded_method(declaration: RpcDeclaration, locator: ShardLocator | None) -
         declaration.full_name,
         validate,
         scope_name=declaration.scope_name,
-        account_field=declaration.routing_field,
+        routing_field=declaration.routing_field,
     )
 
 
 def owned_here(
-    validate: Callable[[Any], None], account_field: str, locator: ShardLocator
+    validate: Callable[[Any], None], routing_field: str, locator: ShardLocator
 ) -> Callable[[Any], None]:
     """`validate`, then refuse (UNAVAILABLE, ACCOUNT_MOVED) a request whose account another shard owns.
 
@@ -87,7 +87,7 @@ def owned_here(
 
     def check(request: Any) -> None:
         validate(request)
-        account_id = str(getattr(request, account_field))
+        account_id = str(getattr(request, routing_field))
         if account_id:
             locator.require_local(account_id)
 

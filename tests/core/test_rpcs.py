@@ -88,7 +88,7 @@ def test_the_declarations_say_what_each_rpc_is() -> None:
 def test_router_shard_and_client_read_the_same_declarations() -> None:
     assert tuple(d for d in RPCS if d.service == PUBLIC_SERVICE) == ROUTED_METHODS
     guarded = server.mutating_methods()
-    assert [(m.full_name, m.scope_prefix, m.account_field) for m in guarded] == [
+    assert [(m.full_name, m.scope_prefix, m.routing_field) for m in guarded] == [
         (d.full_name, d.scope_prefix, d.routing_field) for d in RPCS if d.keyed
     ]
     for path in client_module._METHODS.values():

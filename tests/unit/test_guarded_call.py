@@ -63,7 +63,7 @@ class Shard:
             request_deserializer=transfer_pb2.DepositRequest.FromString,
             response_serializer=transfer_pb2.DepositResponse.SerializeToString,
         )
-        method = MutatingMethod(DEPOSIT, validate_deposit, account_field="account_id")
+        method = MutatingMethod(DEPOSIT, validate_deposit, routing_field="account_id")
         self.guarded = GuardedMethod(self.collaborators, method, handler, self.keys)
 
     def _deposit(self, request: transfer_pb2.DepositRequest, context: Any) -> transfer_pb2.DepositResponse:

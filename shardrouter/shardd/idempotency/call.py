@@ -34,7 +34,7 @@ class MutatingMethod:
     scope_name: str = ""
     #: The request field naming the account the call is routed by; its records move with that
     #: account's slot when the slot moves to another shard ("": routed by something else).
-    account_field: str = ""
+    routing_field: str = ""
 
     @property
     def scope_prefix(self) -> str:

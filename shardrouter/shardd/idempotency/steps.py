@@ -147,8 +147,8 @@ class DecodeAndValidate:
         request_hash = hashlib.sha256(
             self._name_prefix + request.SerializeToString(deterministic=True)
         ).digest()
-        account_field = method.account_field
-        account_id = str(getattr(request, account_field)) if account_field else None
+        routing_field = method.routing_field
+        account_id = str(getattr(request, routing_field)) if routing_field else None
         return GuardedCall(context, span, scope, key, request, request_hash, account_id)
 
     def _decode(self, raw: bytes) -> Message:
