@@ -45,6 +45,12 @@ def main(argv: Sequence[str]) -> int:
         "--data-dir", type=Path, default=None, help=f"where data lives (default {default_data_dir()})"
     )
     up.add_argument("--port", type=int, default=50051, help="router port on 127.0.0.1 (default 50051)")
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=8080,
+        help="the router's HTTP/JSON front on 127.0.0.1 (default 8080; 0: no HTTP front)",
+    )
     up.add_argument("--wipe", action="store_true", help="delete the data directory first")
     up.add_argument("--no-demo", action="store_true", help="do not run the demo after start")
     up.add_argument("--exit-after-demo", action="store_true", help="stop the cluster once the demo ran")
@@ -97,6 +103,7 @@ def main(argv: Sequence[str]) -> int:
         replicas=args.replicas,
         standby=args.standby,
         router_port=args.port,
+        http_port=args.http_port,
         metrics=not args.no_metrics,
         otlp_endpoint=args.otlp_endpoint,
     )
@@ -158,6 +165,9 @@ def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.Ph
         print(
             f"\nRouter listening on {target} (shard map {cluster.shard_map_path}, logs in {cluster.data_dir}/logs)"
         )
+        if cluster.http_port:
+            http = f"http://127.0.0.1:{cluster.http_port}"
+            print(f"HTTP/JSON front on {http} (API document {http}/openapi.json, reference page {http}/docs)")
         for daemon in cluster.shard_daemons:
             print(f"  {daemon.name}: {daemon.address}  database {daemon.env['SHARDD_DSN']}")
         for name, url in cluster.metrics_urls.items():
@@ -181,6 +191,11 @@ def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.Ph
         command = _own_command()
         print(f"\nTry: {command} --target {target} balance alice")
         print(f"     {command} --target {target} transfer --from alice --to bob --amount 1.50 --currency EUR")
+        if cluster.http_port:
+            print(
+                f"     curl -X POST http://127.0.0.1:{cluster.http_port}/transfers -H 'Idempotency-Key: <a UUID>'"
+                """ -H 'Content-Type: application/json' -d '{"src":"alice","dst":"bob","amount":150}'"""
+            )
         if args.exit_after_demo:
             return 0
         print("\nCluster running. Ctrl-C stops it (data stays unless you pass --wipe next time).", flush=True)

@@ -122,6 +122,8 @@ class LocalCluster:
     #: acknowledged only once the standby has it (see `ReplicatedPostgres`).
     standby: bool = False
     router_port: int = 50051
+    #: The router's HTTP/JSON front on 127.0.0.1 (0: none).
+    http_port: int = 8080
     #: Serve /metrics of every process on a free loopback port (see `metrics_urls`).
     metrics: bool = False
     #: OTLP/gRPC endpoint every process sends its spans to ("" = tracing off).
@@ -385,6 +387,7 @@ class LocalCluster:
             "ROUTER_LISTEN": f"127.0.0.1:{self.router_port}",
             "ROUTER_SHARD_MAP": str(self.shard_map_path),
             "ROUTER_DEV_MODE": "true",
+            "ROUTER_HTTP_LISTEN": f"127.0.0.1:{self.http_port}" if self.http_port else "",
             "ROUTER_METRICS_PORT": self._metrics_port("router"),
             **self._telemetry_env("router"),
         }

@@ -57,7 +57,7 @@ from shardrouter.core.shardmap_file import ShardMapFile
 from shardrouter.core.status import abort_with_error_async
 from shardrouter.core.wire import DETAILS_TRAILER
 from shardrouter.router.channels import ChannelPool
-from shardrouter.router.metadata import CallerPolicy, MetadataEntry, forwardable
+from shardrouter.router.metadata import CallContext, CallerPolicy, MetadataEntry, forwardable
 from shardrouter.router.routing import METHODS_BY_PATH, routing_account
 from shardrouter.router.tracing import record_forwarded_status, record_move, router_span
 
@@ -286,7 +286,27 @@ class Forwarder(_GenericHandler):
         context.set_trailing_metadata(outcome.trailing_metadata)
         return outcome.response
 
-    async def _forward(self, method: RpcDeclaration, raw: bytes, context: ServicerContext) -> Outcome:
+    async def forward(self, method: RpcDeclaration, raw: bytes, call: CallContext) -> Outcome:
+        """Forward a call received other than over gRPC (the HTTP front): how the shard answered.
+
+        Raises the router's own refusals (`ShardRouterError`: a malformed routing account, a shard that
+        cannot be reached) for the caller to answer in its own protocol.
+        """
+        if self._metrics is None:
+            return await self._forward(method, raw, call)
+        with self._metrics.timed(method.full_name) as record:
+            try:
+                outcome = await self._forward(method, raw, call)
+            except ShardRouterError as error:
+                record(error.code)
+                raise
+            except BaseException:
+                record(grpc.StatusCode.CANCELLED)
+                raise
+            record(outcome.code)
+            return outcome
+
+    async def _forward(self, method: RpcDeclaration, raw: bytes, context: CallContext) -> Outcome:
         """How the shard's call ended (OK or not); raises the router's own errors."""
         metadata = tuple(self._callers.outgoing(context))  # who is calling comes first
         account = routing_account(method, raw)
@@ -329,7 +349,7 @@ class Forwarder(_GenericHandler):
         refused_by: Shard,
         owner: Ownership,
         cut_over: _CutOverWait,
-        context: ServicerContext,
+        context: CallContext,
     ) -> tuple[Ownership, Shard | None]:
         """The newest ownership known after a refusal, and the shard to resend to (None: answer it)."""
         owner = owner.newer(refusal.owner, on_tie=False)
@@ -354,7 +374,7 @@ class Forwarder(_GenericHandler):
         raw: bytes,
         metadata: tuple[MetadataEntry, ...],
         keyed: bool,
-        context: ServicerContext,
+        context: CallContext,
         note: MoveNote | None,
     ) -> Outcome:
         """How one shard answered the call; raises SHARD_UNAVAILABLE when none of its daemons could."""
@@ -389,7 +409,7 @@ class Forwarder(_GenericHandler):
         method: RpcDeclaration,
         raw: bytes,
         metadata: tuple[MetadataEntry, ...],
-        context: ServicerContext,
+        context: CallContext,
         note: MoveNote | None,
     ) -> Outcome:
         if not self._traced:
@@ -418,7 +438,7 @@ class Forwarder(_GenericHandler):
         method: RpcDeclaration,
         raw: bytes,
         metadata: tuple[MetadataEntry, ...],
-        context: ServicerContext,
+        context: CallContext,
     ) -> Outcome:
         call = self._pool.unary_bytes(address, method.full_name)(
             raw, timeout=self._timeout(context), metadata=metadata
@@ -445,7 +465,7 @@ class Forwarder(_GenericHandler):
             response=response,
         )
 
-    def _timeout(self, context: ServicerContext) -> float:
+    def _timeout(self, context: CallContext) -> float:
         # grpc reports "no deadline" as None: cap it, so a shard call never outlives every caller's
         # patience.
         remaining: float | None = context.time_remaining()

@@ -9,9 +9,9 @@ rule every part follows (`core.callers.CallerRule`); no proxy in front of the ro
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import grpc.aio
 
@@ -46,6 +46,23 @@ _TRANSPORT_HEADERS = frozenset(
 )
 
 
+class CallContext(Protocol):
+    """What forwarding needs of a call, whichever front received it: a `grpc.aio` servicer context, or
+    the HTTP front's account of an HTTP request."""
+
+    def invocation_metadata(self) -> Iterable[MetadataEntry] | None:
+        """The call's metadata, as received."""
+        ...
+
+    def auth_context(self) -> Mapping[str, Iterable[bytes]]:
+        """The peer's verified identity (`x509_common_name`), as gRPC reports it."""
+        ...
+
+    def time_remaining(self) -> float | None:
+        """Seconds left before the call's deadline (None: no deadline)."""
+        ...
+
+
 def forwardable(metadata: Iterable[MetadataEntry]) -> list[MetadataEntry]:
     """The entries to pass on, in order: all but pseudo-headers and transport headers."""
     return [(k, v) for k, v in metadata if not k.startswith(":") and k not in _TRANSPORT_HEADERS]
@@ -65,7 +82,7 @@ class CallerPolicy:
         """The caller rule at the router: with verified callers, their certificates' names only."""
         return CallerRule(dev_mode=self.dev_mode and not self.verifies_callers)
 
-    def outgoing(self, context: ServicerContext) -> list[MetadataEntry]:
+    def outgoing(self, context: CallContext) -> list[MetadataEntry]:
         """The metadata to send to the shard for this call."""
         metadata = forwardable(context.invocation_metadata() or ())
         verified = peer_common_name(context) if self.verifies_callers else None
@@ -86,6 +103,7 @@ class CallerPolicy:
 
 
 __all__ = [
+    "CallContext",
     "CallerPolicy",
     "MetadataEntry",
     "forwardable",

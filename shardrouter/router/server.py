@@ -32,6 +32,7 @@ from shardrouter.core.shardmap import ShardMap
 from shardrouter.core.shardmap_file import ShardMapFile
 from shardrouter.router.channels import ChannelPool
 from shardrouter.router.forwarding import Forwarder
+from shardrouter.router.http_front import HttpFront, HttpServer, start_http_server
 from shardrouter.router.metadata import CallerPolicy
 from shardrouter.router.routing import SERVICE
 from shardrouter.router.settings import RouterSettings
@@ -54,6 +55,13 @@ class Router:
     metrics_server: MetricsServer | None = None
     #: Tasks that live as long as the router (certificate rotation watch).
     background: list[asyncio.Task[None]] = field(default_factory=list)
+    #: The HTTP/JSON front (None when `http_listen` is empty).
+    http: HttpServer | None = None
+
+    @property
+    def http_port(self) -> int:
+        """The bound HTTP port (0 without an HTTP front)."""
+        return self.http.port if self.http is not None else 0
 
     @property
     def metrics_port(self) -> int:
@@ -66,6 +74,8 @@ class Router:
         for task in self.background:
             task.cancel()
         await self.health.enter_graceful_shutdown()
+        if self.http is not None:
+            await self.http.stop(grace)
         # Refuses new calls at once; calls still running after `grace` are cancelled (and with them
         # their shard calls).
         await self.server.stop(grace)
@@ -141,6 +151,16 @@ async def start_router(
     port = grpcserver.bind(server, settings.listen, credentials)
     await server.start()
     shard_maps.start()
+    http: HttpServer | None = None
+    if settings.http_listen:  # serving before health says SERVING, like the gRPC port
+        try:
+            front = HttpFront(forwarder, settings, tracer_provider=tracer_provider, traced=traced)
+            http = await start_http_server(front, settings)
+        except BaseException:
+            await server.stop(0)
+            await asyncio.to_thread(shard_maps.stop)
+            await pool.close()
+            raise
     await grpcserver.aio_mark_serving(health_servicer, [SERVICE])
     if not settings.verifies_callers and not settings.dev_mode:
         log.warning(
@@ -159,7 +179,9 @@ async def start_router(
         if metrics is not None
         else None
     )
-    router = Router(settings, server, port, health_servicer, shard_maps, pool, metrics, metrics_server)
+    router = Router(
+        settings, server, port, health_servicer, shard_maps, pool, metrics, metrics_server, http=http
+    )
     if shard_certificates is not None:
         router.background.append(
             loop.create_task(
@@ -204,6 +226,11 @@ class RouterThread:
     def port(self) -> int:
         """The bound gRPC port."""
         return self.router.port
+
+    @property
+    def http_port(self) -> int:
+        """The bound HTTP port (0 without an HTTP front)."""
+        return self.router.http_port
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop the router gracefully (see `Router.stop`), then its event loop."""

@@ -73,6 +73,22 @@ class RouterSettings:
     max_connection_age_s: float = 300.0
     #: Seconds a connection past its age still has for the calls running on it.
     max_connection_age_grace_s: float = 30.0
+    #: HTTP/JSON front listen address (host:port), served beside gRPC by the same process with the
+    #: same forwarding; empty: no HTTP front. It serves TLS with the gRPC server's certificate and
+    #: caller CA (tls_cert, tls_key, tls_ca), so callers prove who they are the same way on both.
+    http_listen: str = ""
+    #: Largest HTTP request body accepted (bytes); a larger one is answered 413 unread.
+    http_max_body_bytes: int = 64 * 1024
+    #: Longest an HTTP request body may take to arrive (s): a slow sender is answered 408, so it
+    #: cannot hold a connection and a task for ever.
+    http_body_timeout_s: float = 10.0
+    #: Deadline of a call made over HTTP (s), as a gRPC caller's deadline would be (capped by
+    #: max_deadline_s).
+    http_deadline_s: float = 30.0
+    #: Seconds an idle HTTP keep-alive connection is kept open.
+    http_keep_alive_s: float = 15.0
+    #: Most HTTP connections open at once; past it new requests are answered 503.
+    http_max_connections: int = 2048
     #: Log format: "json" or "text".
     log_format: str = "json"
     #: Log level: DEBUG, INFO, WARNING or ERROR.
@@ -127,6 +143,18 @@ class RouterSettings:
             out.append("shutdown_grace_s must not be negative")
         if self.max_connection_age_s < 0 or self.max_connection_age_grace_s < 0:
             out.append("max_connection_age_s and max_connection_age_grace_s must not be negative")
+        if self.http_listen and ":" not in self.http_listen:
+            out.append("http_listen must be host:port (or empty: no HTTP front)")
+        if self.http_listen and self.http_listen == self.listen and not self.listen.endswith(":0"):
+            out.append("http_listen must differ from listen")
+        if self.http_max_body_bytes < 1024:
+            out.append("http_max_body_bytes must be at least 1024")
+        if self.http_body_timeout_s <= 0 or self.http_keep_alive_s <= 0:
+            out.append("http_body_timeout_s and http_keep_alive_s must be positive")
+        if not 0 < self.http_deadline_s <= self.max_deadline_s:
+            out.append("http_deadline_s must be positive and at most max_deadline_s")
+        if self.http_max_connections < 1:
+            out.append("http_max_connections must be at least 1")
         if self.log_format not in ("json", "text"):
             out.append("log_format must be json or text")
         return out

@@ -1,0 +1,506 @@
+"""The router's HTTP/JSON front: the same RPCs over plain HTTP, with the `Idempotency-Key` header.
+
+There is no second implementation of the semantics. A request on a route that an RPC declares
+(`google.api.http` in the proto, read through `shardrouter.core.rpcs`) becomes that RPC's request
+message (`core.json_mapping`), goes through the router's own `Forwarder` (same routing, redirects,
+retries, caller identity) to the shard daemon, whose idempotency interceptor claims, runs, stores
+and replays exactly as for gRPC; the shard's answer becomes the HTTP answer:
+
+* OK: the response message as deterministic JSON (the same stored response gives the same bytes),
+  201 with `Location` for a keyed call (first apply and replay alike: a replay is the stored answer),
+  200 for a read; `Idempotent-Replayed: true` when the shard replayed a stored outcome.
+* not OK: `application/problem+json` from the status and its rich details (`core.http_problems`: 409 +
+  Retry-After in flight, 422 key reused, 400 bad key or request, 429/503 + Retry-After, ...), with
+  the same `reason` as the gRPC ErrorInfo; a replayed business refusal carries `Idempotent-Replayed`.
+
+What HTTP adds is answered here, before anything is forwarded, and never stored: a wrong content type
+(415), a body over the limit (413), a body that does not arrive in time (408), headers over the limit
+(431), a malformed key header (400). Whoever calls is decided by the router's caller rule: a verified
+client certificate when the router serves TLS with a caller CA (the same as for gRPC), the
+`X-Caller-Id` header in dev mode only, so two callers never share a key scope through the front.
+
+The source document's compact `POST /transfers` (`{"src":8842,"dst":1190,"amount":2500}`) is the
+Transfer RPC; without a currency it is read from the source account (GetBalance) before sending.
+
+Served by uvicorn (httptools) on the router's own event loop, beside the `grpc.aio` server: no extra
+process or channel hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import uvicorn
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import Route
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from shardrouter.core import tracing
+from shardrouter.core.callers import CALLER_METADATA
+from shardrouter.core.errors import NotFound, Reason, ShardRouterError
+from shardrouter.core.http_problems import (
+    PROBLEM_CONTENT_TYPE,
+    HttpProblem,
+    problem_from_error,
+    problem_from_trailers,
+)
+from shardrouter.core.idempotency_header import IdempotencyKeyHeaderError, parse_idempotency_key
+from shardrouter.core.json_mapping import (
+    COMPACT_TRANSFER_ROUTE,
+    CompactTransfer,
+    JsonRequestError,
+    compact_transfer_request,
+    created_location,
+    message_to_json_bytes,
+    request_from_http,
+)
+from shardrouter.core.keys import KEY_METADATA
+from shardrouter.core.openapi import openapi_json, openapi_page
+from shardrouter.core.rpcs import PUBLIC_SERVICE, RpcDeclaration, rpc
+from shardrouter.core.wire import MetadataEntry
+from shardrouter.router.forwarding import Forwarder, Outcome
+from shardrouter.router.routing import ROUTED_METHODS
+from shardrouter.router.settings import RouterSettings
+from shardrouter.v1 import transfer_pb2
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "REPLAYED_HEADER",
+    "HttpCall",
+    "HttpFront",
+    "HttpServer",
+    "start_http_server",
+]
+
+REPLAYED_HEADER = "Idempotent-Replayed"
+_JSON = "application/json"
+_REPLAYED_TRAILER = "idempotency-replayed"
+_OUTCOME_TRAILER = "idempotency-outcome"
+_TRACE_HEADERS = ("traceparent", "tracestate")
+_GET_BALANCE = rpc(PUBLIC_SERVICE, "GetBalance")
+#: ASGI scope extension the protocol below fills: the verified client certificate's common name and
+#: whether the request's headers went over the limit.
+_EXTENSION = "shardrouter.connection"
+
+
+@dataclass(frozen=True)
+class HttpCall:
+    """An HTTP request as the forwarder sees a call (`router.metadata.CallContext`)."""
+
+    metadata: tuple[MetadataEntry, ...]
+    deadline: float  # time.monotonic() by which the call must be answered
+    #: The common name of the caller's verified client certificate (mTLS), if any.
+    common_name: str | None = None
+
+    def invocation_metadata(self) -> tuple[MetadataEntry, ...]:
+        """The metadata the HTTP request carries (key, caller, trace context)."""
+        return self.metadata
+
+    def auth_context(self) -> Mapping[str, Iterable[bytes]]:
+        """The verified peer identity, in gRPC's shape."""
+        return {"x509_common_name": [self.common_name.encode()]} if self.common_name else {}
+
+    def time_remaining(self) -> float:
+        """Seconds left before the deadline."""
+        return max(0.0, self.deadline - time.monotonic())
+
+
+class _Refusal(Exception):
+    """An HTTP-level refusal, answered as it is (never forwarded, never stored)."""
+
+    def __init__(self, problem: HttpProblem) -> None:
+        super().__init__(problem.body.get("detail", ""))
+        self.problem = problem
+
+
+def _http_problem(status: int, title: str, detail: str, reason: str) -> HttpProblem:
+    """A refusal that exists only in HTTP (no gRPC status says it): 408, 413, 415, 431."""
+    body = {"type": f"about:blank#{reason.lower()}", "title": title, "status": status, "detail": detail}
+    body["reason"] = reason
+    return HttpProblem(status, (), body)
+
+
+def _problem_response(problem: HttpProblem, replayed: bool = False) -> Response:
+    headers = dict(problem.headers)
+    if replayed:
+        headers[REPLAYED_HEADER] = "true"
+    return Response(problem.body_bytes(), problem.status, headers, media_type=PROBLEM_CONTENT_TYPE)
+
+
+@dataclass
+class HttpFront:
+    """The ASGI application: the declared routes, the compact transfer, the OpenAPI document and page."""
+
+    forwarder: Forwarder
+    settings: RouterSettings
+    tracer_provider: trace.TracerProvider | None = None
+    traced: bool = False
+    app: Starlette = field(init=False)
+
+    def __post_init__(self) -> None:
+        routes = [
+            Route(d.http.path, self._endpoint(d), methods=[d.http.verb])
+            for d in ROUTED_METHODS
+            if d.http is not None
+        ]
+        routes += [
+            Route(COMPACT_TRANSFER_ROUTE.path, self._compact_transfer, methods=[COMPACT_TRANSFER_ROUTE.verb]),
+            Route("/openapi.json", self._openapi, methods=["GET"]),
+            Route("/docs", self._docs, methods=["GET"]),
+            Route("/healthz", self._health, methods=["GET"]),
+        ]
+        self._tracer = tracing.get_tracer(self.tracer_provider) if self.traced else None
+        self._openapi_bytes = openapi_json()
+        self.app = Starlette(
+            routes=routes,
+            exception_handlers={HTTPException: self._http_exception},  # type: ignore[dict-item]
+        )
+
+    # --- the routes -------------------------------------------------------------------------------
+
+    def _endpoint(self, declaration: RpcDeclaration) -> Any:
+        async def endpoint(request: Request) -> Response:
+            with self._span(request, declaration) as span:
+                try:
+                    call = self._call(request, keyed=declaration.keyed)
+                    body = await self._body(request) if declaration.http and declaration.http.body else b""
+                    message = request_from_http(
+                        declaration, request.path_params, body, request.query_params.multi_items()
+                    )
+                    outcome = await self.forwarder.forward(
+                        declaration, message.SerializeToString(deterministic=True), call
+                    )
+                except _Refusal as refused:
+                    return self._finish(span, _problem_response(refused.problem))
+                except JsonRequestError as error:
+                    return self._finish(span, _problem_response(problem_from_error(error.to_error())))
+                except IdempotencyKeyHeaderError as error:
+                    return self._finish(span, _problem_response(problem_from_error(error.to_error())))
+                except ShardRouterError as error:
+                    return self._finish(span, _problem_response(problem_from_error(error)))
+                return self._finish(span, self._answer(declaration, outcome), outcome)
+
+        return endpoint
+
+    async def _compact_transfer(self, request: Request) -> Response:
+        declaration = CompactTransfer.declaration
+        with self._span(request, declaration) as span:
+            try:
+                call = self._call(request, keyed=True)
+                compact = compact_transfer_request(await self._body(request))
+                transfer = compact.request
+                if compact.currency_from_accounts:
+                    transfer.amount.currency = await self._currency_of(transfer.source_account_id, call)
+                outcome = await self.forwarder.forward(
+                    declaration, transfer.SerializeToString(deterministic=True), call
+                )
+            except _Refusal as refused:
+                return self._finish(span, _problem_response(refused.problem))
+            except (JsonRequestError, IdempotencyKeyHeaderError) as error:
+                return self._finish(span, _problem_response(problem_from_error(error.to_error())))
+            except ShardRouterError as error:
+                return self._finish(span, _problem_response(problem_from_error(error)))
+            return self._finish(span, self._answer(declaration, outcome), outcome)
+
+    async def _openapi(self, request: Request) -> Response:
+        return Response(self._openapi_bytes, media_type=_JSON)
+
+    async def _docs(self, request: Request) -> Response:
+        return HTMLResponse(openapi_page())
+
+    async def _health(self, request: Request) -> Response:
+        return Response(b'{"status":"SERVING"}', media_type=_JSON)
+
+    async def _http_exception(self, request: Request, error: HTTPException) -> Response:
+        # Unknown paths (404) and verbs (405) answer problem+json like every other refusal.
+        problem = _http_problem(
+            error.status_code,
+            "Not Found" if error.status_code == 404 else "Method Not Allowed",
+            f"{request.method} {request.url.path}: {error.detail}; see /openapi.json for the routes",
+            "NO_SUCH_ROUTE" if error.status_code == 404 else "METHOD_NOT_ALLOWED",
+        )
+        response = _problem_response(problem)
+        if error.headers:
+            response.headers.update(error.headers)
+        return response
+
+    # --- reading the request ----------------------------------------------------------------------
+
+    def _call(self, request: Request, *, keyed: bool) -> HttpCall:
+        """The call's metadata and deadline; refuses oversized headers and a bad key header."""
+        connection = request.scope.get("extensions", {}).get(_EXTENSION, {})
+        if connection.get("headers_too_large"):
+            raise _Refusal(
+                _http_problem(
+                    431,
+                    "Request Header Fields Too Large",
+                    f"the request's headers exceed {self.settings.max_metadata_bytes} bytes",
+                    "HEADERS_TOO_LARGE",
+                )
+            )
+        metadata: list[MetadataEntry] = []
+        if keyed:
+            metadata.append((KEY_METADATA, parse_idempotency_key(request.headers.getlist("idempotency-key"))))
+        callers = request.headers.getlist("x-caller-id")
+        if len(callers) == 1:
+            metadata.append((CALLER_METADATA, callers[0]))
+        elif callers:
+            raise _Refusal(
+                _http_problem(400, "Bad Request", "X-Caller-Id is given more than once", "INVALID_CALLER")
+            )
+        if not self.traced:  # traced: the forwarding span carries the trace on
+            metadata += [(h, v) for h in _TRACE_HEADERS for v in request.headers.getlist(h)[:1]]
+        return HttpCall(
+            tuple(metadata),
+            time.monotonic() + self.settings.http_deadline_s,
+            connection.get("client_common_name"),
+        )
+
+    async def _body(self, request: Request) -> bytes:
+        """The JSON body, within the size limit and the time limit."""
+        content_type = request.headers.get("content-type", "")
+        media_type, _, parameters = content_type.partition(";")
+        charset = parameters.strip().lower()
+        if media_type.strip().lower() != _JSON or charset not in ("", "charset=utf-8", 'charset="utf-8"'):
+            raise _Refusal(
+                _http_problem(
+                    415,
+                    "Unsupported Media Type",
+                    f"the body must be {_JSON} (UTF-8); got {content_type or 'no Content-Type'}",
+                    "UNSUPPORTED_MEDIA_TYPE",
+                )
+            )
+        limit = self.settings.http_max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _Refusal(self._too_large(limit))
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self.settings.http_body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise _Refusal(self._too_large(limit))
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise _Refusal(
+                _http_problem(
+                    408,
+                    "Request Timeout",
+                    f"the body did not arrive within {self.settings.http_body_timeout_s:g} s",
+                    "REQUEST_TIMEOUT",
+                )
+            ) from None
+        return b"".join(chunks)
+
+    @staticmethod
+    def _too_large(limit: int) -> HttpProblem:
+        return _http_problem(
+            413, "Content Too Large", f"the body exceeds {limit} bytes", "REQUEST_TOO_LARGE"
+        )
+
+    async def _currency_of(self, account_id: str, call: HttpCall) -> str:
+        """The source account's currency, for a compact transfer that names none."""
+        reader = HttpCall(tuple(e for e in call.metadata if e[0] != KEY_METADATA), call.deadline, call.common_name)
+        request = transfer_pb2.GetBalanceRequest(account_id=account_id)
+        outcome = await self.forwarder.forward(_GET_BALANCE, request.SerializeToString(), reader)
+        if outcome.code is not grpc.StatusCode.OK or outcome.response is None:
+            if outcome.code is grpc.StatusCode.NOT_FOUND:
+                raise NotFound(
+                    f"account {account_id} does not exist, so its currency is unknown: name a currency",
+                    reason=Reason.ACCOUNT_NOT_FOUND,
+                )
+            raise _Refusal(problem_from_trailers(outcome.code, outcome.details, outcome.trailing_metadata))
+        return transfer_pb2.GetBalanceResponse.FromString(outcome.response).balance.currency
+
+    # --- the answer ---------------------------------------------------------------------------------
+
+    def _answer(self, declaration: RpcDeclaration, outcome: Outcome) -> Response:
+        replayed = _trailer(outcome.trailing_metadata, _REPLAYED_TRAILER) == "true"
+        if outcome.code is not grpc.StatusCode.OK or outcome.response is None:
+            problem = problem_from_trailers(outcome.code, outcome.details, outcome.trailing_metadata)
+            return _problem_response(problem, replayed)
+        response = declaration.response_type.FromString(outcome.response)
+        headers: dict[str, str] = {}
+        if replayed:
+            headers[REPLAYED_HEADER] = "true"
+        status = 200
+        if declaration.keyed:
+            status = 201
+            location = created_location(declaration, response)
+            if location is not None:
+                headers["Location"] = location
+        return Response(message_to_json_bytes(response), status, headers, media_type=_JSON)
+
+    # --- tracing ------------------------------------------------------------------------------------
+
+    @contextmanager
+    def _span(self, request: Request, declaration: RpcDeclaration) -> Iterator[trace.Span]:
+        if self._tracer is None:
+            yield trace.INVALID_SPAN
+            return
+        route = request.scope.get("route")
+        path = getattr(route, "path", request.url.path)
+        headers = [(k, v) for k, v in request.headers.items() if k in _TRACE_HEADERS]
+        with self._tracer.start_as_current_span(
+            f"{request.method} {path}",
+            context=tracing.extract_trace_context(headers),
+            kind=SpanKind.SERVER,
+            attributes={
+                "http.request.method": request.method,
+                "http.route": path,
+                "url.path": request.url.path,
+                "rpc.method": declaration.full_name,
+            },
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            keys = request.headers.getlist("idempotency-key")
+            if len(keys) == 1:
+                span.set_attribute("idempotency.key.header", keys[0][:300])
+            yield span
+
+    @staticmethod
+    def _finish(span: trace.Span, response: Response, outcome: Outcome | None = None) -> Response:
+        if not span.is_recording():
+            return response
+        span.set_attribute("http.response.status_code", response.status_code)
+        if outcome is not None:
+            kind = _trailer(outcome.trailing_metadata, _OUTCOME_TRAILER)
+            if kind:
+                span.set_attribute("idempotency.outcome", kind)
+                if kind != "new":
+                    span.add_event(f"idempotency.{kind}")
+        if response.status_code >= 500:
+            span.set_status(Status(StatusCode.ERROR, f"HTTP {response.status_code}"))
+        return response
+
+
+def _trailer(trailers: Sequence[MetadataEntry], name: str) -> str | None:
+    value = next((v for k, v in trailers if k == name), None)
+    return value if isinstance(value, str) else None
+
+
+class _Protocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, plus what the front needs of a connection: the verified client
+    certificate's common name (ASGI scope extension) and a bound on the bytes of a request's headers."""
+
+    max_header_bytes = 16 * 1024
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._common_name = _common_name(transport.get_extra_info("peercert"))
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._header_bytes = 0
+        self._connection: dict[str, Any] = {"client_common_name": self._common_name}
+        extensions: dict[str, Any] = {_EXTENSION: self._connection}
+        self.scope["extensions"] = extensions
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_bytes += len(name) + len(value)
+        if self._header_bytes > self.max_header_bytes:
+            self._connection["headers_too_large"] = True
+            return  # dropped: the front answers 431 without keeping them
+        super().on_header(name, value)
+
+
+def _common_name(peercert: Any) -> str | None:
+    for rdn in (peercert or {}).get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return str(value)
+    return None
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, leaving signals to the router process (which stops it)."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass
+class HttpServer:
+    """A running HTTP front on the router's event loop."""
+
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+    port: int
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting, let running requests finish (at most `grace_s`), then close."""
+        self.server.config.timeout_graceful_shutdown = max(1, int(grace_s))
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), grace_s + 5)
+        except TimeoutError:
+            self.task.cancel()
+
+
+def _bind(listen: str) -> socket.socket:
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, int(port)))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+async def start_http_server(front: HttpFront, settings: RouterSettings) -> HttpServer:
+    """Serve `front` on `settings.http_listen` (port 0: a free one) on the running event loop."""
+    sock = _bind(settings.http_listen)
+    _Protocol.max_header_bytes = settings.max_metadata_bytes
+    tls: dict[str, Any] = {}
+    if settings.tls_enabled:
+        import ssl
+
+        tls = {"ssl_certfile": settings.tls_cert, "ssl_keyfile": settings.tls_key}
+        if settings.tls_ca:
+            tls |= {"ssl_ca_certs": settings.tls_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    config = uvicorn.Config(
+        front.app,
+        http=_Protocol,
+        lifespan="off",
+        log_config=None,
+        access_log=False,
+        server_header=False,
+        timeout_keep_alive=int(settings.http_keep_alive_s),
+        limit_concurrency=settings.http_max_connections,
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
+        **tls,
+    )
+    server = _Server(config)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()  # raises what stopped it
+            raise RuntimeError("the HTTP front stopped while starting")
+        await asyncio.sleep(0.01)
+    port = int(sock.getsockname()[1])
+    log.info("HTTP front serving on port %d", port)
+    return HttpServer(server, task, port)
