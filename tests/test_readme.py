@@ -16,7 +16,8 @@ Each fenced block carries a directive on the line just before it, `<!-- readme-t
 - `skip REASON`: needs what this machine lacks (a Kubernetes cluster, Docker); the reason is required.
 
 Blocks run against one cluster started by `shard-router dev up --no-demo` as users start it; the
-address `127.0.0.1:50051` in a block is replaced by that cluster's router address.
+address `127.0.0.1:50051` in a block is replaced by that cluster's router address, and
+`127.0.0.1:8080` by its HTTP front's.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ READMES = (ROOT / "README.md", ROOT / "deploy" / "k8s" / "README.md")
 DIRECTIVE = re.compile(r"<!--\s*readme-test:\s*(?P<kind>[\w-]+)\s*(?P<arg>.*?)\s*-->")
 KINDS = {"setup-run", "setup-test", "console", "sh", "python", "shard-map", "skip"}
 DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_HTTP = "127.0.0.1:8080"
 
 
 @dataclass(frozen=True)
@@ -116,12 +118,14 @@ class Cluster:
     target: str
     env: dict[str, str]
     home: Path
+    http: str = DEFAULT_HTTP
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     home = tmp_path_factory.mktemp("readme-home")
     port = free_port()
+    http_port = free_port()
     # A fresh user: no virtualenv on PATH, a home of its own (the CLI's store, the cluster's data).
     env = {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -145,6 +149,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             "--no-metrics",
             "--port",
             str(port),
+            "--http-port",
+            str(http_port),
         ],
         cwd=ROOT,
         env=env,
@@ -153,7 +159,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     )
     try:
         wait_serving(f"127.0.0.1:{port}", 90)
-        yield Cluster(target=f"127.0.0.1:{port}", env=env, home=home)
+        yield Cluster(target=f"127.0.0.1:{port}", env=env, home=home, http=f"127.0.0.1:{http_port}")
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -166,7 +172,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 def _bash(command: str, cluster: Cluster, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["bash", "-c", command.replace(DEFAULT_TARGET, cluster.target)],
+        ["bash", "-c", command.replace(DEFAULT_TARGET, cluster.target).replace(DEFAULT_HTTP, cluster.http)],
         cwd=cwd,
         env=cluster.env,
         capture_output=True,
