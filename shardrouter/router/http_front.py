@@ -90,6 +90,7 @@ REPLAYED_HEADER = "Idempotent-Replayed"
 _JSON = "application/json"
 _REPLAYED_TRAILER = "idempotency-replayed"
 _OUTCOME_TRAILER = "idempotency-outcome"
+_EXPIRES_TRAILER = "idempotency-expires-at"
 _TRACE_HEADERS = ("traceparent", "tracestate")
 _GET_BALANCE = rpc(PUBLIC_SERVICE, "GetBalance")
 #: ASGI scope extension the protocol below fills: the verified client certificate's common name and
@@ -381,7 +382,7 @@ class HttpFront:
             return response
         span.set_attribute("http.response.status_code", response.status_code)
         if outcome is not None:
-            kind = _trailer(outcome.trailing_metadata, _OUTCOME_TRAILER)
+            kind = _outcome_kind(outcome)
             if kind:
                 span.set_attribute("idempotency.outcome", kind)
                 if kind != "new":
@@ -389,6 +390,18 @@ class HttpFront:
         if response.status_code >= 500:
             span.set_status(Status(StatusCode.ERROR, f"HTTP {response.status_code}"))
         return response
+
+
+def _outcome_kind(outcome: Outcome) -> str | None:
+    """The shard's idempotency outcome of a keyed call (as its span names it), from the trailers."""
+    refused = _trailer(outcome.trailing_metadata, _OUTCOME_TRAILER)
+    if refused:  # in_flight, key_reused, expired, ...
+        return refused
+    if _trailer(outcome.trailing_metadata, _REPLAYED_TRAILER) == "true":
+        return "replay"
+    if _trailer(outcome.trailing_metadata, _EXPIRES_TRAILER) is not None:  # only keyed calls carry it
+        return "new"
+    return None
 
 
 def _trailer(trailers: Sequence[MetadataEntry], name: str) -> str | None:
