@@ -44,6 +44,7 @@ class Answer:
 class Front:
     port: int
     dsn: str
+    grpc_port: int = 0
 
     def request(self, method: str, path: str, body: bytes | str | None = None, headers=None) -> Answer:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
@@ -96,7 +97,7 @@ def _router(shard: ShardDaemon, tmp_path, **overrides: object) -> RouterThread:
 def front(shard: ShardDaemon, database: str, tmp_path) -> Iterator[Front]:
     router = _router(shard, tmp_path, http_body_timeout_s=1.0)
     try:
-        yield Front(router.http_port, database)
+        yield Front(router.http_port, database, router.port)
     finally:
         router.stop(1.0)
 
@@ -159,6 +160,63 @@ def test_the_source_documents_verification_as_written(front: Front) -> None:
     later = front.request("POST", "/transfers", body, {**JSON, "Idempotency-Key": key})
     assert (later.status, later.body) == (201, created[0].body)
     assert later.headers["idempotent-replayed"] == "true"
+
+
+@pytest.mark.parametrize("key", ["grpc-then-http-opaque", str(uuid.uuid4()), str(new_key())], ids=["opaque", "uuid4", "uuid7"])
+def test_one_key_sent_over_grpc_then_http_is_one_operation(front: Front, key: str) -> None:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
+
+    account = f"gh-{abs(hash(key)) % 10**6}"
+    request = transfer_pb2.DepositRequest(
+        account_id=account, amount=transfer_pb2.Money(amount_minor=70, currency="EUR"), reference="same"
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{front.grpc_port}") as channel:
+        reply = transfer_pb2_grpc.TransferServiceStub(channel).Deposit(
+            request, metadata=[("idempotency-key", key)], timeout=10
+        )
+    answer = front.post(
+        "/v1/deposits",
+        {"accountId": account, "amount": {"amountMinor": 70, "currency": "EUR"}, "reference": "same"},
+        key,
+    )
+    assert answer.status == 201, answer.body
+    assert answer.headers["idempotent-replayed"] == "true"
+    assert answer.json == MessageToDict(reply, always_print_fields_with_no_presence=True)
+    assert front.entries(account, "deposit") == 1
+
+
+def test_quoted_and_bare_key_headers_are_one_key(front: Front) -> None:
+    body = {"accountId": "quin", "amount": {"amountMinor": "5", "currency": "EUR"}}
+    quoted = front.post("/v1/deposits", body, '"same-key-two-forms"')
+    assert quoted.status == 201
+    bare = front.post("/v1/deposits", body, "same-key-two-forms")
+    assert (bare.status, bare.body) == (201, quoted.body)
+    assert bare.headers["idempotent-replayed"] == "true"
+    assert front.entries("quin", "deposit") == 1
+
+
+def test_a_key_in_flight_is_409_with_retry_after_then_applies(front: Front) -> None:
+    key = str(new_key())
+    holder = psycopg.connect(front.dsn)  # holds the key's lock as an uncommitted first attempt would
+    holder.execute(
+        "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+        (f"/shardrouter.v1.TransferService/Deposit|anonymous {key}",),
+    )
+    try:
+        conflict = front.deposit("rae", 9, key)
+        assert conflict.status == 409, conflict.body
+        assert conflict.json["reason"] == "IDEMPOTENCY_KEY_IN_FLIGHT"
+        assert int(conflict.headers["retry-after"]) >= 1
+        assert conflict.json["retry_after_ms"] > 0
+    finally:
+        holder.rollback()
+        holder.close()
+    applied = front.deposit("rae", 9, key)
+    assert applied.status == 201
+    assert "idempotent-replayed" not in applied.headers
 
 
 def test_a_key_reused_for_another_body_is_422(front: Front) -> None:
