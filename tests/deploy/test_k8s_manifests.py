@@ -38,6 +38,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from shardrouter.core.openapi import openapi_json
 from shardrouter.router import settings as router_settings
 from shardrouter.shardd import settings as shardd_settings
 
@@ -97,6 +98,8 @@ ROUTER_ENV = frozenset(
         "ROUTER_SHARD_TLS_CA",
         # Read by shardrouter/router/settings.py (dev_mode): without it or ROUTER_TLS_CA every call is refused.
         "ROUTER_DEV_MODE",
+        # The HTTP/JSON front (shardrouter/router/http_front.py); empty: no front.
+        "ROUTER_HTTP_LISTEN",
     }
 )
 #: Secrets a person (or deploy/k8s/dev-secrets.sh) creates; each must be documented in the README.
@@ -105,6 +108,9 @@ USER_CREATED_SECRETS = frozenset(
 )
 #: The code's default ports.
 ROUTER_GRPC, ROUTER_METRICS, SHARDD_GRPC, SHARDD_METRICS = 50051, 9464, 50061, 9465
+#: The router's HTTP/JSON front: the code has no default port (ROUTER_HTTP_LISTEN empty = off), the
+#: manifests serve it on this one (container and Service port `http`).
+ROUTER_HTTP = 8080
 #: Metrics the alert rules may use: what shardrouter/shardd/observability.py exports.
 SHARDD_METRICS_NAMES = frozenset(
     {
@@ -785,6 +791,8 @@ def test_ports_and_probes_use_the_codes_ports(target: str) -> None:
         expected = {"grpc": grpc_port, "metrics": metrics_port}
         if daemon == "shardd":
             expected |= metrics_ports(serving_processes(c))
+        else:
+            expected |= {"http": ROUTER_HTTP}
         assert {p["name"]: p["containerPort"] for p in c["ports"]} == expected
         assert env_value(c, prefix + "LISTEN") == f"0.0.0.0:{grpc_port}"
         assert env_value(c, prefix + "METRICS_PORT") == str(metrics_port)
@@ -815,6 +823,92 @@ def test_dev_router_uses_native_grpc_probes(target: str) -> None:
     else:
         assert router["readinessProbe"]["grpc"] == {"port": ROUTER_GRPC}
         assert router["livenessProbe"]["grpc"] == {"port": ROUTER_GRPC}
+
+
+def router_ingress_ports(policies: list[dict[str, Any]]) -> dict[int, list[list[dict[str, Any]]]]:
+    """Port -> the `from` lists (an empty list: from anywhere) of the ingress rules that open it on
+    the router's pods, over every NetworkPolicy that selects them for ingress."""
+    router_labels = dict(pods("base"))["router"]
+    out: dict[int, list[list[dict[str, Any]]]] = {}
+    for policy in policies:
+        spec = policy["spec"]
+        if "Ingress" not in spec["policyTypes"] or not selects(spec["podSelector"], router_labels):
+            continue
+        for rule in spec.get("ingress", []):
+            for port in rule.get("ports", []):
+                if port.get("protocol", "TCP") == "TCP":
+                    out.setdefault(port["port"], []).append(rule.get("from", []))
+    return out
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])
+def test_router_serves_the_http_front_on_8080(target: str) -> None:
+    router = container(target, "Deployment", "router", "router")
+    assert {"name": "http", "containerPort": ROUTER_HTTP, "protocol": "TCP"} in router["ports"]
+    assert env_value(router, "ROUTER_HTTP_LISTEN") == f"0.0.0.0:{ROUTER_HTTP}"
+    service = one(target, "Service", "router")
+    (http,) = [p for p in service["spec"]["ports"] if p["name"] == "http"]
+    assert (http["port"], http["targetPort"], http.get("protocol", "TCP")) == (ROUTER_HTTP, "http", "TCP")
+    # The front serves exactly who may call over gRPC: the same rules (from anywhere) open both ports.
+    ingress = router_ingress_ports(of_kind(target, "NetworkPolicy"))
+    assert ingress.get(ROUTER_HTTP) == ingress.get(ROUTER_GRPC), ingress
+    assert [] in ingress[ROUTER_HTTP], "callers reach the HTTP front from any namespace"
+    # Prod: HTTPS with the gRPC server's certificate and caller CA (the front reads ROUTER_TLS_*), so
+    # the probes cannot be kubelet's httpGet (no client certificate): both ports share the exec probe.
+    tls = env_value(router, "ROUTER_TLS_CERT") is not None
+    assert tls == (target == "prod")
+    for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert "httpGet" not in router.get(kind, {}) or not tls, kind
+
+
+def test_router_http_front_checks_can_fail() -> None:
+    policies = of_kind("dev", "NetworkPolicy")
+    (router_policy,) = [p for p in policies if p["metadata"]["name"] == "router"]
+    for rule in router_policy["spec"]["ingress"]:
+        rule["ports"] = [p for p in rule["ports"] if p["port"] != ROUTER_HTTP]
+    ingress = router_ingress_ports(policies)
+    assert ingress.get(ROUTER_HTTP) != ingress.get(ROUTER_GRPC)
+
+
+def test_network_policy_table_lists_the_http_front() -> None:
+    header = itertools.takewhile(
+        lambda line: line.startswith("#"),
+        (K8S / "base" / "network-policies.yaml").read_text(encoding="utf-8").splitlines(),
+    )
+    callers = [line for line in header if re.match(r"#\s+callers\b", line)]
+    assert callers and all(f"router:{p}" in callers[0] for p in (ROUTER_GRPC, ROUTER_HTTP)), callers
+
+
+def _readme_section(title: str) -> str:
+    text = README.read_text(encoding="utf-8")
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def test_readme_calls_the_http_front_on_the_deployed_port_and_routes() -> None:
+    section = _readme_section("Calling over HTTP")
+    routes = set(json.loads(openapi_json())["paths"])
+    # Every URL the section calls is a route of the front, on the Service's port.
+    urls = re.findall(r"(https?)://([\w.-]+):(\d+)(/[\w/{}.-]*)", section)
+    assert urls
+    for scheme, host, port, path in urls:
+        assert int(port) == ROUTER_HTTP, (scheme, host, port, path)
+        if path not in ("/healthz", "/openapi.json", "/docs"):
+            assert path in routes or any(
+                re.fullmatch(re.sub(r"\{\w+\}", r"[^/]+", route), path.rstrip(".")) for route in routes
+            ), path
+    for namespace in NAMESPACES.values():
+        assert f"kubectl -n {namespace} port-forward svc/router {ROUTER_HTTP}:{ROUTER_HTTP}" in section
+    # Dev: plaintext; prod: HTTPS with a client certificate to a name the router's certificate has.
+    assert "http://127.0.0.1:8080/v1/deposits" in section and "http://127.0.0.1:8080/transfers" in section
+    prod_names = set(one("prod", "Certificate", "router-tls")["spec"]["dnsNames"])
+    https_hosts = {host for scheme, host, _, _ in urls if scheme == "https"}
+    assert https_hosts and https_hosts <= prod_names, https_hosts
+    for flag in ("--cacert ", "--cert ", "--key "):
+        assert flag in section, flag
+    assert "Idempotent-Replayed: true" in section and "idempotent-replayed: true" in section
+    assert """-d '{"src":8842,"dst":1190,"amount":2500}'""" in section
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -877,6 +971,8 @@ def test_the_settings_modules_accept_the_manifests_environment(target: str) -> N
         [], env=resolved_env(container(target, "Deployment", "router", "router"), "router-x")
     )
     assert router.listen == f"0.0.0.0:{ROUTER_GRPC}" and router.metrics_port == ROUTER_METRICS
+    # (invalid settings raise) the HTTP front is on, and serves HTTPS wherever gRPC is TLS
+    assert router.http_listen == f"0.0.0.0:{ROUTER_HTTP}"
     assert router.shard_tls_enabled
     assert router.verifies_callers != router.dev_mode, "exactly one of mTLS callers or dev mode"
     assert router.verifies_callers == (target == "prod")
@@ -1001,7 +1097,11 @@ def test_graceful_shutdown_fits_the_grace_period(target: str) -> None:
     for daemon, spec, c in app_containers(target):
         pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
         # the daemons drain for 10 s after SIGTERM (shutdown_grace_s), then close up
-        assert 10 + pre_stop + 5 <= spec["terminationGracePeriodSeconds"] <= 60, daemon
+        drain = 10
+        if daemon == "router" and env_value(c, "ROUTER_HTTP_LISTEN"):
+            # Router.stop drains the HTTP front first (shutdown_grace_s, given up 5 s later), then gRPC
+            drain += 10 + 5
+        assert drain + pre_stop + 5 <= spec["terminationGracePeriodSeconds"] <= 60, daemon
     assert container(target, "Deployment", "router", "router")["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
 
 
