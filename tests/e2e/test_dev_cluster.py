@@ -55,6 +55,7 @@ def _dev_up(data_dir: Path, port: int, *extra: str) -> subprocess.Popen[str]:
             str(data_dir),
             "--port",
             str(port),
+            *(() if "--http-port" in extra else ("--http-port", str(free_port()))),
             *extra,
         ],
         cwd=ROOT,
