@@ -50,7 +50,7 @@ class PlainTransferServicer(TransferServicer):
             mapped_database_errors(self._database.transient_retry_ms),
             self._database.connection() as conn,
             conn.transaction(),
-            bind_transaction(conn, key or uuid.uuid4()),
+            bind_transaction(conn, key.text if key else str(uuid.uuid4())),
         ):
             return handler(request, context)
 

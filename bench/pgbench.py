@@ -217,8 +217,8 @@ def script_from_capture(call: Captured) -> str:
     def expression(value: str | None) -> str:
         if value is None:
             return "NULL"
-        if value == key_text:
-            return key_expr
+        if value == key_text:  # the key columns are text
+            return f"{key_expr}::text"
         if key_text in value:  # e.g. the advisory lock's "scope key" text
             before, after = value.split(key_text, 1)
             return f"({_literal(before)} || {key_expr}::text || {_literal(after)})"
@@ -278,7 +278,7 @@ def limit_script(deposit: Captured) -> str:
 \\set r2 random(0, 4611686018427387903)
 \\set src random(1, :naccounts)
 \\set amount random(1, 1000)
-WITH claim AS (INSERT INTO idempotency_record (scope, key, key_time, method, request_hash, state, status_code, status_message, response, trailers, completed_at) VALUES ({_literal(scope)}, {k}, uuid_extract_timestamp({k}), {_literal(method)}, {_literal(request_hash)}, 'completed', 0, '', {_literal(response)}, '[]', now()) ON CONFLICT (scope, key, key_time) DO NOTHING RETURNING key), acct AS (UPDATE accounts SET balance = balance + (:amount)::bigint WHERE id = (:src)::text AND EXISTS (SELECT 1 FROM claim) RETURNING id, balance), entry AS (INSERT INTO ledger_entries (id, account_id, amount_minor, kind, idempotency_key, reference) SELECT bench_key(:r2, :r1), id, (:amount)::bigint, 'deposit', (SELECT key FROM claim), 'bench' FROM acct) SELECT balance FROM acct;
+WITH claim AS (INSERT INTO idempotency_record (scope, key, key_time, method, request_hash, state, status_code, status_message, response, trailers, completed_at) VALUES ({_literal(scope)}, {k}::text, uuid_extract_timestamp({k}), {_literal(method)}, {_literal(request_hash)}, 'completed', 0, '', {_literal(response)}, '[]', now()) ON CONFLICT (scope, key, key_time) DO NOTHING RETURNING key), acct AS (UPDATE accounts SET balance = balance + (:amount)::bigint WHERE id = (:src)::text AND EXISTS (SELECT 1 FROM claim) RETURNING id, balance), entry AS (INSERT INTO ledger_entries (id, account_id, amount_minor, kind, idempotency_key, reference) SELECT bench_key(:r2, :r1), id, (:amount)::bigint, 'deposit', (SELECT key FROM claim), 'bench' FROM acct) SELECT balance FROM acct;
 """
 
 

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 import psycopg
 
 from shardrouter.core import tracing
+from shardrouter.core.errors import InvalidArgument
 from shardrouter.core.grpcserver import ListenError
-from shardrouter.core.keys import key_time
+from shardrouter.core.keys import parse_key
 from shardrouter.core.logs import configure_logging
 from shardrouter.core.settings_source import read_command_line, unknown_environment
 from shardrouter.core.shardmap import ShardMapError
@@ -184,11 +185,14 @@ def _dead_letters(settings: ShardSettings, action: str, operands: list[str]) -> 
 def _lookup_key(settings: ShardSettings, text: str) -> int:
     from shardrouter.shardd.idempotency import store as key_store
 
-    key = _uuid_or_exit(text)
+    try:
+        key = parse_key(text)
+    except InvalidArgument as exc:
+        raise SystemExit(f"shardd: {text!r} is not an idempotency key: {exc.message}") from None
     with psycopg.connect(settings.dsn) as conn:
-        records = key_store.find_key(conn, key=key, key_time=key_time(key))
+        records = key_store.find_key(conn, key=key.text, key_time=key.dated_at)
     if not records:
-        print(f"no record of key {key} (never seen, rolled back, or expired)")
+        print(f"no record of key {key.text} (never seen, rolled back, or expired)")
         return 1
     for r in records:
         print(

@@ -12,7 +12,6 @@ import contextvars
 import functools
 import logging
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,7 +37,8 @@ class CallTransaction:
     """The open transaction of a guarded call and the idempotency key it claimed."""
 
     conn: Connection
-    key: uuid.UUID
+    #: Its canonical text (a UUID's lower-case form, or an opaque key as sent).
+    key: str
 
 
 _current: contextvars.ContextVar[CallTransaction | None] = contextvars.ContextVar("shardd_txn", default=None)
@@ -199,7 +199,7 @@ def trace_connection(conn: Connection, *, tracer_provider: TracerProvider | None
 
 
 @contextmanager
-def bind_transaction(conn: Connection, key: uuid.UUID) -> Iterator[None]:
+def bind_transaction(conn: Connection, key: str) -> Iterator[None]:
     """Make `conn` (which claimed `key`) the current call's transaction for the handlers below."""
     token = _current.set(CallTransaction(conn, key))
     try:

@@ -338,6 +338,22 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
                                (1 + floor(random() * 4194303))::bigint << 40));
         """,
     ),
+    (
+        10,
+        "idempotency keys stored as text: any UUID or an opaque key",
+        """
+        -- A key is any UUID (canonical lower-case text) or an opaque key of 1-255 visible ASCII
+        -- characters (shardrouter.core.keys). A UUIDv7 still dates its record by its own time; any
+        -- other key by its first receipt, so its record is found by (scope, key) in any partition
+        -- (shardrouter.shardd.idempotency.store). uuid::text is the canonical lower-case form, so
+        -- the existing keys keep their identity. Each ALTER rewrites its table and its indexes once,
+        -- under an exclusive lock; the primary key (scope, key, key_time) stays as it is.
+        ALTER TABLE idempotency_record ALTER COLUMN key TYPE text USING key::text;
+        ALTER TABLE ledger_entries ALTER COLUMN idempotency_key TYPE text USING idempotency_key::text;
+        ALTER TABLE outbox ALTER COLUMN idempotency_key TYPE text USING idempotency_key::text;
+        ALTER TABLE dead_letters ALTER COLUMN refund_key TYPE text USING refund_key::text;
+        """,
+    ),
 )
 
 

@@ -108,7 +108,7 @@ class ShardClients:
         self._retired: list[tuple[float, grpc.Channel]] = []
 
     def call(
-        self, shard_id: str, method: str, payload: bytes, key: uuid.UUID, timeout_s: float
+        self, shard_id: str, method: str, payload: bytes, key: str | uuid.UUID, timeout_s: float
     ) -> tuple[grpc.StatusCode, str]:
         """Send raw request bytes to a shard's internal method (by name, as the proto declares it); the
         status and message it answered.
@@ -355,7 +355,7 @@ class OutboxRelay:
 
     def _dead_letter(self, conn: store.Connection, row: store.OutboxRow, reason: str) -> None:
         log.warning("credit of transfer %s dead-lettered: %s", row.transfer_id, reason)
-        store.dead_letter(conn, row=row, reason=reason, refund_key=refund_key(row.transfer_id))
+        store.dead_letter(conn, row=row, reason=reason, refund_key=str(refund_key(row.transfer_id)))
 
 
 def _backoff(attempts: int) -> float:

@@ -102,6 +102,7 @@ def idempotency_config(settings: ShardSettings) -> IdempotencyConfig:
         claim_lock_timeout_ms=settings.claim_lock_timeout_ms,
         handler_lock_timeout_ms=settings.handler_lock_timeout_ms,
         in_flight_retry_ms=settings.in_flight_retry_ms,
+        require_uuidv7=settings.require_uuidv7,
     )
 
 

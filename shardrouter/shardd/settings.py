@@ -64,6 +64,10 @@ class ShardSettings:
     handler_lock_timeout_ms: int = 2000
     #: RetryInfo delay for an in-flight duplicate (ms).
     in_flight_retry_ms: int = 100
+    #: Accept only UUIDv7 idempotency keys (INVALID_ARGUMENT for any other UUID or an opaque key).
+    #: A UUIDv7 dates itself, so a retry after its record was dropped is refused as expired; any
+    #: other key is dated by its first receipt, and such a late retry looks like a new operation.
+    require_uuidv7: bool = False
     #: Outbox relay worker threads delivering cross-shard credits (0: no relay).
     relay_workers: int = 2
     #: Outbox rows a relay worker takes at once.

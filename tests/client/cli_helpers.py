@@ -65,7 +65,7 @@ def crash_helper(tmp: Path, mode: str, store: Path, target: str, *args: str) -> 
 def ledger_count(dsn: str, key: str) -> int:
     with psycopg.connect(dsn) as conn:
         row = conn.execute(
-            "SELECT count(*) FROM ledger_entries WHERE idempotency_key = %s", (key,)
+            "SELECT count(*) FROM ledger_entries WHERE idempotency_key = %s", (str(key),)
         ).fetchone()
     assert row is not None
     return int(row[0])

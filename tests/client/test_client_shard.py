@@ -33,7 +33,7 @@ def client(shard: ShardDaemon, tmp_path: Path) -> Iterator[TransferClient]:
 def _ledger_rows(dsn: str, key: str) -> int:
     with psycopg.connect(dsn) as conn:
         row = conn.execute(
-            "SELECT count(*) FROM ledger_entries WHERE idempotency_key = %s", (key,)
+            "SELECT count(*) FROM ledger_entries WHERE idempotency_key = %s", (str(key),)
         ).fetchone()
     assert row is not None
     return int(row[0])

@@ -72,7 +72,7 @@ def test_first_call_then_replay(traced: Traced, db) -> None:
     assert replay.attributes is not None
     assert replay.attributes["idempotency.first_trace_id"] == format(first.context.trace_id, "032x")
     (stored,) = db.execute(
-        "SELECT first_traceparent FROM idempotency_record WHERE key = %s", (key,)
+        "SELECT first_traceparent FROM idempotency_record WHERE key = %s", (str(key),)
     ).fetchone()
     flags = int(first.context.trace_flags)
     assert stored == f"00-{first.context.trace_id:032x}-{first.context.span_id:016x}-{flags:02x}"

@@ -206,8 +206,8 @@ def test_parallel_attempts_with_one_key_apply_once(cluster: Cluster, parallel: i
 
     other = next(s for s in SHARDS if s != owner)
     entries_sql = "SELECT count(*) FROM ledger_entries WHERE kind = 'transfer_out' AND idempotency_key = %s"
-    assert cluster.scalar(owner, entries_sql, (key,)) == 1
-    assert cluster.scalar(other, entries_sql, (key,)) == 0
+    assert cluster.scalar(owner, entries_sql, (str(key),)) == 1
+    assert cluster.scalar(other, entries_sql, (str(key),)) == 0
     assert (
         cluster.scalar(
             owner,
@@ -218,7 +218,9 @@ def test_parallel_attempts_with_one_key_apply_once(cluster: Cluster, parallel: i
     )
     assert (
         cluster.scalar(
-            owner, "SELECT count(*) FROM idempotency_record WHERE key = %s AND state = 'completed'", (key,)
+            owner,
+            "SELECT count(*) FROM idempotency_record WHERE key = %s AND state = 'completed'",
+            (str(key),),
         )
         == 1
     )
@@ -229,7 +231,7 @@ def test_parallel_attempts_with_one_key_apply_once(cluster: Cluster, parallel: i
     kind, later, trailers = _attempt(call, raw, key)
     assert kind == "ok" and later == response
     assert trailers["idempotency-replayed"] == "true"  # type: ignore[index]
-    assert cluster.scalar(owner, entries_sql, (key,)) == 1
+    assert cluster.scalar(owner, entries_sql, (str(key),)) == 1
 
 
 def test_many_keys_on_both_shards_each_apply_once(cluster: Cluster) -> None:
@@ -263,8 +265,8 @@ def test_many_keys_on_both_shards_each_apply_once(cluster: Cluster) -> None:
     for key, src, _dst, _amount, raw in plan:
         response = _check_attempts(by_key[key])
         owner = cluster.owner(src)
-        assert cluster.scalar(owner, entries_sql, (key,)) == 1, f"key {key} applied other than once"
-        assert cluster.scalar(next(s for s in SHARDS if s != owner), entries_sql, (key,)) == 0
+        assert cluster.scalar(owner, entries_sql, (str(key),)) == 1, f"key {key} applied other than once"
+        assert cluster.scalar(next(s for s in SHARDS if s != owner), entries_sql, (str(key),)) == 0
         kind, later, trailers = _attempt(call, raw, key)
         assert kind == "ok" and later == response and trailers["idempotency-replayed"] == "true"  # type: ignore[index]
     for s in SHARDS:
@@ -400,7 +402,7 @@ def test_shard_down_is_unavailable_with_retry_info_then_recovers(cluster: Cluste
         cluster.scalar(
             "shard-1",
             "SELECT count(*) FROM ledger_entries WHERE kind = 'deposit' AND idempotency_key = %s",
-            (key,),
+            (str(key),),
         )
         == 1
     )

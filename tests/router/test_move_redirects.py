@@ -121,9 +121,7 @@ class Cluster:
         return self.scalar(shard_id, "SELECT balance FROM accounts WHERE id = %s", (account,))
 
     def records_of(self, shard_id: str, key: str) -> object:
-        return self.scalar(
-            shard_id, "SELECT count(*) FROM idempotency_record WHERE key = %s", (uuid.UUID(key),)
-        )
+        return self.scalar(shard_id, "SELECT count(*) FROM idempotency_record WHERE key = %s", (str(key),))
 
     def stop(self) -> None:
         for channel in self.channels:

@@ -104,3 +104,17 @@ def test_usage_and_unknown_commands():
     assert _shardd("--help").returncode == 0
     result = _shardd("frobnicate")
     assert result.returncode == 2 and "commands:" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "key", ["order-77/Attempt:1", "8E03978E-40D5-43E8-BC93-6894A57F9324"], ids=["opaque", "uuid4"]
+)
+def test_key_lookup_finds_a_key_dated_by_its_receipt(stub, database, key):
+    md = key_metadata(key, caller="team-a")
+    stub.Deposit(transfer_pb2.DepositRequest(account_id="alice", amount=money(5)), metadata=md)
+    result = _shardd("keys", "lookup", key, "--dsn", database)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["state"] == "completed" and record["scope"].endswith("|team-a")
+    bad = _shardd("keys", "lookup", "two words", "--dsn", database)
+    assert bad.returncode != 0 and "not an idempotency key" in bad.stderr

@@ -68,7 +68,7 @@ def test_twenty_parallel_attempts_with_one_key_apply_once(stub, db):
     assert (
         db.execute(
             "SELECT count(*) FROM idempotency_record WHERE state = 'completed' AND key = %s",
-            (uuid.UUID(md[0][1]),),
+            (md[0][1],),
         ).fetchone()[0]
         == 1
     )
@@ -147,9 +147,13 @@ def test_connection_killed_mid_handler_leaves_no_record_and_retry_applies_once(s
     assert errors and errors[0].code() == grpc.StatusCode.UNAVAILABLE
     assert "nothing was applied" in errors[0].details()
     key = uuid.UUID(md[0][1])
-    assert db.execute("SELECT count(*) FROM idempotency_record WHERE key = %s", (key,)).fetchone()[0] == 0
     assert (
-        db.execute("SELECT count(*) FROM ledger_entries WHERE idempotency_key = %s", (key,)).fetchone()[0]
+        db.execute("SELECT count(*) FROM idempotency_record WHERE key = %s", (str(key),)).fetchone()[0] == 0
+    )
+    assert (
+        db.execute("SELECT count(*) FROM ledger_entries WHERE idempotency_key = %s", (str(key),)).fetchone()[
+            0
+        ]
         == 0
     )
     reply = stub.Deposit(transfer_pb2.DepositRequest(account_id="alice", amount=money(5)), metadata=md)
@@ -157,7 +161,9 @@ def test_connection_killed_mid_handler_leaves_no_record_and_retry_applies_once(s
     again = stub.Deposit(transfer_pb2.DepositRequest(account_id="alice", amount=money(5)), metadata=md)
     assert again == reply
     assert (
-        db.execute("SELECT count(*) FROM ledger_entries WHERE idempotency_key = %s", (key,)).fetchone()[0]
+        db.execute("SELECT count(*) FROM ledger_entries WHERE idempotency_key = %s", (str(key),)).fetchone()[
+            0
+        ]
         == 1
     )
 
@@ -176,6 +182,8 @@ def test_deadline_running_out_in_the_database_rolls_back(stub, db, database):
     holder.rollback()
     holder.close()
     key = uuid.UUID(md[0][1])
-    assert db.execute("SELECT count(*) FROM idempotency_record WHERE key = %s", (key,)).fetchone()[0] == 0
+    assert (
+        db.execute("SELECT count(*) FROM idempotency_record WHERE key = %s", (str(key),)).fetchone()[0] == 0
+    )
     reply = stub.Deposit(transfer_pb2.DepositRequest(account_id="alice", amount=money(5)), metadata=md)
     assert reply.balance.amount_minor == 105

@@ -2,8 +2,8 @@
 
 Hypothesis draws Deposit and Transfer requests (account ids valid and not, unicode included; amounts
 over the whole int64 range; currencies valid and not; references with control characters and over
-the length limit) with fuzzed metadata (UUIDv7 keys of every age, v4 keys, garbage, none, a binary
-key, duplicates, keys reused from earlier examples; valid, malformed and duplicated caller ids) and
+the length limit) with fuzzed metadata (UUIDv7 keys of every age, v4 keys, opaque keys, garbage, none, a
+binary key, duplicates, keys reused from earlier examples; valid, malformed and duplicated caller ids) and
 sends each twice to one shard daemon (real gRPC on loopback, real PostgreSQL). After every send:
 
 - the status is one of OK, INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION: never UNKNOWN or
@@ -48,7 +48,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from shardrouter.core.errors import InvalidArgument
-from shardrouter.core.keys import key_time, parse_key
+from shardrouter.core.keys import IdempotencyKey, parse_key
 from shardrouter.core.validation import validate_deposit, validate_transfer
 from shardrouter.shardd.server import ShardDaemon
 from shardrouter.v1 import transfer_pb2
@@ -93,8 +93,9 @@ _YEAR_9000_MS = int(datetime(9000, 1, 1, tzinfo=UTC).timestamp() * 1000)
 _rand = st.integers(0, 2**74 - 1)
 
 
-GOOD_KEYS = ["fresh"] * 5 + ["days-old", "near-future", "upper", "reuse", "reuse"]
-BAD_KEYS = ["expired", "future", "v4", "garbage", "missing", "binary", "duplicated"]
+GOOD_KEYS = ["fresh"] * 5 + ["days-old", "near-future", "upper", "v4", "opaque", "reuse", "reuse"]
+BAD_KEYS = ["expired", "future", "garbage", "missing", "binary", "duplicated"]
+VISIBLE_ASCII = PRINTABLE_ASCII[:-1]  # 0x21-0x7E: string.printable ends in the space here
 
 
 @st.composite
@@ -122,10 +123,13 @@ def key_entries(draw: st.DrawFn) -> list[tuple[str, Any]]:
     if kind == "future":  # from 10 minutes ahead up to the year 9000
         ahead = draw(st.integers(600_000, _YEAR_9000_MS - _START_MS))
         return [("idempotency-key", _v7(now + ahead, draw(_rand)))]
-    if kind == "v4":
-        return [("idempotency-key", str(uuid.UUID(int=draw(st.integers(0, 2**128 - 1)), version=4)))]
-    if kind == "garbage":
-        return [("idempotency-key", draw(st.text(alphabet=PRINTABLE_ASCII, max_size=60)))]
+    if kind == "v4":  # dated by its first receipt
+        value = str(uuid.UUID(int=draw(st.integers(0, 2**128 - 1)), version=4))
+        return [("idempotency-key", draw(st.sampled_from([value, value.upper()])))]
+    if kind == "opaque":  # 1-255 visible ASCII characters, taken as sent
+        return [("idempotency-key", draw(st.text(alphabet=VISIBLE_ASCII, min_size=1, max_size=255)))]
+    if kind == "garbage":  # now and then valid (an opaque key); the oracle asks parse_key
+        return [("idempotency-key", draw(st.text(alphabet=PRINTABLE_ASCII, max_size=300)))]
     if kind == "missing":
         return []
     if kind == "binary":
@@ -288,20 +292,20 @@ class State:
         return State(balances, (int(entries[0]), int(entries[1])), int(records[0]), int(transfers[0]))
 
 
-def _entries_of(db: psycopg.Connection[Any], key: uuid.UUID | None) -> list[tuple[str, int, str]]:
+def _entries_of(db: psycopg.Connection[Any], key: IdempotencyKey | None) -> list[tuple[str, int, str]]:
     if key is None:
         return []
     rows = db.execute(
-        "SELECT account_id, amount_minor, kind FROM ledger_entries WHERE idempotency_key = %s", (key,)
+        "SELECT account_id, amount_minor, kind FROM ledger_entries WHERE idempotency_key = %s", (key.text,)
     ).fetchall()
     return sorted((str(a), int(m), str(k)) for a, m, k in rows)
 
 
-def _stored_hash(db: psycopg.Connection[Any], scope: str, key: uuid.UUID | None) -> bytes | None:
+def _stored_hash(db: psycopg.Connection[Any], scope: str, key: IdempotencyKey | None) -> bytes | None:
     if key is None:
         return None
     row = db.execute(
-        "SELECT request_hash FROM idempotency_record WHERE scope = %s AND key = %s", (scope, key)
+        "SELECT request_hash FROM idempotency_record WHERE scope = %s AND key = %s", (scope, key.text)
     ).fetchone()
     return None if row is None else bytes(row[0])
 
@@ -310,7 +314,7 @@ def _stored_hash(db: psycopg.Connection[Any], scope: str, key: uuid.UUID | None)
 # The oracle for refusals before the claim (the interceptor's order of checks)
 
 
-def _parsed_key(case: Case) -> uuid.UUID | None:
+def _parsed_key(case: Case) -> IdempotencyKey | None:
     texts = case.key_texts
     if len(texts) != 1:
         return None
@@ -334,10 +338,10 @@ def expected_refusal(case: Case, now: datetime) -> tuple[grpc.StatusCode, str] |
     key = _parsed_key(case)
     if key is None:
         return INVALID, "IDEMPOTENCY_KEY_INVALID"
-    moment = key_time(key)
-    if moment + RETENTION <= now:
+    moment = key.dated_at  # None: dated by its receipt, so neither expired nor from the future
+    if moment is not None and moment + RETENTION <= now:
         return FAILED, "IDEMPOTENCY_KEY_EXPIRED"
-    if moment - now > MAX_SKEW:
+    if moment is not None and moment - now > MAX_SKEW:
         return INVALID, "IDEMPOTENCY_KEY_FROM_FUTURE"
     try:
         (validate_deposit if case.method == "Deposit" else validate_transfer)(case.request)  # type: ignore[operator]

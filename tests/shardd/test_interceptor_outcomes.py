@@ -122,9 +122,8 @@ def test_key_reused_for_different_request_is_refused(stub, db):
     [
         ([], "missing idempotency-key"),
         ([("idempotency-key", "")], "got 0 characters"),
-        ([("idempotency-key", str(uuid.uuid4()))], "version 4"),
-        ([("idempotency-key", "x" * 36)], "not a UUID"),
-        ([("idempotency-key", str(new_key()).replace("-", "")[:32] + "----")], "canonical"),
+        ([("idempotency-key", "two words")], "character 4 is a space"),
+        ([("idempotency-key", "k" * 256)], "got 256 characters, at most 255"),
         ([("idempotency-key", "k" * 5000)], "got 5000 characters"),
         ([("idempotency-key-bin", b"\x00\x01")], "missing idempotency-key"),
         ([("idempotency-key", str(new_key())), ("idempotency-key", str(new_key()))], "sent 2 times"),

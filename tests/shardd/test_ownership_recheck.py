@@ -130,9 +130,9 @@ def test_a_daemon_that_lost_the_account_refuses_it_as_moved_with_nothing_applied
     assert "belongs to shard-b" in (refused.value.details() or "")
     with psycopg.connect(database, autocommit=True) as conn:
         key = uuid.UUID(metadata[0][1])
-        assert conn.execute("SELECT count(*) FROM idempotency_record WHERE key = %s", (key,)).fetchone() == (
-            0,
-        )
+        assert conn.execute(
+            "SELECT count(*) FROM idempotency_record WHERE key = %s", (str(key),)
+        ).fetchone() == (0,)
         assert conn.execute("SELECT balance FROM accounts WHERE id = %s", (ACCOUNT,)).fetchone() == (3,)
     # Reads are refused the same way.
     with pytest.raises(grpc.RpcError) as read_refused:
@@ -189,6 +189,6 @@ def test_a_credit_for_an_account_another_shard_owns_is_refused_retryably_not_sto
     assert info.reason == Reason.ACCOUNT_MOVED
     assert info.metadata["owner_shard_id"] == "shard-a"
     with psycopg.connect(database, autocommit=True) as conn:
-        assert conn.execute("SELECT count(*) FROM idempotency_record WHERE key = %s", (key,)).fetchone() == (
-            0,
-        )
+        assert conn.execute(
+            "SELECT count(*) FROM idempotency_record WHERE key = %s", (str(key),)
+        ).fetchone() == (0,)

@@ -50,7 +50,7 @@ def _claim_at(dsn: str, moment: datetime) -> str:
         claim = store.claim_key(
             conn,
             scope="s",
-            key=key,
+            key=str(key),
             key_time=key_time(key),
             method="m",
             request_hash=b"h",
@@ -59,7 +59,7 @@ def _claim_at(dsn: str, moment: datetime) -> str:
         )
         assert claim.status is ClaimStatus.CLAIMED
         row = conn.execute(
-            "SELECT tableoid::regclass::text FROM idempotency_record WHERE key = %s", (key,)
+            "SELECT tableoid::regclass::text FROM idempotency_record WHERE key = %s", (str(key),)
         ).fetchone()
     assert row is not None
     return str(row[0])
@@ -129,7 +129,7 @@ def test_a_running_daemon_restores_a_missing_current_month_for_real_deposits(dat
                 timeout=5,
             )
         row = db.execute(
-            "SELECT tableoid::regclass::text FROM idempotency_record WHERE key = %s", (key,)
+            "SELECT tableoid::regclass::text FROM idempotency_record WHERE key = %s", (str(key),)
         ).fetchone()
         assert row is not None and row[0] == Month.of(key_time(key)).table
     finally:

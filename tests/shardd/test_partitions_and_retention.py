@@ -49,7 +49,7 @@ def test_first_day_of_a_month_still_accepts_keys_from_the_last_day_before(databa
         claim = store.claim_key(
             conn,
             scope="s",
-            key=key,
+            key=str(key),
             key_time=key_time(key),
             method="m",
             request_hash=b"h",
@@ -70,7 +70,7 @@ def test_there_is_no_default_partition_so_a_missing_month_fails_loudly(database)
             store.claim_key(
                 conn,
                 scope="s",
-                key=far,
+                key=str(far),
                 key_time=key_time(far),
                 method="m",
                 request_hash=b"h",
@@ -86,7 +86,7 @@ def _seed_old_rows(database: str, month_start: datetime, rows: int) -> None:
             store.claim_key(
                 conn,
                 scope="old",
-                key=key,
+                key=str(key),
                 key_time=key_time(key),
                 method="m",
                 request_hash=b"h",
@@ -195,11 +195,11 @@ def test_retention_under_live_traffic_loses_no_write_and_blocks_none_for_long(sh
     # No write lost: every acknowledged deposit has its ledger entry and its record.
     keys = [uuid.UUID(k) for k in succeeded]
     assert db.execute(
-        "SELECT count(*) FROM ledger_entries WHERE idempotency_key = ANY(%s)", (keys,)
+        "SELECT count(*) FROM ledger_entries WHERE idempotency_key = ANY(%s)", ([str(k) for k in keys],)
     ).fetchone()[0] == len(keys)
-    assert db.execute("SELECT count(*) FROM idempotency_record WHERE key = ANY(%s)", (keys,)).fetchone()[
-        0
-    ] == len(keys)
+    assert db.execute(
+        "SELECT count(*) FROM idempotency_record WHERE key = ANY(%s)", ([str(k) for k in keys],)
+    ).fetchone()[0] == len(keys)
     worst = max(during) if during else 0.0
     assert worst < 2.0, f"a write waited {worst:.2f} s behind the retention job"
     print(

@@ -97,7 +97,9 @@ def test_a_fenced_slot_refuses_calls_retryably_and_applies_nothing(stub, db):
     assert info.reason == "SLOT_RANGE_MOVING"
     assert any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in status.details)
     key = uuid.UUID(md[0][1])
-    assert db.execute("SELECT count(*) FROM idempotency_record WHERE key = %s", (key,)).fetchone()[0] == 0
+    assert (
+        db.execute("SELECT count(*) FROM idempotency_record WHERE key = %s", (str(key),)).fetchone()[0] == 0
+    )
     assert db.execute("SELECT balance FROM accounts WHERE id = 'fenced-acct'").fetchone()[0] == 100
     # Other slots flow; a transfer out of a fenced account is refused like a deposit.
     stub.Deposit(_deposit_request("free-acct"), metadata=key_metadata())

@@ -9,7 +9,6 @@ in flight. The real store is tested against PostgreSQL (tests/shardd).
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -26,7 +25,7 @@ from shardrouter.shardd.idempotency.record import (
     StoredOutcome,
 )
 
-ScopeKey = tuple[str, uuid.UUID]
+ScopeKey = tuple[str, str]
 CREATED_AT = datetime(2026, 1, 1, tzinfo=UTC)
 
 
@@ -68,7 +67,7 @@ class FakeKeys:
         statement_timeout_ms: int | None,
         traceparent: str | None,
     ) -> Claim:
-        scoped = (call.scope, call.key.key)
+        scoped = (call.scope, call.key.text)
         existing = self.committed.get(scoped)
         if existing is not None:
             return Claim(ClaimStatus.EXISTING, existing)
@@ -76,7 +75,7 @@ class FakeKeys:
             return Claim(ClaimStatus.IN_FLIGHT)
         conn.records[scoped] = IdempotencyRecord(
             scope=call.scope,
-            key=call.key.key,
+            key=call.key.text,
             key_time=call.key.time,
             method=method,
             request_hash=call.request_hash,
@@ -98,7 +97,7 @@ class FakeKeys:
             raise
 
     def complete(self, conn: FakeTransaction, call: GuardedCall, outcome: StoredOutcome) -> None:
-        scoped = (call.scope, call.key.key)
+        scoped = (call.scope, call.key.text)
         record = conn.records[scoped]
         assert record.state is RecordState.IN_FLIGHT, "completing a key this transaction did not claim"
         conn.records[scoped] = dataclasses.replace(record, state=RecordState.COMPLETED, outcome=outcome)

@@ -41,16 +41,24 @@ CONFIG = IdempotencyConfig(
 class Shard:
     """One guarded Deposit over a `FakeKeys`, with what it reported and what its handler did."""
 
-    def __init__(self, keys: FakeKeys | None = None, *, admission: Admission | None = None) -> None:
+    def __init__(
+        self,
+        keys: FakeKeys | None = None,
+        *,
+        admission: Admission | None = None,
+        config: IdempotencyConfig = CONFIG,
+    ) -> None:
         self.keys = keys if keys is not None else FakeKeys()
+        #: The shard's clock: the receipt time of keys that do not date themselves.
+        self.now = NOW
         self.outcomes: list[CallOutcome] = []
         self.handled = 0
         self.fail_with: Exception | None = None
         self.collaborators = Collaborators(
             database=cast(Database, None),  # the steps reach the key table through `keys` only
-            config=CONFIG,
+            config=config,
             identity=IdentityPolicy(dev_mode=True),
-            clock=lambda: NOW,
+            clock=lambda: self.now,
             report=OutcomeReport([self.outcomes.append]),
             tracer=None,
             shard_id="a",
@@ -215,7 +223,7 @@ def test_unknown_fields_do_not_make_another_request() -> None:
 def test_a_key_in_flight_elsewhere_is_aborted_with_retry_info_and_nothing_stored() -> None:
     shard = Shard()
     key = new_key(_ms(NOW))
-    shard.keys.held.add((f"{DEPOSIT}|anonymous", key))
+    shard.keys.held.add((f"{DEPOSIT}|anonymous", str(key)))
     answer = shard.call(deposit(), keyed(key))
     assert answer.code is grpc.StatusCode.ABORTED
     assert answer.reason == "IDEMPOTENCY_KEY_IN_FLIGHT"
@@ -257,10 +265,10 @@ def test_a_duplicate_of_a_key_a_thread_here_works_on_joins_its_flight() -> None:
         ((), "IDEMPOTENCY_KEY_MISSING"),
         ((("idempotency-key", "0192d1a8-7c1e-7b3a-9f2e-3c4d5e6f7a8b"),) * 2, "IDEMPOTENCY_KEY_INVALID"),
         ((("idempotency-key-bin", b"x"), ("idempotency-key", b"\x01")), "IDEMPOTENCY_KEY_INVALID"),
-        ((("idempotency-key", "not-a-key"),), "IDEMPOTENCY_KEY_INVALID"),
-        ((("idempotency-key", str(uuid.uuid4())),), "IDEMPOTENCY_KEY_INVALID"),
+        ((("idempotency-key", "not a key"),), "IDEMPOTENCY_KEY_INVALID"),
+        ((("idempotency-key", "k" * 256),), "IDEMPOTENCY_KEY_INVALID"),
     ],
-    ids=["missing", "twice", "binary", "garbage", "uuid4"],
+    ids=["missing", "twice", "binary", "space", "too-long"],
 )
 def test_a_malformed_key_is_invalid_and_never_reaches_the_store(metadata: Any, reason: str) -> None:
     shard = Shard()
@@ -376,3 +384,54 @@ def test_the_chain_leaves_admission_out_when_there_are_no_limits() -> None:
     assert isinstance(first, AnswerFromMemory) and not isinstance(first._next, Admit)
     limited = chain(with_limits.collaborators, method, handler, with_limits.keys)
     assert isinstance(limited, AnswerFromMemory) and isinstance(limited._next, Admit)
+
+
+# --- keys that do not date themselves -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key", [str(uuid.uuid4()), "order-7781/attempt:A", "{0192d1a8-7c1e-7b3a-9f2e-3c4d5e6f7a8b}"]
+)
+def test_a_key_dated_by_receipt_applies_once_and_its_replays_expire_with_the_first_receipt(key: str) -> None:
+    shard = Shard()
+    first = shard.call(deposit(), keyed(key))
+    assert first.code is grpc.StatusCode.OK
+    assert first.trailers["idempotency-expires-at"] == "2026-03-31T12:00:00.000+00:00"  # receipt + 30 days
+    (record,) = shard.keys.committed.values()
+    assert record.key == key and record.key_time == NOW
+    shard.now = NOW + timedelta(days=3)  # a later retry: its record still dates from the first receipt
+    for _ in range(2):  # from memory, then again
+        replay = shard.call(deposit(), keyed(key))
+        assert replay.response == first.response and replay.trailers["idempotency-replayed"] == "true"
+        assert replay.trailers["idempotency-expires-at"] == "2026-03-31T12:00:00.000+00:00"
+    assert shard.handled == 1 and shard.keys.writes == ["credit alice 100"]
+
+
+def test_a_uuid_key_is_one_key_in_either_case() -> None:
+    shard = Shard()
+    key = str(uuid.uuid4())
+    assert shard.call(deposit(), keyed(key.upper())).code is grpc.StatusCode.OK
+    replay = shard.call(deposit(), keyed(key))
+    assert replay.trailers["idempotency-replayed"] == "true" and shard.handled == 1
+    (record,) = shard.keys.committed.values()
+    assert record.key == key
+
+
+@pytest.mark.parametrize(
+    ("key", "kind"),
+    [
+        (str(uuid.uuid4()), "a version 4 UUID"),
+        (str(uuid.uuid1()), "a version 1 UUID"),
+        ("abc", "an opaque key"),
+    ],
+    ids=["uuid4", "uuid1", "opaque"],
+)
+def test_a_shard_requiring_uuidv7_refuses_any_other_key_and_stores_nothing(key: str, kind: str) -> None:
+    shard = Shard(config=IdempotencyConfig(retention=timedelta(days=30), require_uuidv7=True))
+    answer = shard.call(deposit(), keyed(key))
+    assert answer.code is grpc.StatusCode.INVALID_ARGUMENT and answer.reason == "IDEMPOTENCY_KEY_INVALID"
+    assert answer.status is not None
+    assert "accepts only UUIDv7 keys" in answer.status.details and kind in answer.status.details
+    assert "applied a second time" in answer.status.details
+    assert shard.keys.transactions == 0 and shard.handled == 0
+    assert shard.call(deposit(), keyed()).code is grpc.StatusCode.OK  # a UUIDv7 is still served

@@ -8,7 +8,6 @@ connection. Each step either answers or hands the call to the next one.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import grpc
 from google.protobuf.message import Message
 from opentelemetry import trace
 
+from shardrouter.core.keys import IdempotencyKey
 from shardrouter.shardd.idempotency.outcomes import OutcomeKind
 from shardrouter.shardd.idempotency.process_keys import KeyFlight, ScopedKey
 from shardrouter.shardd.idempotency.record import Claim, IdempotencyRecord, StoredOutcome, Trailer
@@ -46,15 +46,21 @@ class MutatingMethod:
 class KeyRead:
     """The call's idempotency key, read and checked (format, age, clock skew)."""
 
-    key: uuid.UUID
-    #: The key as text, as logs, spans and this process's memory know it.
+    key: IdempotencyKey
+    #: The key's canonical text: what the key table stores, and logs, spans and memory know.
     text: str
-    #: The creation time the UUIDv7 carries (its partition).
+    #: The date of a record this call makes (its partition): a UUIDv7's own time, else this receipt's
+    #: (a record a first receipt made carries that receipt's time).
     time: datetime
-    #: When the key leaves the retention window.
+    #: When a record this call makes leaves the retention window.
     expires_at: datetime
     #: `idempotency-expires-at`: every answer to a call with a readable key carries it.
     expiry_trailer: Trailer
+
+    @property
+    def dated_by_key(self) -> bool:
+        """Whether the key dates itself (a UUIDv7); else its record is dated by its first receipt."""
+        return self.key.dated_at is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +85,9 @@ class GuardedCall:
         return (self.scope, self.key.text)
 
 
-#: How a call is answered: the outcome (stored, or to be stored) and its kind.
-Answered = tuple[StoredOutcome, OutcomeKind]
+#: How a call is answered: the outcome (stored, or to be stored), its kind, and the date of the
+#: key's record (`key_time`: differs from the call's own for a replay of a key dated by receipt).
+Answered = tuple[StoredOutcome, OutcomeKind, datetime]
 #: The key's completed record, and whether this call made it (claimed the key and ran the handler).
 Settled = tuple[IdempotencyRecord, bool]
 

@@ -21,6 +21,9 @@ class IdempotencyConfig:
     #: Delay suggested in RetryInfo when the same key is in flight. (The delay after a transient
     #: database failure is the `Database`'s, which maps those failures.)
     in_flight_retry_ms: int = 100
+    #: Refuse every key but a UUIDv7 (INVALID_ARGUMENT): only a key that dates itself lets a retry
+    #: that comes after its record was dropped be refused as expired instead of applied again.
+    require_uuidv7: bool = False
 
     def __post_init__(self) -> None:
         if self.retention <= timedelta(0):

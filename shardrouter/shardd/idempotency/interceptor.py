@@ -43,6 +43,7 @@ from shardrouter.core.tracing import SERVER_ERROR_CODES
 from shardrouter.shardd.admission import Admission
 from shardrouter.shardd.db import Database
 from shardrouter.shardd.idempotency.call import (
+    Answered,
     CallStep,
     FlightStep,
     GuardedCall,
@@ -64,6 +65,7 @@ from shardrouter.shardd.idempotency.steps import (
     RunHandler,
     StoreOutcome,
     check_key_age,
+    expiry,
     read_key,
 )
 from shardrouter.shardd.identity import IdentityPolicy
@@ -207,16 +209,17 @@ class GuardedMethod:
         call: GuardedCall | None = None
         try:
             metadata = tuple(context.invocation_metadata())
-            key = read_key(metadata, self._with.config.retention)
+            now = self._with.clock()
+            key = read_key(metadata, self._with.config, now)
             span.set_attribute("idempotency.key", key.text)
-            check_key_age(key, self._with.clock(), self._with.config)
+            check_key_age(key, now, self._with.config)
             call = self._decode_and_validate(raw, context, metadata, span, key)
-            outcome, kind = self._run(call)
+            outcome, kind, dated = self._run(call)
         except ShardRouterError as error:
             self._refuse(context, span, started, error, key, call)
-        return self._answer(context, span, started, outcome, kind, call)
+        return self._answer(context, span, started, outcome, kind, call, dated)
 
-    def _run(self, call: GuardedCall) -> tuple[StoredOutcome, OutcomeKind]:
+    def _run(self, call: GuardedCall) -> Answered:
         """The chain's answer; an unexpected exception becomes INTERNAL (nothing was applied)."""
         try:
             return self._steps(call)
@@ -237,8 +240,11 @@ class GuardedMethod:
         outcome: StoredOutcome,
         kind: OutcomeKind,
         call: GuardedCall,
+        dated: datetime,
     ) -> bytes | None:
-        """answer: the outcome (new or replayed), traced, reported, and written to the call verbatim."""
+        """answer: the outcome (new or replayed), traced, reported, and written to the call verbatim.
+
+        `dated`: the record's date; a replay of a key dated by its first receipt expires with it."""
         code = status_code_from_int(outcome.code)
         _trace_outcome(span, kind, code, outcome.message)
         self._with.report(
@@ -246,7 +252,12 @@ class GuardedMethod:
                 self._method.full_name, call.scope, call.key.text, kind, code, time.perf_counter() - started
             )
         )
-        trailers = [*outcome.trailers, call.key.expiry_trailer]
+        expiry_trailer = (
+            call.key.expiry_trailer
+            if dated == call.key.time
+            else expiry(dated, self._with.config.retention)[1]
+        )
+        trailers = [*outcome.trailers, expiry_trailer]
         if kind is OutcomeKind.REPLAY:
             trailers.append(REPLAYED_TRAILER)
         if outcome.is_ok:

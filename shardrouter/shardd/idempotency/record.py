@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import enum
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -59,7 +58,8 @@ class IdempotencyRecord:
     """One stored key: who claimed it for what request, and the outcome once completed."""
 
     scope: str
-    key: uuid.UUID
+    #: The key's canonical text.
+    key: str
     key_time: datetime
     method: str
     request_hash: bytes

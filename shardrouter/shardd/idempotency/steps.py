@@ -35,7 +35,7 @@ from shardrouter.core.errors import (
     to_status_proto,
 )
 from shardrouter.core.interceptors import MethodHandler
-from shardrouter.core.keys import KEY_FORMAT_HINT, KEY_METADATA, key_time, parse_key
+from shardrouter.core.keys import KEY_FORMAT_HINT, KEY_METADATA, parse_key
 from shardrouter.core.tracing import SERVER_ERROR_CODES, span_context_of_traceparent, traceparent_of
 from shardrouter.shardd.admission import Admission
 from shardrouter.shardd.db import Database, bind_transaction, mapped_database_errors
@@ -68,8 +68,13 @@ EXPIRES_AT_TRAILER = "idempotency-expires-at"
 # --- building the input: the key rules, the request --------------------------------------------
 
 
-def read_key(metadata: Sequence[tuple[str, str | bytes]], retention: timedelta) -> KeyRead:
-    """The call's one `idempotency-key` entry, parsed (InvalidArgument if missing, repeated or bad)."""
+def read_key(
+    metadata: Sequence[tuple[str, str | bytes]], config: IdempotencyConfig, now: datetime
+) -> KeyRead:
+    """The call's one `idempotency-key` entry, parsed (InvalidArgument if missing, repeated or bad).
+
+    `now` is the receipt time: the date of a record made for a key that does not date itself.
+    """
     values = [v for k, v in metadata if k == KEY_METADATA]
     if not values:
         raise InvalidArgument(
@@ -88,15 +93,33 @@ def read_key(metadata: Sequence[tuple[str, str | bytes]], retention: timedelta) 
             reason=Reason.IDEMPOTENCY_KEY_INVALID,
         )
     key = parse_key(value)
-    moment = key_time(key)
-    expires_at = moment + retention
-    return KeyRead(
-        key, str(key), moment, expires_at, (EXPIRES_AT_TRAILER, expires_at.isoformat(timespec="milliseconds"))
-    )
+    moment = key.dated_at
+    if moment is None:
+        if config.require_uuidv7:
+            raise InvalidArgument(
+                f"invalid idempotency-key: this shard accepts only UUIDv7 keys (RFC 9562 version 7, for "
+                f"example 0192d1a8-7c1e-7b3a-9f2e-3c4d5e6f7a8b), and this is {key.describe()}; a UUIDv7 "
+                "carries its own time, so a retry that comes after its record was dropped is refused as "
+                "expired instead of being applied a second time",
+                reason=Reason.IDEMPOTENCY_KEY_INVALID,
+            )
+        moment = now
+    return KeyRead(key, key.text, moment, *expiry(moment, config.retention))
+
+
+def expiry(key_time: datetime, retention: timedelta) -> tuple[datetime, Trailer]:
+    """When a record dated `key_time` leaves the retention window, and the trailer saying so."""
+    expires_at = key_time + retention
+    return expires_at, (EXPIRES_AT_TRAILER, expires_at.isoformat(timespec="milliseconds"))
 
 
 def check_key_age(key: KeyRead, now: datetime, config: IdempotencyConfig) -> None:
-    """Refuse a key past the retention window (EXPIRED) or dated beyond the allowed clock skew."""
+    """Refuse a key past the retention window (EXPIRED) or dated beyond the allowed clock skew.
+
+    Only a UUIDv7 dates itself; any other key is dated by its receipt, now, and passes both.
+    """
+    if not key.dated_by_key:
+        return
     moment, expires_at = key.time, key.expires_at
     if expires_at <= now:
         raise FailedPrecondition(
@@ -190,12 +213,16 @@ class AnswerFromMemory:
         scoped = call.scoped_key
         cached = self._completed.get(scoped)
         if cached is not None:
-            return replay(cached, call, source="memory"), OutcomeKind.REPLAY
+            return replay(cached, call, source="memory"), OutcomeKind.REPLAY, cached.key_time
         flight, leads = self._flights.join(scoped)
         if not leads:
             flight.wait_settled(self._follow_timeout_s)
             if flight.record is not None:
-                return replay(flight.record, call, source="memory"), OutcomeKind.REPLAY
+                return (
+                    replay(flight.record, call, source="memory"),
+                    OutcomeKind.REPLAY,
+                    flight.record.key_time,
+                )
             raise in_flight(call.span, self._in_flight_retry_ms)
         record: IdempotencyRecord | None = None
         try:
@@ -206,8 +233,8 @@ class AnswerFromMemory:
             self._flights.land(scoped, flight, record)
         assert record.outcome is not None
         if made:
-            return record.outcome, OutcomeKind.NEW
-        return replay(record, call, source="database"), OutcomeKind.REPLAY
+            return record.outcome, OutcomeKind.NEW, record.key_time
+        return replay(record, call, source="database"), OutcomeKind.REPLAY, record.key_time
 
 
 class Admit:
@@ -261,7 +288,7 @@ class ClaimOrReplay:
         assert claim.created_at is not None
         record = IdempotencyRecord(
             scope=call.scope,
-            key=call.key.key,
+            key=call.key.text,
             key_time=call.key.time,
             method=self._method,
             request_hash=call.request_hash,
@@ -307,7 +334,7 @@ class RunHandler:
         """The handler's outcome, to store."""
         context = call.context
         try:
-            with self._keys.savepoint(conn), bind_transaction(conn, call.key.key):
+            with self._keys.savepoint(conn), bind_transaction(conn, call.key.text):
                 response = self._behaviour(call.request, context)
         except ShardRouterError as error:
             if not error.is_stored_outcome:
@@ -461,8 +488,9 @@ class DatabaseKeys:
         return store.claim_key(
             conn,
             scope=call.scope,
-            key=call.key.key,
+            key=call.key.text,
             key_time=call.key.time,
+            dated_by_key=call.key.dated_by_key,
             method=method,
             request_hash=call.request_hash,
             account_id=call.account_id,
@@ -479,7 +507,7 @@ class DatabaseKeys:
 
     def complete(self, conn: Any, call: GuardedCall, outcome: StoredOutcome) -> None:
         """`store.complete_key` for the call."""
-        store.complete_key(conn, scope=call.scope, key=call.key.key, key_time=call.key.time, outcome=outcome)
+        store.complete_key(conn, scope=call.scope, key=call.key.text, key_time=call.key.time, outcome=outcome)
 
 
 #: Tracing off: no `db.transaction` span (a no-op context, reused by every call).
@@ -497,6 +525,7 @@ __all__ = [
     "RunHandler",
     "StoreOutcome",
     "check_key_age",
+    "expiry",
     "handler_trailers",
     "in_flight",
     "read_key",

@@ -195,7 +195,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
                 conn,
                 transfer_id=transfer.id,
                 destination_shard_id=dst_shard,
-                key=credit_key(transfer.id),
+                key=str(credit_key(transfer.id)),
                 payload=credit.SerializeToString(deterministic=True),
             )
         return transfer_pb2.TransferResponse(transfer=_transfer_message(transfer, []))

@@ -60,7 +60,7 @@ class OutboxRow:
     id: int
     transfer_id: uuid.UUID
     destination_shard_id: str
-    idempotency_key: uuid.UUID
+    idempotency_key: str
     payload: bytes
     attempts: int
     created_at: datetime
@@ -73,7 +73,7 @@ class DeadLetterRow:
     transfer_id: uuid.UUID
     outbox_id: int
     reason: str
-    refund_key: uuid.UUID
+    refund_key: str
     created_at: datetime
     refunded_at: datetime | None
     replay_count: int
@@ -134,7 +134,7 @@ def insert_entry(
     account_id: str,
     amount_minor: int,
     kind: str,
-    idempotency_key: uuid.UUID,
+    idempotency_key: str,
     entry_id: uuid.UUID,
     transfer_id: uuid.UUID | None = None,
     reference: str = "",
@@ -209,7 +209,7 @@ def attempts_of(conn: Connection, transfer_id: uuid.UUID) -> list[AttemptRow]:
 
 
 def insert_outbox(
-    conn: Connection, *, transfer_id: uuid.UUID, destination_shard_id: str, key: uuid.UUID, payload: bytes
+    conn: Connection, *, transfer_id: uuid.UUID, destination_shard_id: str, key: str, payload: bytes
 ) -> None:
     """Queue a credit for another shard, in the transaction that debited the source."""
     conn.execute(
@@ -257,7 +257,7 @@ def postpone(conn: Connection, outbox_id: int, delay_s: float, error: str) -> No
     )
 
 
-def dead_letter(conn: Connection, *, row: OutboxRow, reason: str, refund_key: uuid.UUID) -> None:
+def dead_letter(conn: Connection, *, row: OutboxRow, reason: str, refund_key: str) -> None:
     """Move a credit to the dead letters; its refund is sent separately (and idempotently)."""
     conn.execute(
         "UPDATE outbox SET dead_lettered_at = now(), attempts = attempts + 1, last_error = %s WHERE id = %s",
