@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -48,7 +49,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from shardrouter.core import tracing
+from shardrouter.core import tls, tracing
 from shardrouter.core.callers import CALLER_METADATA
 from shardrouter.core.errors import NotFound, Reason, ShardRouterError
 from shardrouter.core.http_problems import (
@@ -151,6 +152,8 @@ class HttpFront:
     tracer_provider: trace.TracerProvider | None = None
     traced: bool = False
     app: Starlette = field(init=False)
+    #: Set when the router starts its graceful stop: /healthz answers 503 from then on.
+    draining: bool = False
 
     def __post_init__(self) -> None:
         routes = [
@@ -224,6 +227,8 @@ class HttpFront:
         return HTMLResponse(openapi_page())
 
     async def _health(self, request: Request) -> Response:
+        if self.draining:
+            return Response(b'{"status":"NOT_SERVING"}', 503, media_type=_JSON)
         return Response(b'{"status":"SERVING"}', media_type=_JSON)
 
     async def _http_exception(self, request: Request, error: HTTPException) -> Response:
@@ -457,15 +462,39 @@ class HttpServer:
     server: uvicorn.Server
     task: asyncio.Task[None]
     port: int
+    front: HttpFront
+    #: Follows the HTTPS certificate files (None without TLS).
+    certificates: asyncio.Task[None] | None = None
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting, let running requests finish (at most `grace_s`), then close."""
+        self.front.draining = True
+        if self.certificates is not None:
+            self.certificates.cancel()
         self.server.config.timeout_graceful_shutdown = max(1, int(grace_s))
         self.server.should_exit = True
         try:
             await asyncio.wait_for(asyncio.shield(self.task), grace_s + 5)
         except TimeoutError:
             self.task.cancel()
+
+
+async def _follow_certificates(context: ssl.SSLContext, settings: RouterSettings) -> None:
+    """Load a renewed HTTPS certificate (and caller CA) into the live TLS context, as the gRPC server
+    does at its handshakes: new connections get it, open ones keep theirs. A half-written set is
+    skipped until it loads. An added CA is trusted at once; a CA taken away stays trusted until the
+    router restarts (OpenSSL's store only grows)."""
+    files = tls.WatchedFiles("HTTPS certificate", settings.tls_cert, settings.tls_key, settings.tls_ca)
+
+    def load() -> bool:
+        context.load_cert_chain(settings.tls_cert, settings.tls_key)
+        if settings.tls_ca:
+            context.load_verify_locations(settings.tls_ca)
+        return True
+
+    while True:
+        await asyncio.sleep(settings.reload_interval_s)
+        await asyncio.to_thread(files.load_if_changed, load)
 
 
 def _bind(listen: str) -> socket.socket:
@@ -488,13 +517,11 @@ async def start_http_server(front: HttpFront, settings: RouterSettings) -> HttpS
     """Serve `front` on `settings.http_listen` (port 0: a free one) on the running event loop."""
     sock = _bind(settings.http_listen)
     _Protocol.max_header_bytes = settings.max_metadata_bytes
-    tls: dict[str, Any] = {}
+    files: dict[str, Any] = {}
     if settings.tls_enabled:
-        import ssl
-
-        tls = {"ssl_certfile": settings.tls_cert, "ssl_keyfile": settings.tls_key}
+        files = {"ssl_certfile": settings.tls_cert, "ssl_keyfile": settings.tls_key}
         if settings.tls_ca:
-            tls |= {"ssl_ca_certs": settings.tls_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+            files |= {"ssl_ca_certs": settings.tls_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
     config = uvicorn.Config(
         front.app,
         http=_Protocol,
@@ -505,7 +532,7 @@ async def start_http_server(front: HttpFront, settings: RouterSettings) -> HttpS
         timeout_keep_alive=int(settings.http_keep_alive_s),
         limit_concurrency=settings.http_max_connections,
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
-        **tls,
+        **files,
     )
     server = _Server(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
@@ -516,4 +543,7 @@ async def start_http_server(front: HttpFront, settings: RouterSettings) -> HttpS
         await asyncio.sleep(0.01)
     port = int(sock.getsockname()[1])
     log.info("HTTP front serving on port %d", port)
-    return HttpServer(server, task, port)
+    certificates = None
+    if config.ssl is not None:
+        certificates = asyncio.get_running_loop().create_task(_follow_certificates(config.ssl, settings))
+    return HttpServer(server, task, port, front, certificates)

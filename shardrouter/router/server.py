@@ -74,11 +74,11 @@ class Router:
         for task in self.background:
             task.cancel()
         await self.health.enter_graceful_shutdown()
-        if self.http is not None:
-            await self.http.stop(grace)
-        # Refuses new calls at once; calls still running after `grace` are cancelled (and with them
-        # their shard calls).
-        await self.server.stop(grace)
+        # Both fronts drain at once: refuse new calls, let running ones finish; calls still running
+        # after `grace` are cancelled (and with them their shard calls).
+        await asyncio.gather(
+            self.server.stop(grace), *([self.http.stop(grace)] if self.http is not None else [])
+        )
         await asyncio.to_thread(self.shard_maps.stop)
         await self.pool.close()
         if self.metrics_server is not None:
