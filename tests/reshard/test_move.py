@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import grpc
@@ -169,6 +170,34 @@ def test_a_move_back_returns_the_range_and_lifts_the_old_marker(pair: Pair) -> N
     assert pair.sql("shard-0", "SELECT move_id FROM slot_fences") == []
     assert [m for (m,) in pair.sql("shard-1", "SELECT move_id FROM slot_fences")] == [back.plan.move_id]
     assert set(FENCED_TABLES) <= {t for (t,) in pair.sql("shard-0", "SELECT tablename::text FROM pg_tables")}
+    assert_no_leftovers(pair)
+
+
+def test_keys_dated_by_receipt_move_with_their_account_and_replay_on_the_new_owner(pair: Pair) -> None:
+    """An opaque key and a version 4 UUID: their records move with the account (found on the new
+    owner by (scope, key), in whatever partition their first receipt dated them), and a retry there
+    replays instead of applying again."""
+    (account,), _ = accounts(pair, 1)
+    keys = ["deposit/" + uuid.uuid4().hex + ":A", str(uuid.uuid4()).upper()]
+    request = transfer_pb2.DepositRequest(account_id=account, amount=money(21))
+    first = {
+        k: pair.stub("shard-0").Deposit(request, metadata=[("idempotency-key", k)], timeout=5) for k in keys
+    }
+    record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
+    with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+        move.run()
+    assert pair.owner(account) == "shard-1"
+    for key in keys:
+        again, call = pair.stub("shard-1").Deposit.with_call(
+            request, metadata=[("idempotency-key", key)], timeout=5
+        )
+        assert again.SerializeToString() == first[key].SerializeToString()
+        assert dict(call.trailing_metadata())["idempotency-replayed"] == "true"
+        stored = key if key.startswith("deposit/") else key.lower()
+        for shard, entries in (("shard-0", 0), ("shard-1", 1)):
+            assert pair.sql(
+                shard, "SELECT count(*) FROM ledger_entries WHERE idempotency_key = %s", (stored,)
+            ) == [(entries,)]
     assert_no_leftovers(pair)
 
 
