@@ -452,7 +452,7 @@ def test_expired_and_invalid_keys_are_refusals_not_errors(traced: Traced) -> Non
     assert expired.attributes is not None and expired.attributes["idempotency.outcome"] == "expired"
     assert expired.status.status_code is StatusCode.UNSET
     with pytest.raises(grpc.RpcError):
-        traced.stub.Deposit(_deposit(), metadata=[("idempotency-key", "not-a-key")])
+        traced.stub.Deposit(_deposit(), metadata=[("idempotency-key", "not a key")])
     invalid = traced.wait_for(lambda: traced.spans("idempotency", {"idempotency.outcome": "invalid"}))
     assert len(invalid) == 1
     assert "idempotency.key" not in (invalid[0].attributes or {})
