@@ -1,5 +1,8 @@
 """Runs the Node.js load generator (bench/loadgen/loadgen.js) for one cell and reads its summary.
 
+It speaks gRPC, or HTTP/JSON to the router's HTTP front (`protocol="http"`): the cell's `ok` is the
+count of the answers that are its operation (OK / 200-201, or the `expect`ed status: ABORTED, 409).
+
 The servers' CPU is sampled when the generator says its measured window opens and closes (it prints
 "window-start" / "window-end" on stderr), so warm-up and connection set-up are not charged to the
 operations. The generator's own CPU comes from its summary (process.cpuUsage over the window), its
@@ -63,6 +66,8 @@ class LoadSpec:
     deadline_ms: int = 10_000
     wait_ms: int = 10_000
     expect: str = "OK"
+    #: "grpc", or "http" (the router's HTTP/JSON front; `target` is its host:port).
+    protocol: str = "grpc"
 
     def args(self, concurrency: int, duration_s: float, warmup_s: float) -> list[str]:
         """Command-line options of loadgen.js."""
@@ -89,6 +94,8 @@ class LoadSpec:
             str(self.wait_ms),
             "--expect",
             self.expect,
+            "--protocol",
+            self.protocol,
         ]
         if self.accounts:
             out += ["--accounts", str(self.accounts)]
@@ -162,11 +169,20 @@ def run_load(
     cpu = {name: end[name] - start[name] for name in end} if start else {}
     cpu["client"] = float(summary["cpu_s"])
     extra = {k: summary[k] for k in ("credit_lag", "transfer_latency") if k in summary}
+    errors = {str(k): int(v) for k, v in summary["errors"].items()}
+    if summary.get("protocol") == "http":
+        # 200/201 (`ok`) and 409 (`conflicts`) come apart from the other statuses; whichever of the
+        # two is not the cell's operation is an error of the cell.
+        extra |= {"protocol": "http"} | {k: int(summary[k]) for k in ("ok", "conflicts", "replayed")}
+        if spec.expect == "OK" and summary["conflicts"]:
+            errors["409"] = int(summary["conflicts"])
+        elif spec.expect != "OK" and summary["ok"]:
+            errors["2xx"] = int(summary["ok"])
     return CellResult(
         scenario=scenario,
         concurrency=concurrency,
-        ok=int(summary["ok"]),
-        errors={str(k): int(v) for k, v in summary["errors"].items()},
+        ok=int(summary.get("ops", summary["ok"])),
+        errors=errors,
         throughput=float(summary["throughput"]),
         latency={k: float(v) for k, v in summary["latency"].items()},
         window_s=float(summary["window_s"]),

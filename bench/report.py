@@ -4,6 +4,10 @@ CPU per operation is grouped by role: client (the load generator or pgbench), ro
 shard-like daemon: shard-a, shard-b, the cache-off twin and the no-idempotency twin; idle ones only
 add their background polls), pg (the postmaster and all its backends). Peak RSS is per process; for
 pg the largest single backend (shared buffers count in each backend that touched them).
+
+HTTP against gRPC through the router: http-deposit / router-deposit and http-replay / router-replay
+(best cell against best cell: the target, >= 80% each), and the same per concurrency with the
+router's CPU per operation on both paths.
 """
 
 from __future__ import annotations
@@ -48,8 +52,14 @@ def best(result: RunResult, scenario: str) -> CellResult | None:
     return max(cells, key=lambda c: c.throughput) if cells else None
 
 
+#: HTTP row -> the gRPC row through the router it is compared with (target: >= HTTP_TARGET of it).
+HTTP_PAIRS = {"http-deposit": "router-deposit", "http-replay": "router-replay"}
+HTTP_TARGET = 0.80
+
+
 def targets(result: RunResult) -> list[Target]:
-    """The five performance targets (replay counted twice: from memory and from the database)."""
+    """The performance targets (replay counted twice: from memory and from the database; HTTP against
+    gRPC through the router twice: deposit and replay)."""
     out: list[Target] = []
 
     def ratio(name: str, num: str, den: str, required: str, test: Callable[[float], bool], fmt: str) -> None:
@@ -96,6 +106,15 @@ def targets(result: RunResult) -> list[Target]:
         lambda v: v >= 2.0,
         "{value:.2f}x",
     )
+    for http_row, grpc_row in HTTP_PAIRS.items():
+        ratio(
+            f"HTTP vs gRPC through the router: {http_row} / {grpc_row}",
+            http_row,
+            grpc_row,
+            f">= {HTTP_TARGET:.0%}",
+            lambda v: v >= HTTP_TARGET,
+            "{value:.0%}",
+        )
     a, b = best(result, "shard-deposit"), best(result, "noidem-deposit")
     if a and b and b.throughput:
         overhead = 1 - a.throughput / b.throughput
@@ -158,8 +177,22 @@ def _stand(result: RunResult, cell: CellResult) -> str:
         return f"best; {cell.throughput / first.throughput:.2f}x the pipelined shard"
     if cell.scenario == "pgbench-deposit" and first:
         return f"best; shard reaches {first.throughput / cell.throughput:.0%} of it"
+    if cell.scenario in HTTP_PAIRS:
+        grpc = best(result, HTTP_PAIRS[cell.scenario])
+        if grpc:
+            share = cell.throughput / grpc.throughput
+            return (
+                f"best; {share:.0%} of {HTTP_PAIRS[cell.scenario]}"
+                f" (>={HTTP_TARGET:.0%}: {_status(share >= HTTP_TARGET)})"
+            )
+    if cell.scenario == "router-replay":
+        router_first = best(result, "router-deposit")
+        if router_first:
+            return f"best; {cell.throughput / router_first.throughput:.2f}x router-deposit"
     if cell.scenario == "conflict":
         return "best; ops = ABORTED answers"
+    if cell.scenario == "http-conflict":
+        return "best; ops = 409 answers"
     if cell.scenario == "cross-shard":
         lag = cell.extra.get("credit_lag", {})
         return f"best; latency = until credit landed; lag after OK p50 {lag.get('p50_ms', 0):.0f} ms"
@@ -244,6 +277,41 @@ GROWTH_HEADER = [
     "load s",
 ]
 TARGET_HEADER = ["target", "figure", "required", "status"]
+HTTP_HEADER = [
+    "http row",
+    "vs gRPC row",
+    "conc",
+    "ops/s ratio",
+    "p50 ratio",
+    "router us/op http",
+    "grpc",
+    "shard us/op http",
+    "grpc",
+]
+
+
+def http_rows(result: RunResult) -> list[list[str]]:
+    """Each HTTP row against its gRPC row through the router at the same concurrency."""
+    out = []
+    for http_row, grpc_row in HTTP_PAIRS.items():
+        grpc_cells = {c.concurrency: c for c in result.cells if c.scenario == grpc_row}
+        for cell in (c for c in result.cells if c.scenario == http_row):
+            other = grpc_cells.get(cell.concurrency)
+            if other is None or not other.throughput:
+                continue
+            p50 = other.latency["p50_ms"]
+            cpu = [c.cpu_us_per_op(ROLES[role]) for role in ("router", "shard") for c in (cell, other)]
+            out.append(
+                [
+                    http_row,
+                    grpc_row,
+                    str(cell.concurrency),
+                    f"{cell.throughput / other.throughput:.2f}",
+                    f"{cell.latency['p50_ms'] / p50:.2f}" if p50 else "-",
+                    *(f"{v:.0f}" if v else "-" for v in cpu),
+                ]
+            )
+    return out
 
 
 def _text_table(header: list[str], body: list[list[str]]) -> str:
@@ -288,6 +356,9 @@ def text_report(result: RunResult) -> str:
             "growth (shard-deposit with a pre-loaded key table):",
             _text_table(GROWTH_HEADER, growth_rows(result)),
         ]
+    http = http_rows(result)
+    if http:
+        parts += ["", "HTTP vs gRPC through the router (same concurrency):", _text_table(HTTP_HEADER, http)]
     parts += ["", "targets:", _text_table(TARGET_HEADER, _target_rows(result))]
     parts += [f"note: {n}" for n in result.notes]
     return "\n".join(parts)
@@ -303,6 +374,9 @@ def markdown_report(result: RunResult) -> str:
             "",
             _md_table(GROWTH_HEADER, growth_rows(result)),
         ]
+    http = http_rows(result)
+    if http:
+        parts += ["", "HTTP vs gRPC through the router (same concurrency):", "", _md_table(HTTP_HEADER, http)]
     parts += ["", "Targets:", "", _md_table(TARGET_HEADER, _target_rows(result))]
     parts += [f"\nNote: {n}" for n in result.notes]
     for name, statements in result.captured.items():

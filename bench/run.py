@@ -10,9 +10,13 @@ Scenarios (rows of the table; `python -m bench --list` prints this):
   shard-transfer    same-shard Transfer with new keys, straight to the shard daemon
   noidem-deposit    the same Deposit handler without the idempotency interceptor (bench/noidem_server.py)
   router-deposit    Deposit with new keys through the router
+  http-deposit      the same over HTTP/JSON: POST /v1/deposits to the router's HTTP front
   replay-memory     resending distinct completed keys; the shard answers from its in-memory cache
   replay-db         the same against a second daemon on the same database with the cache off
+  router-replay     resending distinct completed keys (created through the HTTP front) via the router, gRPC
+  http-replay       the same keys and request bodies resent over HTTP through the router
   conflict          one key held in flight; every call resends it: ABORTED answers per second
+  http-conflict     one key held in flight, resent over HTTP through the router: 409 answers per second
   cross-shard       Transfer through the router to another shard's account, until the credit lands
 
 Growth: shard-deposit at one concurrency with the key table bulk-loaded to each size, and the time of a
@@ -54,10 +58,18 @@ SCENARIOS = (
     "shard-transfer",
     "noidem-deposit",
     "router-deposit",
+    "http-deposit",
     "replay-memory",
     "replay-db",
+    "router-replay",
+    "http-replay",
     "conflict",
+    "http-conflict",
     "cross-shard",
+)
+#: Rows that need the router (and so shard-b beside shard-a).
+ROUTER_ROWS = frozenset(
+    {"router-deposit", "http-deposit", "router-replay", "http-replay", "http-conflict", "cross-shard"}
 )
 DEPOSIT_SCOPE = "/shardrouter.v1.TransferService/Deposit|bench"
 DEPOSIT_METHOD = "/shardrouter.v1.TransferService/Deposit"
@@ -267,14 +279,14 @@ class _Cells:
             return
         system.start_shard("shard-a", shard_id="shard-a", database="shard_a")
         system.seed_accounts("shard_a", [*system.accounts_a, system.hot_account])
-        if grpc_rows & {"router-deposit", "cross-shard"}:
+        if grpc_rows & ROUTER_ROWS:
             system.start_shard("shard-b", shard_id="shard-b", database="shard_b")
             system.seed_accounts("shard_b", system.accounts_b)
             system.start_router()
         if "noidem-deposit" in grpc_rows:
             system.start_noidem()
             system.seed_accounts("noidem", system.accounts_a)
-        if "conflict" in grpc_rows:
+        if grpc_rows & {"conflict", "http-conflict"}:
             # Holds the in-flight attempt: its handler may wait for the locked row far longer than
             # the shipped 2 s, so the key stays in flight for the whole scenario without gaps.
             system.start_shard(
@@ -298,10 +310,10 @@ class _Cells:
                 extra={"SHARDD_REPLAY_CACHE_ENTRIES": "0", "SHARDD_RELAY_WORKERS": "0"},
             )
 
-    # --- gRPC rows -----------------------------------------------------------------------------------
+    # --- gRPC and HTTP rows --------------------------------------------------------------------------
 
     def grpc_rows(self, scenario: str) -> None:
-        """Every concurrency of one gRPC scenario."""
+        """Every concurrency of one load-generator scenario (gRPC, or HTTP for the http-* rows)."""
         system = self.system
         accounts = system.accounts_file("a")
         concurrencies = self.options.concurrencies
@@ -315,6 +327,14 @@ class _Cells:
             spec = LoadSpec(self._address("noidem"), accounts=accounts)
         elif scenario == "router-deposit":
             spec = LoadSpec(self._address("router"), accounts=accounts)
+        elif scenario == "http-deposit":
+            spec = LoadSpec(system.router_http_address, accounts=accounts, protocol="http")
+        elif scenario == "router-replay":
+            spec = LoadSpec(self._address("router"), keys=f"list:{self._router_replay_list()}")
+        elif scenario == "http-replay":
+            spec = LoadSpec(
+                system.router_http_address, keys=f"list:{self._router_replay_list()}", protocol="http"
+            )
         elif scenario in ("replay-memory", "replay-db"):
             target = "shard-a" if scenario == "replay-memory" else "shard-a-nocache"
             spec = LoadSpec(self._address(target), keys=f"list:{self._replay_list()}")
@@ -326,13 +346,27 @@ class _Cells:
                 dst_accounts=system.accounts_file("b"),
                 amount=1,
             )
-        elif scenario == "conflict":
+        elif scenario in ("conflict", "http-conflict"):
             with self._key_in_flight() as key:
                 hot = system.workdir / "hot.json"
                 hot.write_text(json.dumps([system.hot_account]))
-                spec = LoadSpec(
-                    self._address("shard-a"), keys=f"fixed:{key}", accounts=hot, amount=1, expect="ABORTED"
-                )
+                if scenario == "conflict":
+                    spec = LoadSpec(
+                        self._address("shard-a"),
+                        keys=f"fixed:{key}",
+                        accounts=hot,
+                        amount=1,
+                        expect="ABORTED",
+                    )
+                else:  # through the router's HTTP front, which answers the shard's ABORTED as 409
+                    spec = LoadSpec(
+                        system.router_http_address,
+                        keys=f"fixed:{key}",
+                        accounts=hot,
+                        amount=1,
+                        expect="409",
+                        protocol="http",
+                    )
                 for c in concurrencies:
                     self._load(scenario, spec, c)
             return
@@ -357,6 +391,48 @@ class _Cells:
         if cell.ok == 0:
             raise RuntimeError("no key could be pre-created for the replay rows")
         self.result.notes.append(f"replay rows cycle through {cell.ok} distinct completed Deposit keys")
+        return path
+
+    def _router_replay_list(self) -> Path:
+        """Distinct completed keys for router-replay and http-replay, created once through the HTTP
+        front (POST /v1/deposits, caller "bench"), recorded with the exact body each was sent with.
+
+        The front maps that body to the same DepositRequest the gRPC load sends (account, amount,
+        reference "bench"), so one key is one record whichever way it is resent: http-replay sends
+        the recorded body byte for byte, router-replay the same fields as a gRPC message. Apart
+        from the replay-memory keys (created on shard-a directly) so each pair of rows cycles
+        through its own keys; both lists together stay within shard-a's replay cache (10,000
+        entries by default) as long as --replay-keys is at most 5,000.
+        """
+        path = self.system.workdir / "router-replay-keys.jsonl"
+        if path.exists():
+            return path
+        n = self.options.replay_keys
+        self.progress(
+            f"bench: pre-creating {n} completed keys through the HTTP front for the router replay rows ..."
+        )
+        spec = LoadSpec(
+            self.system.router_http_address,
+            accounts=self.system.accounts_file("a"),
+            record=path,
+            max_ops=n,
+            protocol="http",
+        )
+        cell = run_load(
+            self.node,
+            spec,
+            scenario="router-replay-setup",
+            concurrency=32,
+            duration_s=300,
+            warmup_s=0,
+            tracked=[],
+        )
+        if cell.ok == 0:
+            raise RuntimeError("no key could be pre-created through the HTTP front for the replay rows")
+        self.result.notes.append(
+            f"router-replay and http-replay cycle through {cell.ok} distinct completed Deposit keys"
+            " created through the HTTP front"
+        )
         return path
 
     @contextlib.contextmanager

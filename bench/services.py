@@ -14,6 +14,8 @@ import shutil
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -74,6 +76,8 @@ class BenchSystem:
     accounts_a: list[str] = field(default_factory=list)
     accounts_b: list[str] = field(default_factory=list)
     hot_account: str = ""
+    #: The router's HTTP/JSON front (ROUTER_HTTP_LISTEN), once the router is started.
+    router_http_port: int = 0
 
     # --- PostgreSQL -------------------------------------------------------------------------------
 
@@ -177,18 +181,20 @@ class BenchSystem:
         )
 
     def start_router(self) -> Daemon:
-        """A `router serve` process in dev mode in front of both shards."""
-        port = free_port()
+        """A `router serve` process in dev mode in front of both shards, with its HTTP/JSON front on a
+        free loopback port (`router_http_address`) beside gRPC."""
+        port, http_port = free_port(), free_port()
         env = self._env(
             {
                 "ROUTER_LISTEN": f"127.0.0.1:{port}",
+                "ROUTER_HTTP_LISTEN": f"127.0.0.1:{http_port}",
                 "ROUTER_SHARD_MAP": str(self.workdir / "shard-map.yaml"),
                 "ROUTER_DEV_MODE": "true",
                 "ROUTER_METRICS_PORT": "0",
                 "ROUTER_SHUTDOWN_GRACE_S": "1",
             }
         )
-        return self._start(
+        daemon = self._start(
             Daemon(
                 "router",
                 [sys.executable, "-m", "shardrouter.router.cli", "serve"],
@@ -197,6 +203,15 @@ class BenchSystem:
                 self._log("router"),
             )
         )
+        self.router_http_port = http_port
+        if not wait_until(lambda: _http_healthy(self.router_http_address), 30, 0.1):
+            raise TimeoutError(f"the router's HTTP front did not answer; see {daemon.log_path}")
+        return daemon
+
+    @property
+    def router_http_address(self) -> str:
+        """host:port of the router's HTTP/JSON front."""
+        return f"127.0.0.1:{self.router_http_port}"
 
     def start_noidem(self) -> Daemon:
         """The real TransferServicer without the idempotency interceptor (bench/noidem_server.py)."""
@@ -258,6 +273,14 @@ def bench_system(accounts: int, shard_env: dict[str, str], keep: bool = False) -
                 system.pg.stop()
         else:
             system.close()
+
+
+def _http_healthy(address: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{address}/healthz", timeout=1) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def wait_until(predicate: object, timeout_s: float, interval_s: float = 0.05) -> bool:

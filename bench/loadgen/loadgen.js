@@ -1,17 +1,26 @@
 #!/usr/bin/env node
-// Closed-loop gRPC load generator for the shard-router benchmark (bench/).
+// Closed-loop load generator for the shard-router benchmark (bench/): gRPC, or HTTP/JSON against the
+// router's HTTP front.
 //
 // Not Python on purpose: a Python client on a 2-core machine fights the servers for the GIL and CPU
-// and ends up measuring itself. N workers each keep one call in flight on a few HTTP/2 channels.
+// and ends up measuring itself. N workers each keep one call in flight (closed loop): over a few
+// HTTP/2 channels for gRPC; over a keep-alive HTTP/1.1 connection each for HTTP (Node's `http` module,
+// one Agent, at most N sockets: HTTP/1.1 has one request in flight per connection).
 //
 //   node loadgen.js --target 127.0.0.1:50061 --method deposit --concurrency 8 --duration 5 \
-//        --warmup 1 --keys new --accounts accounts.json [--record keys.jsonl]
+//        --warmup 1 --keys new --accounts accounts.json [--record keys.jsonl] [--protocol http]
 //
 // Methods: deposit | transfer | transfer_e2e (Transfer, then GetTransfer with wait_for_completion_ms
-// until the transfer leaves PENDING: the credit landed on the destination shard).
-// Key modes: new (a fresh UUIDv7 per call) | list:FILE (JSON lines {key, account, amount, dst}
-// replayed in order, wrapping around) | fixed:KEY (every call sends KEY).
-// --expect CODE counts that status (e.g. ABORTED) as the operation instead of OK.
+// until the transfer leaves PENDING: the credit landed on the destination shard; gRPC only).
+// Over HTTP: deposit = POST /v1/deposits, transfer = POST /v1/transfers, with the JSON body the
+// front maps to the same request message the gRPC mode sends (reference "bench"), the key in the
+// Idempotency-Key header and the caller in X-Caller-Id (the router believes it in dev mode only).
+// Key modes: new (a fresh UUIDv7 per call) | list:FILE (JSON lines {key, account, amount, dst[, body]}
+// replayed in order, wrapping around; over HTTP a recorded `body` is sent byte for byte) |
+// fixed:KEY (every call sends KEY).
+// --expect CODE counts that answer as the operation instead of OK: a gRPC status name (ABORTED), or
+// over HTTP a status number (409). Over HTTP, 200/201 count as `ok` and 409 as `conflicts`, each on
+// its own; every other status (or a transport error code) is an error.
 // Prints one JSON summary on stdout. On stderr it prints "window-start" and "window-end" when the
 // measured window opens and closes, so the caller can sample the servers' CPU over that window only.
 'use strict';
@@ -19,8 +28,7 @@
 const crypto = require('crypto');
 const fs = require('fs');
 const path = require('path');
-const grpc = require('@grpc/grpc-js');
-const protoLoader = require('@grpc/proto-loader');
+const http = require('http');
 
 function parseArgs(argv) {
   const opts = {
@@ -39,7 +47,8 @@ function parseArgs(argv) {
     channels: 0, // 0: min(concurrency, 4)
     maxOps: 0, // 0: no bound besides the duration
     record: '',
-    expect: 'OK', // the answer that counts as the cell's operation (ABORTED for the conflict cell)
+    expect: 'OK', // the answer that counts as the cell's operation (ABORTED / 409 for the conflict cells)
+    protocol: 'grpc', // grpc | http
     protoRoot: path.resolve(__dirname, '..', '..', 'proto'),
   };
   for (let i = 2; i < argv.length; i += 2) {
@@ -51,6 +60,11 @@ function parseArgs(argv) {
   }
   if (!['deposit', 'transfer', 'transfer_e2e'].includes(opts.method)) throw new Error(`unknown method ${opts.method}`);
   if (!(opts.concurrency >= 1) || !(opts.duration > 0) || !(opts.warmup >= 0)) throw new Error('bad concurrency/duration/warmup');
+  if (!['grpc', 'http'].includes(opts.protocol)) throw new Error(`unknown protocol ${opts.protocol}`);
+  if (opts.protocol === 'http' && opts.method === 'transfer_e2e') throw new Error('transfer_e2e is gRPC only');
+  if (opts.protocol === 'http' && !(opts.expect === 'OK' || /^[1-5][0-9][0-9]$/.test(opts.expect))) {
+    throw new Error(`over HTTP --expect is OK or a status number, not ${opts.expect}`);
+  }
   return opts;
 }
 
@@ -98,21 +112,60 @@ function summary(samples) {
   };
 }
 
+// The JSON body the HTTP front turns into the same DepositRequest / TransferRequest the gRPC mode
+// sends (proto3 JSON: lowerCamelCase names, int64 as a string).
+function httpBody(method, op) {
+  const amount = { amountMinor: String(op.amount), currency: 'EUR' };
+  if (method === 'deposit') return JSON.stringify({ accountId: op.account, amount, reference: 'bench' });
+  return JSON.stringify({ sourceAccountId: op.account, destinationAccountId: op.dst, amount, reference: 'bench' });
+}
+
+// One HTTP request on the keep-alive agent; resolves {status, replayed} or {error} (never rejects).
+// The answer's body is read to its end so the connection goes back to the agent for the next call.
+function httpCall(agent, opts, urlPath, body, key) {
+  const [host, port] = [opts.target.slice(0, opts.target.lastIndexOf(':')), Number(opts.target.slice(opts.target.lastIndexOf(':') + 1))];
+  const headers = { 'Content-Type': 'application/json', 'Content-Length': Buffer.byteLength(body) };
+  if (key) headers['Idempotency-Key'] = key;
+  if (opts.caller) headers['X-Caller-Id'] = opts.caller;
+  return new Promise((resolve) => {
+    let settled = false;
+    const done = (v) => { if (!settled) { settled = true; resolve(v); } };
+    const req = http.request({ agent, host, port, method: 'POST', path: urlPath, headers }, (res) => {
+      res.on('data', () => {});
+      res.on('end', () => done({ status: res.statusCode, replayed: res.headers['idempotent-replayed'] === 'true' }));
+      res.on('error', (err) => done({ error: err.code || 'RESPONSE_ERROR' }));
+    });
+    req.setTimeout(opts.deadlineMs, () => req.destroy(Object.assign(new Error('timeout'), { code: 'TIMEOUT' })));
+    req.on('error', (err) => done({ error: err.code || 'REQUEST_ERROR' }));
+    req.end(body);
+  });
+}
+
 function main() {
   const opts = parseArgs(process.argv);
-  const def = protoLoader.loadSync(path.join(opts.protoRoot, 'shardrouter/v1/transfer.proto'), {
-    includeDirs: [opts.protoRoot],
-    keepCase: true,
-    longs: String,
-    enums: String,
-    defaults: true,
-  });
-  const Service = grpc.loadPackageDefinition(def).shardrouter.v1.TransferService;
-  const nChannels = opts.channels > 0 ? opts.channels : Math.min(opts.concurrency, 4);
-  // A private subchannel pool per client: otherwise grpc-js shares one connection among them.
-  const clients = Array.from({ length: nChannels }, () =>
-    new Service(opts.target, grpc.credentials.createInsecure(), { 'grpc.use_local_subchannel_pool': 1 }),
-  );
+  const useHttp = opts.protocol === 'http';
+  let grpc = null;
+  let clients = [];
+  let agent = null;
+  if (useHttp) {
+    agent = new http.Agent({ keepAlive: true, maxSockets: opts.concurrency, maxFreeSockets: opts.concurrency });
+  } else {
+    grpc = require('@grpc/grpc-js');
+    const protoLoader = require('@grpc/proto-loader');
+    const def = protoLoader.loadSync(path.join(opts.protoRoot, 'shardrouter/v1/transfer.proto'), {
+      includeDirs: [opts.protoRoot],
+      keepCase: true,
+      longs: String,
+      enums: String,
+      defaults: true,
+    });
+    const Service = grpc.loadPackageDefinition(def).shardrouter.v1.TransferService;
+    const nChannels = opts.channels > 0 ? opts.channels : Math.min(opts.concurrency, 4);
+    // A private subchannel pool per client: otherwise grpc-js shares one connection among them.
+    clients = Array.from({ length: nChannels }, () =>
+      new Service(opts.target, grpc.credentials.createInsecure(), { 'grpc.use_local_subchannel_pool': 1 }),
+    );
+  }
 
   const accounts = readJsonList(opts.accounts);
   const dstAccounts = readJsonList(opts.dstAccounts);
@@ -144,7 +197,9 @@ function main() {
       do dst = pick(pool); while (dst === account);
     }
     const amount = opts.amount > 0 ? opts.amount : 1 + Math.floor(Math.random() * 1000);
-    return { key: fixedKey || uuidv7(), account, dst, amount };
+    const op = { key: fixedKey || uuidv7(), account, dst, amount };
+    if (useHttp) op.body = httpBody(opts.method, op);
+    return op;
   }
 
   function call(client, name, request, key) {
@@ -168,6 +223,9 @@ function main() {
   const errors = {};
   const recorded = [];
   let ok = 0;
+  let ops = 0; // answers of the expected kind (= ok unless --expect)
+  let conflicts = 0; // HTTP 409s
+  let replayed = 0; // HTTP answers with Idempotent-Replayed: true
   let started = 0;
   let cpuStart = null;
   let cpuEnd = null;
@@ -182,7 +240,36 @@ function main() {
     process.stderr.write('window-end\n');
   }, Math.max(0, windowEnd - now()));
 
+  const httpPath = opts.method === 'deposit' ? '/v1/deposits' : '/v1/transfers';
+  const httpExpected = opts.expect === 'OK' ? null : Number(opts.expect);
+
+  async function httpWorker() {
+    while (now() < windowEnd && (opts.maxOps === 0 || started < opts.maxOps)) {
+      started += 1;
+      const op = nextOp();
+      const begin = now();
+      // A replayed operation is resent exactly: its recorded body, else the body its fields make.
+      const result = await httpCall(agent, opts, httpPath, op.body || httpBody(opts.method, op), op.key);
+      const end = now();
+      if (begin < windowStart || end > windowEnd) continue; // outside the measured window
+      const status = result.error ? result.error : result.status;
+      const isOk = status === 200 || status === 201;
+      if (isOk) ok += 1;
+      else if (status === 409) conflicts += 1;
+      const counted = httpExpected === null ? isOk : status === httpExpected;
+      if (counted) {
+        ops += 1;
+        if (result.replayed) replayed += 1;
+        if (latencies.length < MAX_SAMPLES) latencies.push(end - begin);
+        if (opts.record && recorded.length < MAX_SAMPLES) recorded.push(op);
+      } else if (!isOk && status !== 409) {
+        errors[String(status)] = (errors[String(status)] || 0) + 1;
+      }
+    }
+  }
+
   async function worker(w) {
+    if (useHttp) return httpWorker();
     const client = clients[w % clients.length];
     while (now() < windowEnd && (opts.maxOps === 0 || started < opts.maxOps)) {
       started += 1;
@@ -232,6 +319,7 @@ function main() {
         errors[code] = (errors[code] || 0) + 1;
       } else {
         ok += 1;
+        ops += 1;
         if (latencies.length < MAX_SAMPLES) latencies.push(end - begin);
         if (landed !== null) creditLag.push(landed);
         if (opts.record && recorded.length < MAX_SAMPLES) recorded.push(op);
@@ -256,24 +344,32 @@ function main() {
     const elapsed = Math.min(now(), windowEnd) - windowStart;
     const out = {
       target: opts.target,
+      protocol: opts.protocol,
       method: opts.method,
       concurrency: opts.concurrency,
       key_mode: opts.keys.split(':')[0],
+      expect: opts.expect,
       window_s: Math.max(elapsed, 1) / 1000,
       ok,
+      ops,
       errors,
-      throughput: ok / (Math.max(elapsed, 1) / 1000),
+      throughput: ops / (Math.max(elapsed, 1) / 1000),
       latency: summary(latencies),
       cpu_s: (cpuEnd.user + cpuEnd.system) / 1e6,
       max_rss_kb: process.resourceUsage().maxRSS,
       aborted: Boolean(aborted),
     };
+    if (useHttp) {
+      out.conflicts = conflicts;
+      out.replayed = replayed;
+    }
     if (opts.method === 'transfer_e2e') {
       out.credit_lag = summary(creditLag);
       out.transfer_latency = summary(transferLat);
     }
     process.stdout.write(JSON.stringify(out) + '\n');
     for (const c of clients) c.close();
+    if (agent) agent.destroy();
     process.exit(0);
   }
 

@@ -81,3 +81,64 @@ def test_tiny_run_prints_a_table_with_non_zero_figures(tmp_path: Path) -> None:
         assert row["throughput"] > 0, row
     # Nothing left behind: the harness removes its temp dirs.
     assert set(temp_root.glob("shard-router-bench-*")) <= before
+
+
+HTTP_ROWS = ("router-deposit", "http-deposit", "router-replay", "http-replay", "http-conflict")
+
+
+def test_tiny_run_of_the_http_rows_beside_the_grpc_rows(tmp_path: Path) -> None:
+    """The router's HTTP front measured beside gRPC through the router: new keys, replays of keys
+    created through the front, and 409s for a key held in flight; the ratios are printed."""
+    out = tmp_path / "bench.json"
+    temp_root = Path(tempfile.gettempdir())
+    before = set(temp_root.glob("shard-router-bench-*"))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--duration",
+            "1",
+            "--warmup",
+            "0.3",
+            "--concurrency",
+            "4",
+            "--scenarios",
+            ",".join(HTTP_ROWS),
+            "--growth",
+            "none",
+            "--accounts",
+            "50",
+            "--replay-keys",
+            "100",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = result.stdout
+    assert "HTTP vs gRPC through the router" in table
+    assert "http-deposit / router-deposit" in table and "http-replay / router-replay" in table
+    cells = {c["scenario"]: c for c in json.loads(out.read_text())["cells"]}
+    assert set(cells) == set(HTTP_ROWS)
+    for cell in cells.values():
+        assert cell["ok"] > 0 and cell["throughput"] > 0, cell
+        assert cell["latency"]["p50_ms"] > 0 and cell["latency"]["p99_ms"] > 0, cell
+        assert not cell["errors"], cell
+        # CPU per operation of the router and the shard, as for every row through the router.
+        assert cell["cpu_s"]["router"] > 0 and cell["cpu_s"]["shard-a"] > 0, cell
+        assert cell["cpu_s"]["client"] > 0, cell
+    for name in ("http-deposit", "http-replay", "http-conflict"):
+        assert cells[name]["extra"]["protocol"] == "http", cells[name]
+    # First applies over HTTP are 201s; every http-replay answer is a replay of a key created
+    # through the front (Idempotent-Replayed: true); the conflict row counts only 409s.
+    assert cells["http-deposit"]["extra"]["replayed"] == 0
+    assert cells["http-replay"]["extra"]["replayed"] == cells["http-replay"]["ok"]
+    conflict = cells["http-conflict"]["extra"]
+    assert conflict["conflicts"] == cells["http-conflict"]["ok"] and conflict["ok"] == 0, conflict
+    assert set(temp_root.glob("shard-router-bench-*")) <= before
