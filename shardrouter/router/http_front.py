@@ -33,6 +33,7 @@ import logging
 import socket
 import ssl
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -94,6 +95,8 @@ _OUTCOME_TRAILER = "idempotency-outcome"
 _EXPIRES_TRAILER = "idempotency-expires-at"
 _TRACE_HEADERS = ("traceparent", "tracestate")
 _GET_BALANCE = rpc(PUBLIC_SERVICE, "GetBalance")
+#: Accounts whose currency the front remembers (for compact transfers that name none).
+_CURRENCIES_KEPT = 100_000
 #: ASGI scope extension the protocol below fills: the verified client certificate's common name and
 #: whether the request's headers went over the limit.
 _EXTENSION = "shardrouter.connection"
@@ -168,6 +171,8 @@ class HttpFront:
             Route("/healthz", self._health, methods=["GET"]),
         ]
         self._tracer = tracing.get_tracer(self.tracer_provider) if self.traced else None
+        self._currencies: OrderedDict[str, str] = OrderedDict()
+        self._currency_reads: dict[str, asyncio.Future[str]] = {}
         self._openapi_bytes = openapi_json()
         self.app = Starlette(
             routes=routes,
@@ -321,7 +326,29 @@ class HttpFront:
         )
 
     async def _currency_of(self, account_id: str, call: HttpCall) -> str:
-        """The source account's currency, for a compact transfer that names none."""
+        """The source account's currency, for a compact transfer that names none.
+
+        An account's currency never changes, so once read it is kept (a bounded map); concurrent
+        first reads of one account share one GetBalance. Without this, the document's twenty parallel
+        retries of one transfer were twenty reads before the first transfer even started, and a busy
+        shard shed some of them (429) instead of answering the transfer's replay or 409.
+        """
+        known = self._currencies.get(account_id)
+        if known is not None:
+            self._currencies.move_to_end(account_id)
+            return known
+        reading = self._currency_reads.get(account_id)
+        if reading is None:
+            reading = asyncio.ensure_future(self._read_currency(account_id, call))
+            self._currency_reads[account_id] = reading
+            reading.add_done_callback(lambda _: self._currency_reads.pop(account_id, None))
+        currency = await asyncio.shield(reading)
+        self._currencies[account_id] = currency
+        if len(self._currencies) > _CURRENCIES_KEPT:
+            self._currencies.popitem(last=False)
+        return currency
+
+    async def _read_currency(self, account_id: str, call: HttpCall) -> str:
         reader = HttpCall(tuple(e for e in call.metadata if e[0] != KEY_METADATA), call.deadline, call.common_name)
         request = transfer_pb2.GetBalanceRequest(account_id=account_id)
         outcome = await self.forwarder.forward(_GET_BALANCE, request.SerializeToString(), reader)

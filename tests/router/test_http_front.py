@@ -24,7 +24,8 @@ from shardrouter.core.keys import new_key
 from shardrouter.core.shardmap import even_shard_map, shard_map_document
 from shardrouter.router.server import RouterThread, start_router_thread
 from shardrouter.router.settings import RouterSettings
-from shardrouter.shardd.server import ShardDaemon
+from shardrouter.shardd.server import ShardDaemon, start_shard
+from tests.helpers import make_settings
 
 JSON = {"Content-Type": "application/json"}
 
@@ -94,12 +95,16 @@ def _router(shard: ShardDaemon, tmp_path, **overrides: object) -> RouterThread:
 
 
 @pytest.fixture
-def front(shard: ShardDaemon, database: str, tmp_path) -> Iterator[Front]:
+def front(database: str, tmp_path) -> Iterator[Front]:
+    # Admission well above the twenty parallel attempts below: these tests are about the answers, and
+    # shedding (429/503, nothing stored) has tests of its own.
+    shard = start_shard(make_settings(database, workers=128, max_in_flight=64, max_waiting=32))
     router = _router(shard, tmp_path, http_body_timeout_s=1.0)
     try:
         yield Front(router.http_port, database, router.port)
     finally:
         router.stop(1.0)
+        shard.stop(0.5)
 
 
 def test_a_deposit_is_created_once_and_replayed_byte_for_byte(front: Front) -> None:
