@@ -446,13 +446,23 @@ class _Protocol(HttpToolsProtocol):
     certificate's common name (ASGI scope extension) and a bound on the bytes of a request's headers."""
 
     max_header_bytes = 16 * 1024
+    #: Longest a request's headers may take to arrive (s), from the connection or the request's first
+    #: byte: a slow sender (slowloris) cannot hold a connection for ever before the app sees it.
+    header_timeout_s = 10.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._common_name = _common_name(transport.get_extra_info("peercert"))
+        self._headers_due: asyncio.TimerHandle | None = None
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._arm_header_timer()
         self._header_bytes = 0
         self._connection: dict[str, Any] = {"client_common_name": self._common_name}
         extensions: dict[str, Any] = {_EXTENSION: self._connection}
@@ -464,6 +474,38 @@ class _Protocol(HttpToolsProtocol):
             self._connection["headers_too_large"] = True
             return  # dropped: the front answers 431 without keeping them
         super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._disarm_header_timer()
+        super().on_headers_complete()
+
+    def _arm_header_timer(self) -> None:
+        self._disarm_header_timer()
+        self._headers_due = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+    def _disarm_header_timer(self) -> None:
+        if self._headers_due is not None:
+            self._headers_due.cancel()
+            self._headers_due = None
+
+    def _headers_too_slow(self) -> None:
+        self._headers_due = None
+        if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
+            return  # a request is being answered: its own limits apply
+        body = _http_problem(
+            408,
+            "Request Timeout",
+            f"the request's headers did not arrive within {self.header_timeout_s:g} s",
+            "REQUEST_TIMEOUT",
+        ).body_bytes()
+        self.transport.write(
+            b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\n"
+            b"content-type: application/problem+json\r\ncontent-length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+        self.transport.close()
 
 
 def _common_name(peercert: Any) -> str | None:
@@ -547,6 +589,7 @@ async def start_http_server(front: HttpFront, settings: RouterSettings) -> HttpS
     """Serve `front` on `settings.http_listen` (port 0: a free one) on the running event loop."""
     sock = _bind(settings.http_listen)
     _Protocol.max_header_bytes = settings.max_metadata_bytes
+    _Protocol.header_timeout_s = settings.http_body_timeout_s
     files: dict[str, Any] = {}
     if settings.tls_enabled:
         files = {"ssl_certfile": settings.tls_cert, "ssl_keyfile": settings.tls_key}

@@ -79,8 +79,9 @@ class RouterSettings:
     http_listen: str = ""
     #: Largest HTTP request body accepted (bytes); a larger one is answered 413 unread.
     http_max_body_bytes: int = 64 * 1024
-    #: Longest an HTTP request body may take to arrive (s): a slow sender is answered 408, so it
-    #: cannot hold a connection and a task for ever.
+    #: Longest an HTTP request's headers, and then its body, may each take to arrive (s); also how
+    #: long a new connection may stay silent. A slow sender is answered 408 and disconnected, so it
+    #: cannot hold a connection and a task for ever (slowloris).
     http_body_timeout_s: float = 10.0
     #: Deadline of a call made over HTTP (s), as a gRPC caller's deadline would be (capped by
     #: max_deadline_s).

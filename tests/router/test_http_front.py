@@ -361,3 +361,18 @@ def test_answers_on_a_kept_alive_connection_are_not_held_back(front: Front) -> N
         conn.close()
     # Nagle behind a delayed ACK holds every such answer ~40 ms; the fastest of five says whether it did.
     assert min(took) < 0.02, took
+
+
+@pytest.mark.parametrize(
+    "sent", [b"", b"POST /v1/deposits HTTP/1.1\r\nHost: x\r\nIdempotency-Key: sl"], ids=["silent", "slow-headers"]
+)
+def test_a_connection_whose_headers_do_not_arrive_is_closed_with_408(front: Front, sent: bytes) -> None:
+    with socket.create_connection(("127.0.0.1", front.port), timeout=10) as sock:
+        sock.sendall(sent)
+        started = time.monotonic()
+        answer = sock.recv(65536)  # the server's header timeout (1 s here) ends the wait
+        closed = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
+    assert b"REQUEST_TIMEOUT" in answer
+    assert closed == b"", "the connection stays open"
+    assert time.monotonic() - started < 5
