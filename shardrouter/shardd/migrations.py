@@ -354,6 +354,23 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
         ALTER TABLE dead_letters ALTER COLUMN refund_key TYPE text USING refund_key::text;
         """,
     ),
+    (
+        11,
+        "a commit that queues a cross-shard credit wakes the outbox relay",
+        """
+        -- NOTIFY is transactional: the relay hears it once the credit's transaction committed, so it
+        -- never looks for a row it cannot see yet, and several rows of one transaction (or several
+        -- transactions at once) fold into few wake-ups. A statement trigger: one notification per
+        -- INSERT statement, whatever its row count. The relay keeps polling as a fallback.
+        CREATE FUNCTION notify_outbox() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            PERFORM pg_notify('shardrouter_outbox', '');
+            RETURN NULL;
+        END $$;
+        CREATE TRIGGER outbox_notify AFTER INSERT ON outbox
+            FOR EACH STATEMENT EXECUTE FUNCTION notify_outbox();
+        """,
+    ),
 )
 
 

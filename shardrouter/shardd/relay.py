@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import grpc
+import psycopg
 from opentelemetry import trace
 
 from shardrouter.core import rpcs, tls, tracing
@@ -67,7 +68,13 @@ _PERMANENT = {
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.INVALID_ARGUMENT,
 }
-_IDLE_S = 0.2
+#: How long an idle worker waits before looking again without being woken (s): the fallback for a
+#: lost notification, and what makes postponed credits (backoff) due again.
+_IDLE_S = 1.0
+#: The channel a commit that queues a credit notifies (migration 11).
+OUTBOX_CHANNEL = "shardrouter_outbox"
+#: Longest pause before the listener connects again after losing its connection (s).
+_LISTEN_RETRY_MAX_S = 5.0
 _MAX_BACKOFF_S = 60.0
 #: How often, at most, the client certificate files are checked for a rotation (s).
 _CERT_POLL_S = CERT_POLL_S
@@ -188,10 +195,15 @@ class OutboxRelay:
         self._clients = ShardClients(settings, shard_map)
         self._tracer_provider = database.tracer_provider
         self._stop = threading.Event()
+        #: Set when a commit queued a credit (or on stop): idle workers look at once.
+        self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        """Start the worker threads."""
+        """Start the worker threads and the listener that wakes them."""
+        listener = threading.Thread(target=self._listen, name="relay-listen", daemon=True)
+        listener.start()
+        self._threads.append(listener)
         for i in range(self._settings.relay_workers):
             thread = threading.Thread(target=self._work, name=f"relay-{i}", daemon=True)
             thread.start()
@@ -200,6 +212,7 @@ class OutboxRelay:
     def stop(self) -> None:
         """Stop the workers after their current batch."""
         self._stop.set()
+        self._wake.set()
         for thread in self._threads:
             thread.join(timeout=self._settings.relay_call_timeout_s * 2 + 5)
         self._clients.close()
@@ -259,7 +272,31 @@ class OutboxRelay:
                 log.exception("relay pass crashed")
                 stats = RelayStats()
             if stats.delivered + stats.postponed + stats.dead_lettered == 0:
-                self._stop.wait(_IDLE_S)
+                # Cleared before the next pass: a wake-up after this point is seen by that pass or
+                # wakes the next wait.
+                self._wake.wait(_IDLE_S)
+                self._wake.clear()
+
+    def _listen(self) -> None:
+        """Wake the workers whenever a commit queued a credit (`LISTEN`), reconnecting after a loss.
+
+        Its own connection, outside the pool: it sits in LISTEN for the daemon's life. While it is
+        down the workers still poll every `_IDLE_S`.
+        """
+        pause = 0.1
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(self._settings.dsn, autocommit=True, connect_timeout=5) as conn:
+                    conn.execute(f"LISTEN {OUTBOX_CHANNEL}")
+                    self._wake.set()  # anything queued while not listening is due now
+                    pause = 0.1
+                    while not self._stop.is_set():
+                        for _ in conn.notifies(timeout=0.5, stop_after=1):
+                            self._wake.set()
+            except psycopg.Error as exc:
+                log.warning("relay listener lost its connection (%s); polling until it is back", exc)
+                self._stop.wait(pause)
+                pause = min(pause * 2, _LISTEN_RETRY_MAX_S)
 
     def _job_span(
         self, name: str, transfer_ids: list[uuid.UUID]
@@ -364,6 +401,7 @@ def _backoff(attempts: int) -> float:
 
 
 __all__ = [
+    "OUTBOX_CHANNEL",
     "OutboxRelay",
     "RelayStats",
     "ShardClients",

@@ -5,6 +5,7 @@ Two real shard daemons (in this process, real gRPC on loopback), each with its o
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -297,3 +298,33 @@ def test_background_relay_completes_and_get_transfer_waits(two_shards):
     )
     assert got.state == transfer_pb2.TRANSFER_STATE_COMPLETED
     assert _balance(two_shards, dst) == 11
+
+
+def test_a_commit_that_queues_a_credit_wakes_the_relay(two_shards, monkeypatch):
+    """The relay hears the credit's commit (LISTEN/NOTIFY) instead of waiting for its next poll."""
+    from shardrouter.shardd import relay as relay_module
+
+    monkeypatch.setattr(relay_module, "_IDLE_S", 60.0)  # a poll would come far too late to pass
+    src = accounts_on(two_shards.shard_map, "shard-0", 1)[0]
+    dst = accounts_on(two_shards.shard_map, "shard-1", 1)[0]
+    _open(two_shards, src, 1000)
+    _open(two_shards, dst, 1)
+    daemon = two_shards.daemons["shard-0"]
+    relay = OutboxRelay(
+        dataclasses.replace(daemon.settings, relay_workers=1), daemon.database, lambda: two_shards.shard_map
+    )
+    relay.start()
+    try:
+        with two_shards.db(src) as conn:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not conn.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE query = 'LISTEN shardrouter_outbox'"
+            ).fetchone():
+                time.sleep(0.02)  # waiting for the listener's connection, not for the relay
+        _transfer(two_shards, src, dst, 250)
+        started = time.monotonic()
+        while _balance(two_shards, dst) != 251 and time.monotonic() - started < 10:
+            time.sleep(0.01)
+        assert _balance(two_shards, dst) == 251, "the credit waited for a poll"
+    finally:
+        relay.stop()
