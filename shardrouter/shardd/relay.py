@@ -3,7 +3,9 @@
 Workers lock due outbox rows with `FOR UPDATE SKIP LOCKED` (oldest first, in batches), send each
 credit to the destination shard's `CreditTransfer` with the credit's own idempotency key, and mark the
 row delivered only after the destination answered OK. A redelivery after a crash replays the stored
-outcome at the destination, so the credit applies once.
+outcome at the destination, so the credit applies once. Idle workers are woken by the commit that
+queues a credit (a listener thread in `LISTEN shardrouter_outbox`; migration 11 notifies) and look
+every `_IDLE_S` anyway, for postponed credits and for a notification lost while the listener was down.
 
 A credit that fails for good (unknown or closed account, currency mismatch) or that is older than
 `relay_max_age_s` goes to `dead_letters` and is compensated by `RefundTransfer` on this shard, keyed
