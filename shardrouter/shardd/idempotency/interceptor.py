@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NoReturn
@@ -40,6 +39,7 @@ from shardrouter.core.errors import (
 from shardrouter.core.interceptors import MethodHandler, UnaryInterceptor
 from shardrouter.core.status import abort_with_error
 from shardrouter.core.tracing import SERVER_ERROR_CODES
+from shardrouter.core.wire import DETAILS_TRAILER, StatusAnswer
 from shardrouter.shardd.admission import Admission
 from shardrouter.shardd.db import Database
 from shardrouter.shardd.idempotency.call import (
@@ -74,7 +74,6 @@ log = logging.getLogger(__name__)
 
 REPLAYED_TRAILER = ("idempotency-replayed", "true")
 OUTCOME_TRAILER = "idempotency-outcome"
-_DETAILS_TRAILER = "grpc-status-details-bin"
 
 Handler = Callable[[Any, grpc.ServicerContext], Any]
 
@@ -95,10 +94,6 @@ class Collaborators:
     admission: Admission | None
     completed: CompletedKeys
     flights: KeyFlights
-
-    def admitted(self, context: grpc.ServicerContext) -> AbstractContextManager[None]:
-        """An admission slot for the call (RESOURCE_EXHAUSTED/UNAVAILABLE when shed)."""
-        return nullcontext() if self.admission is None else self.admission.admitted(context)
 
 
 class IdempotencyInterceptor(UnaryInterceptor):
@@ -264,8 +259,8 @@ class GuardedMethod:
             context.set_trailing_metadata(tuple(trailers))
             return outcome.response
         if outcome.details is not None:
-            trailers.append((_DETAILS_TRAILER, outcome.details))
-        context.abort_with_status(_ReplayStatus(code, outcome.message, tuple(trailers)))
+            trailers.append((DETAILS_TRAILER, outcome.details))
+        context.abort_with_status(StatusAnswer(code, outcome.message, tuple(trailers)))
         return None  # pragma: no cover - abort raises
 
     def _refuse(
@@ -294,13 +289,6 @@ class GuardedMethod:
         if key is not None:
             trailers.append(key.expiry_trailer)
         abort_with_error(context, error, trailers)
-
-
-@dataclass(frozen=True)
-class _ReplayStatus(grpc.Status):
-    code: grpc.StatusCode
-    details: str
-    trailing_metadata: tuple[Trailer, ...]
 
 
 def _trace_outcome(span: trace.Span, kind: OutcomeKind, code: grpc.StatusCode, message: str) -> None:
