@@ -34,13 +34,14 @@ import socket
 import ssl
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import uvicorn
+from google.protobuf.message import Message
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.applications import Starlette
@@ -134,8 +135,7 @@ class _Refusal(Exception):
 
 def _http_problem(status: int, title: str, detail: str, reason: str) -> HttpProblem:
     """A refusal that exists only in HTTP (no gRPC status says it): 408, 413, 415, 431."""
-    body = {"type": f"about:blank#{reason.lower()}", "title": title, "status": status, "detail": detail}
-    body["reason"] = reason
+    body = {"type": f"about:blank#{reason.lower()}", "title": title, "status": status, "detail": detail, "reason": reason}
     return HttpProblem(status, (), body)
 
 
@@ -183,39 +183,39 @@ class HttpFront:
 
     def _endpoint(self, declaration: RpcDeclaration) -> Any:
         async def endpoint(request: Request) -> Response:
-            with self._span(request, declaration) as span:
-                try:
-                    call = self._call(request, keyed=declaration.keyed)
-                    body = await self._body(request) if declaration.http and declaration.http.body else b""
-                    message = request_from_http(
-                        declaration, request.path_params, body, request.query_params.multi_items()
-                    )
-                    outcome = await self.forwarder.forward(
-                        declaration, message.SerializeToString(deterministic=True), call
-                    )
-                except _Refusal as refused:
-                    return self._finish(span, _problem_response(refused.problem))
-                except JsonRequestError as error:
-                    return self._finish(span, _problem_response(problem_from_error(error.to_error())))
-                except IdempotencyKeyHeaderError as error:
-                    return self._finish(span, _problem_response(problem_from_error(error.to_error())))
-                except ShardRouterError as error:
-                    return self._finish(span, _problem_response(problem_from_error(error)))
-                return self._finish(span, self._answer(declaration, outcome), outcome)
+            async def message(call: HttpCall) -> Message:
+                body = await self._body(request) if declaration.http and declaration.http.body else b""
+                return request_from_http(declaration, request.path_params, body, request.query_params.multi_items())
+
+            return await self._serve(request, declaration, message)
 
         return endpoint
 
     async def _compact_transfer(self, request: Request) -> Response:
-        declaration = CompactTransfer.declaration
+        async def message(call: HttpCall) -> Message:
+            compact = compact_transfer_request(await self._body(request))
+            if compact.currency_from_accounts:
+                compact.request.amount.currency = await self._currency_of(compact.request.source_account_id, call)
+            return compact.request
+
+        return await self._serve(request, CompactTransfer.declaration, message)
+
+    async def _serve(
+        self,
+        request: Request,
+        declaration: RpcDeclaration,
+        message: Callable[[HttpCall], Awaitable[Message]],
+    ) -> Response:
+        """One HTTP call of `declaration`: read it (`message` builds the request), forward it, answer.
+
+        Every refusal before the shard answers (HTTP's own, a bad key header or body, the router's)
+        becomes problem+json here, in one place for every route."""
         with self._span(request, declaration) as span:
             try:
-                call = self._call(request, keyed=True)
-                compact = compact_transfer_request(await self._body(request))
-                transfer = compact.request
-                if compact.currency_from_accounts:
-                    transfer.amount.currency = await self._currency_of(transfer.source_account_id, call)
+                call = self._call(request, keyed=declaration.keyed)
+                built = await message(call)
                 outcome = await self.forwarder.forward(
-                    declaration, transfer.SerializeToString(deterministic=True), call
+                    declaration, built.SerializeToString(deterministic=True), call
                 )
             except _Refusal as refused:
                 return self._finish(span, _problem_response(refused.problem))
