@@ -86,6 +86,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=[],
         help="extra SHARDD_NAME=value for every shard daemon (repeatable)",
     )
+    parser.add_argument(
+        "--round-trip-calls",
+        type=int,
+        default=300,
+        help="calls counted in each round-trips cell, one at a time (default 300)",
+    )
+    parser.add_argument(
+        "--statement-stats",
+        choices=("on", "off"),
+        default="on",
+        help="preload pg_stat_statements (statements per call in the round-trips rows; default on)",
+    )
     parser.add_argument("--json", type=Path, help="also write the full results as JSON here")
     parser.add_argument(
         "--markdown", type=Path, help="also write the tables (and captured SQL) as Markdown here"
@@ -123,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         replay_keys=args.replay_keys,
         shard_env=dict(args.shard_env),
         keep=args.keep,
+        round_trip_calls=args.round_trip_calls,
+        statement_stats=args.statement_stats == "on",
     )
     try:
         result = run(options, progress=lambda line: print(line, flush=True))

@@ -173,19 +173,54 @@ def _statements_by_pid(log_text: str) -> dict[int, list[Statement]]:
 
 
 def _call_statements(by_pid: dict[int, list[Statement]], key: uuid.UUID) -> list[Statement]:
-    """The statements from the checkout probe before the call's BEGIN to its COMMIT."""
+    """The call's statements: from the checkout probe (and the BEGIN) before the first statement that
+    carries the key to the last one that does, and on to the COMMIT if a transaction is still open
+    there. The key is claimed inside the transaction or before it, its lock released in it or after
+    it: the protocol changes, the capture follows."""
+    text = str(key)
+
+    def carries(statement: Statement) -> bool:
+        return any(v is not None and text in v for v in statement.params.values())
+
     for statements in by_pid.values():
-        hit = next((i for i, s in enumerate(statements) if str(key) in s.params.values()), None)
-        if hit is None:
+        hits = [i for i, s in enumerate(statements) if carries(s)]
+        if not hits:
             continue
-        begin = max(i for i in range(hit + 1) if statements[i].sql.upper() == "BEGIN")
+        begin, end = hits[0], hits[-1]
+        if begin > 0 and statements[begin - 1].sql.upper() == "BEGIN":
+            begin -= 1
         if begin > 0 and statements[begin - 1].sql == "":
             begin -= 1  # the pool's liveness probe at checkout: a round trip of its own
-        end = next(
-            i for i in range(hit, len(statements)) if statements[i].sql.upper() in ("COMMIT", "ROLLBACK")
-        )
+        open_txn = False
+        for statement in statements[begin : end + 1]:
+            word = statement.sql.upper()
+            open_txn = word == "BEGIN" or (open_txn and word not in ("COMMIT", "ROLLBACK"))
+        if open_txn:
+            end = next(
+                (
+                    i
+                    for i in range(end, len(statements))
+                    if statements[i].sql.upper() in ("COMMIT", "ROLLBACK")
+                ),
+                end,
+            )
         return statements[begin : end + 1]
     raise RuntimeError(f"no logged statements carry key {key}; is log_statement honoured?")
+
+
+def _insert_values(statement: Statement) -> dict[str, str | None]:
+    """Column -> parameter value of an `INSERT INTO t (cols) VALUES ($1, 'x', ...)` (literal columns
+    and expressions left out)."""
+    match = re.search(r"INSERT INTO \w+ \(([^)]*)\) VALUES \(([^)]*)\)", statement.sql)
+    if not match:
+        return {}
+    columns = [c.strip() for c in match.group(1).split(",")]
+    values = [v.strip() for v in match.group(2).split(",")]
+    return {
+        c: statement.params.get(int(v[1:]))
+        for c, v in zip(columns, values, strict=False)
+        if re.fullmatch(r"\$\d+", v)
+    }
 
 
 def _literal(value: str) -> str:
@@ -265,13 +300,23 @@ def script_from_capture(call: Captured) -> str:
 
 def limit_script(deposit: Captured) -> str:
     """The same Deposit work in one CTE statement: claim row, balance update, ledger row."""
-    claim = next(s for s in deposit.statements if s.sql.startswith("INSERT INTO idempotency_record"))
-    complete = next(s for s in deposit.statements if "state = 'completed'" in s.sql and "SET" in s.sql)
-    scope = claim.params[1] or ""
-    method = claim.params[4] or ""
-    request_hash = claim.params[5] or ""
-    # The stored response is the one parameter of the completion that looks like bytes.
-    response = next((v for v in complete.params.values() if v and v.startswith("\\x")), "\\x")
+    # The key's record is inserted as a claim (completed later) or completed at once: its columns
+    # are read from that INSERT, the stored response from whichever statement sends bytes.
+    record = next(
+        _insert_values(s) for s in deposit.statements if s.sql.startswith("INSERT INTO idempotency_record")
+    )
+    scope = record.get("scope") or ""
+    method = record.get("method") or ""
+    request_hash = record.get("request_hash") or ""
+    response = record.get("response") or next(
+        (
+            v
+            for s in deposit.statements
+            for v in s.params.values()
+            if v and v.startswith("\\x") and v != request_hash
+        ),
+        "\\x",
+    )
     k = "bench_key(:r1, :r2)"
     return f"""-- the limit: one Deposit's writes as one statement, one round trip, one commit
 \\set r1 random(0, 4095)

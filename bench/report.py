@@ -8,6 +8,8 @@ pg the largest single backend (shared buffers count in each backend that touched
 HTTP against gRPC through the router: http-deposit / router-deposit and http-replay / router-replay
 (best cell against best cell: the target, >= 80% each), and the same per concurrency with the
 router's CPU per operation on both paths.
+
+Round trips and statements per call: the round-trips cells (bench/run.py, bench/wire.py), one table.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.results import CellResult
 from bench.run import RunResult
@@ -31,6 +34,8 @@ ROLES: dict[str, list[str]] = {
         "shard-a-nopipeline",
         "noidem",
         "capture",
+        "shard-a-wire",
+        "noidem-wire",
     ],
     "pg": ["postgres"],
 }
@@ -55,6 +60,14 @@ def best(result: RunResult, scenario: str) -> CellResult | None:
 #: HTTP row -> the gRPC row through the router it is compared with (target: >= HTTP_TARGET of it).
 HTTP_PAIRS = {"http-deposit": "router-deposit", "http-replay": "router-replay"}
 HTTP_TARGET = 0.80
+#: The thresholds of the performance issue.
+SHARD_SHARE_TARGET = 0.15  # best shard-deposit / best pgbench-limit, at least
+ROUTER_SHARE_TARGET = 0.12  # best router-deposit / best pgbench-limit, at least
+INTERCEPTOR_TARGET = 0.25  # 1 - best shard-deposit / best noidem-deposit, at most
+ROUND_TRIPS_TARGET = 3.0  # counted round trips per new-key Deposit, at most
+REPLAY_MEMORY_TARGET = 2.0  # best replay-memory / best shard-deposit, at least
+REPLAY_DB_TARGET = 3.0  # best replay-db / best shard-deposit, at least
+CROSS_SHARD_P50_TARGET_MS = 50.0  # cross-shard p50 until the credit landed, at most
 
 
 def targets(result: RunResult) -> list[Target]:
@@ -78,32 +91,32 @@ def targets(result: RunResult) -> list[Target]:
         "shard directly vs the one-statement limit",
         "shard-deposit",
         "pgbench-limit",
-        ">= 30%",
-        lambda v: v >= 0.30,
+        f">= {SHARD_SHARE_TARGET:.0%}",
+        lambda v: v >= SHARD_SHARE_TARGET,
         "{value:.0%}",
     )
     ratio(
         "through the router vs the limit",
         "router-deposit",
         "pgbench-limit",
-        ">= 20%",
-        lambda v: v >= 0.20,
+        f">= {ROUTER_SHARE_TARGET:.0%}",
+        lambda v: v >= ROUTER_SHARE_TARGET,
         "{value:.0%}",
     )
     ratio(
         "replay (memory) vs first apply",
         "replay-memory",
         "shard-deposit",
-        ">= 2x",
-        lambda v: v >= 2.0,
+        f">= {REPLAY_MEMORY_TARGET:g}x",
+        lambda v: v >= REPLAY_MEMORY_TARGET,
         "{value:.2f}x",
     )
     ratio(
         "replay (database) vs first apply",
         "replay-db",
         "shard-deposit",
-        ">= 2x",
-        lambda v: v >= 2.0,
+        f">= {REPLAY_DB_TARGET:g}x",
+        lambda v: v >= REPLAY_DB_TARGET,
         "{value:.2f}x",
     )
     for http_row, grpc_row in HTTP_PAIRS.items():
@@ -116,22 +129,21 @@ def targets(result: RunResult) -> list[Target]:
             "{value:.0%}",
         )
     a, b = best(result, "shard-deposit"), best(result, "noidem-deposit")
+    interceptor = "interceptor overhead vs the same handler without idempotency"
     if a and b and b.throughput:
         overhead = 1 - a.throughput / b.throughput
         out.append(
             Target(
-                "interceptor overhead vs the same handler without idempotency",
+                interceptor,
                 f"{overhead:.0%} ({a.throughput:.0f} vs {b.throughput:.0f} ops/s at best)",
-                "<= 15%",
-                overhead <= 0.15,
+                f"<= {INTERCEPTOR_TARGET:.0%}",
+                overhead <= INTERCEPTOR_TARGET,
             )
         )
     else:
-        out.append(
-            Target(
-                "interceptor overhead vs the same handler without idempotency", "not measured", "<= 15%", None
-            )
-        )
+        out.append(Target(interceptor, "not measured", f"<= {INTERCEPTOR_TARGET:.0%}", None))
+    out.append(_round_trips_target(result))
+    out.append(_cross_shard_target(result))
     growth = sorted(result.growth, key=lambda g: g["size"])
     if len(growth) >= 2 and growth[0]["throughput"]:
         first, last = growth[0], growth[-1]
@@ -150,6 +162,46 @@ def targets(result: RunResult) -> list[Target]:
     return out
 
 
+def round_trip_figures(result: RunResult, row: str) -> dict[str, Any] | None:
+    """What a round-trips cell counted (run.py `_round_trip_cell`), if the run has it."""
+    for cell in result.cells:
+        if cell.scenario == row and "round_trips" in cell.extra:
+            figures: dict[str, Any] = cell.extra["round_trips"]
+            return figures
+    return None
+
+
+def _round_trips_target(result: RunResult) -> Target:
+    name = "round trips per Deposit (counted on the wire, new keys, c=1)"
+    required = f"<= {ROUND_TRIPS_TARGET:g}"
+    figures = round_trip_figures(result, "round-trips/deposit")
+    if figures is None or not figures["calls"]:
+        return Target(name, "not measured", required, None)
+    value = figures["round_trips_per_call"]
+    stmts = figures.get("statements_per_call")
+    figure = f"{value:.2f} ({figures['wire']['round_trips']} over {figures['calls']} calls"
+    figure += f", {figures['wire_idle']['round_trips']} idle subtracted"
+    figure += f"; {stmts:.2f} statements/call)" if stmts is not None else ")"
+    return Target(name, figure, required, value <= ROUND_TRIPS_TARGET)
+
+
+def _cross_shard_target(result: RunResult) -> Target:
+    """p50 from sending the Transfer until its credit landed, at the lowest concurrency measured
+    (unloaded; the best cell's p50 is shown beside it, which includes queueing)."""
+    name = "cross-shard Transfer until its credit landed, p50 (lowest concurrency)"
+    required = f"<= {CROSS_SHARD_P50_TARGET_MS:g} ms"
+    cells = [c for c in result.cells if c.scenario == "cross-shard" and c.ok > 0]
+    if not cells:
+        return Target(name, "not measured", required, None)
+    low = min(cells, key=lambda c: c.concurrency)
+    top = max(cells, key=lambda c: c.throughput)
+    p50 = low.latency["p50_ms"]
+    figure = f"{p50:.0f} ms @c{low.concurrency}"
+    if top is not low:
+        figure += f" (best cell: {top.latency['p50_ms']:.0f} ms @c{top.concurrency})"
+    return Target(name, figure, required, p50 <= CROSS_SHARD_P50_TARGET_MS)
+
+
 def _status(passed: bool | None) -> str:
     return "n/a" if passed is None else ("PASS" if passed else "MISS")
 
@@ -163,16 +215,28 @@ def _stand(result: RunResult, cell: CellResult) -> str:
     first = best(result, "shard-deposit")
     if cell.scenario == "shard-deposit" and limit:
         share = cell.throughput / limit.throughput
-        return f"best; {share:.0%} of limit (>=30%: {_status(share >= 0.3)})"
+        return (
+            f"best; {share:.0%} of limit (>={SHARD_SHARE_TARGET:.0%}: {_status(share >= SHARD_SHARE_TARGET)})"
+        )
     if cell.scenario == "router-deposit" and limit:
         share = cell.throughput / limit.throughput
-        return f"best; {share:.0%} of limit (>=20%: {_status(share >= 0.2)})"
+        return f"best; {share:.0%} of limit (>={ROUTER_SHARE_TARGET:.0%}: {_status(share >= ROUTER_SHARE_TARGET)})"
     if cell.scenario in ("replay-memory", "replay-db") and first:
         times = cell.throughput / first.throughput
-        return f"best; {times:.2f}x first apply (>=2x: {_status(times >= 2)})"
+        target = REPLAY_MEMORY_TARGET if cell.scenario == "replay-memory" else REPLAY_DB_TARGET
+        return f"best; {times:.2f}x first apply (>={target:g}x: {_status(times >= target)})"
     if cell.scenario == "noidem-deposit" and first:
         overhead = 1 - first.throughput / cell.throughput
-        return f"best; interceptor costs {overhead:.0%} (<=15%: {_status(overhead <= 0.15)})"
+        return (
+            f"best; interceptor costs {overhead:.0%}"
+            f" (<={INTERCEPTOR_TARGET:.0%}: {_status(overhead <= INTERCEPTOR_TARGET)})"
+        )
+    figures = cell.extra.get("round_trips")
+    if figures:
+        stmts = figures.get("statements_per_call")
+        return f"{figures['round_trips_per_call']:.2f} round trips" + (
+            f", {stmts:.2f} statements per call" if stmts is not None else " per call"
+        )
     if cell.scenario == "shard-deposit-nopipeline" and first:
         return f"best; {cell.throughput / first.throughput:.2f}x the pipelined shard"
     if cell.scenario == "pgbench-deposit" and first:
@@ -277,6 +341,67 @@ GROWTH_HEADER = [
     "load s",
 ]
 TARGET_HEADER = ["target", "figure", "required", "status"]
+ROUND_TRIP_HEADER = [
+    "cell (c=1)",
+    "calls",
+    "round trips / call",
+    "Sync",
+    "Flush",
+    "Query",
+    "Parse",
+    "Bind",
+    "Execute",
+    "idle round trips",
+    "sent / call",
+    "statements / call",
+    "nested",
+    "idle statements",
+    "db ms / call",
+    "plan ms",
+    "ops/s",
+]
+
+
+def round_trip_rows(result: RunResult) -> list[list[str]]:
+    """One row per round-trips cell: per successful call, background (idle interval) subtracted."""
+    out = []
+    for cell in result.cells:
+        f = cell.extra.get("round_trips")
+        if not f:
+            continue
+        has_stats = "statements_per_call" in f
+
+        def stat(name: str, fmt: str, f: dict[str, Any] = f, has_stats: bool = has_stats) -> str:
+            return fmt.format(f[name]) if has_stats else "-"
+
+        out.append(
+            [
+                cell.scenario,
+                str(f["calls"]),
+                f"{f['round_trips_per_call']:.2f}",
+                *(
+                    f"{f[f'{n}_per_call']:.2f}"
+                    for n in ("sync", "flush", "query", "parse", "bind", "execute")
+                ),
+                str(f["wire_idle"]["round_trips"]),
+                f"{f['sent_statements_per_call']:.2f}",
+                stat("statements_per_call", "{:.2f}"),
+                stat("nested_statements_per_call", "{:.2f}"),
+                stat("idle_statements", "{}"),
+                stat("db_ms_per_call", "{:.3f}"),
+                stat("plan_ms_per_call", "{:.3f}"),
+                f"{cell.throughput:.0f}",
+            ]
+        )
+    return out
+
+
+ROUND_TRIP_TITLE = (
+    "round trips (Sync+Flush+Query messages on the wire), statements sent (Execute+Query) and statements"
+    " seen by pg_stat_statements (top level; nested: inside functions and triggers) per call, one call at"
+    " a time, idle interval subtracted (pg_stat_statements counts a utility statement psycopg has"
+    " prepared, e.g. BEGIN, only on its first execution):"
+)
 HTTP_HEADER = [
     "http row",
     "vs gRPC row",
@@ -359,6 +484,9 @@ def text_report(result: RunResult) -> str:
     http = http_rows(result)
     if http:
         parts += ["", "HTTP vs gRPC through the router (same concurrency):", _text_table(HTTP_HEADER, http)]
+    trips = round_trip_rows(result)
+    if trips:
+        parts += ["", ROUND_TRIP_TITLE, _text_table(ROUND_TRIP_HEADER, trips)]
     parts += ["", "targets:", _text_table(TARGET_HEADER, _target_rows(result))]
     parts += [f"note: {n}" for n in result.notes]
     return "\n".join(parts)
@@ -377,10 +505,23 @@ def markdown_report(result: RunResult) -> str:
     http = http_rows(result)
     if http:
         parts += ["", "HTTP vs gRPC through the router (same concurrency):", "", _md_table(HTTP_HEADER, http)]
+    trips = round_trip_rows(result)
+    if trips:
+        parts += [
+            "",
+            ROUND_TRIP_TITLE[:1].upper() + ROUND_TRIP_TITLE[1:],
+            "",
+            _md_table(ROUND_TRIP_HEADER, trips),
+        ]
     parts += ["", "Targets:", "", _md_table(TARGET_HEADER, _target_rows(result))]
     parts += [f"\nNote: {n}" for n in result.notes]
     for name, statements in result.captured.items():
         if name.endswith("script"):
+            continue
+        if name.endswith("top statements"):
+            row = name.removesuffix(" top statements")
+            parts += ["", f"{row}: the most called statements (pg_stat_statements, per call):", "", "```sql"]
+            parts += [*statements, "```"]
             continue
         parts += ["", f"Statements of one {name}, as captured (log_statement=all):", "", "```sql"]
         parts += [s if s else "-- (empty query: the pool's checkout probe)" for s in statements]

@@ -18,6 +18,10 @@ Scenarios (rows of the table; `python -m bench --list` prints this):
   conflict          one key held in flight; every call resends it: ABORTED answers per second
   http-conflict     one key held in flight, resent over HTTP through the router: 409 answers per second
   cross-shard       Transfer through the router to another shard's account, until the credit lands
+  round-trips       one call at a time (c=1, --round-trip-calls calls) through a counting proxy in front
+                    of PostgreSQL: round trips (Sync/Flush/Query messages) and statements
+                    (pg_stat_statements) per new-key Deposit, per replay from the database, and per
+                    Deposit of the no-idempotency twin
 
 Growth: shard-deposit at one concurrency with the key table bulk-loaded to each size, and the time of a
 retention run at that size.
@@ -42,7 +46,7 @@ import psycopg
 from bench import pgbench
 from bench.loadgen import LoadSpec, ensure_installed, run_load
 from bench.results import CellResult
-from bench.services import CURRENCY, BenchSystem, bench_system
+from bench.services import CURRENCY, WIRE_ROLE, BenchSystem, bench_system
 from shardrouter.core.callers import CALLER_METADATA
 from shardrouter.core.keys import KEY_METADATA, new_key
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
@@ -66,6 +70,7 @@ SCENARIOS = (
     "conflict",
     "http-conflict",
     "cross-shard",
+    "round-trips",
 )
 #: Rows that need the router (and so shard-b beside shard-a).
 ROUTER_ROWS = frozenset(
@@ -78,6 +83,15 @@ RETENTION = timedelta(days=30)
 #: inside the retention window, like the keys of a busy month.
 GROWTH_SPAN_DAYS = 20
 GROWTH_CHUNK = 1_000_000
+#: The round-trips cells: (row, daemon, database, what the load sends).
+ROUND_TRIP_CELLS = (
+    ("round-trips/deposit", "shard-a-wire", "shard_a", "new-key Deposits"),
+    ("round-trips/replay-db", "shard-a-wire", "shard_a", "replays of those keys (cache off: database)"),
+    ("round-trips/noidem-deposit", "noidem-wire", "noidem", "Deposits without idempotency"),
+)
+#: Calls before each round-trips cell that are not counted: connections made, statements prepared
+#: (psycopg prepares a statement on its 5th use), caches warm.
+ROUND_TRIP_WARMUP_CALLS = 25
 
 
 @dataclass
@@ -94,6 +108,10 @@ class RunOptions:
     replay_keys: int = 5000
     shard_env: dict[str, str] = field(default_factory=dict)
     keep: bool = False
+    #: Calls counted in each round-trips cell (one at a time).
+    round_trip_calls: int = 300
+    #: pg_stat_statements preloaded (statements per call in the round-trips rows).
+    statement_stats: bool = True
 
 
 @dataclass
@@ -124,7 +142,9 @@ def run(options: RunOptions, progress: Callable[[str], None] = print) -> RunResu
     node = ensure_installed()
     result = RunResult(options={k: v for k, v in options.__dict__.items()})
     wanted = set(options.scenarios)
-    with bench_system(options.accounts, options.shard_env, keep=options.keep) as system:
+    with bench_system(
+        options.accounts, options.shard_env, keep=options.keep, statement_stats=options.statement_stats
+    ) as system:
         progress("bench: starting PostgreSQL (durable: fsync on, synchronous_commit on) ...")
         system.start_postgres()
         system.plan_shards()
@@ -135,7 +155,10 @@ def run(options: RunOptions, progress: Callable[[str], None] = print) -> RunResu
         progress("bench: starting the shard daemons, the router and the baseline ...")
         cells.start_services(wanted, bool(options.growth))
         for scenario in [s for s in SCENARIOS if s in wanted and not s.startswith("pgbench")]:
-            cells.grpc_rows(scenario)
+            if scenario == "round-trips":
+                cells.round_trip_rows()
+            else:
+                cells.grpc_rows(scenario)
         if options.growth:
             cells.growth_rows()
     return result
@@ -309,6 +332,19 @@ class _Cells:
                 database="shard_a",
                 extra={"SHARDD_REPLAY_CACHE_ENTRIES": "0", "SHARDD_RELAY_WORKERS": "0"},
             )
+        if "round-trips" in grpc_rows:
+            # Through counting proxies, as their own login (their statements apart from the other
+            # daemons' in pg_stat_statements). Replay cache off: replays read the database (a first
+            # apply never finds a key in the cache, so the Deposit path is the same as shard-a's).
+            system.start_shard(
+                "shard-a-wire",
+                shard_id="shard-a",
+                database="shard_a",
+                dsn=system.wire_dsn("shard_a", "shard-a-wire"),
+                extra={"SHARDD_REPLAY_CACHE_ENTRIES": "0", "SHARDD_RELAY_WORKERS": "0"},
+            )
+            system.start_noidem("noidem-wire", dsn=system.wire_dsn("noidem", "noidem-wire"))
+            system.seed_accounts("noidem", system.accounts_a)
 
     # --- gRPC and HTTP rows --------------------------------------------------------------------------
 
@@ -374,6 +410,101 @@ class _Cells:
             raise ValueError(f"unknown scenario {scenario}")
         for c in concurrencies:
             self._load(scenario, spec, c)
+
+    # --- round trips and statements per call -------------------------------------------------------
+
+    def round_trip_rows(self) -> None:
+        """Each ROUND_TRIP_CELLS cell: warm-up calls, then the counted calls one at a time, then an
+        idle interval as long as the counted calls (its counts are the background, subtracted)."""
+        system = self.system
+        calls = self.options.round_trip_calls
+        keys = system.workdir / "round-trip-keys.jsonl"
+        warm_keys = system.workdir / "round-trip-warmup-keys.jsonl"
+        accounts = system.accounts_file("a")
+        for row, daemon, database, what in ROUND_TRIP_CELLS:
+            address = self._address(daemon)
+            if row == "round-trips/deposit":
+                warm = LoadSpec(address, accounts=accounts, max_ops=ROUND_TRIP_WARMUP_CALLS, record=warm_keys)
+                spec = LoadSpec(address, accounts=accounts, max_ops=calls, record=keys)
+            elif row == "round-trips/replay-db":
+                # The keys the deposit cell completed; the warm-up replays the warm-up's own keys.
+                warm = LoadSpec(address, keys=f"list:{warm_keys}", max_ops=ROUND_TRIP_WARMUP_CALLS)
+                spec = LoadSpec(address, keys=f"list:{keys}", max_ops=calls)
+            else:
+                warm = LoadSpec(address, accounts=accounts, max_ops=ROUND_TRIP_WARMUP_CALLS)
+                spec = LoadSpec(address, accounts=accounts, max_ops=calls)
+            self._round_trip_cell(row, daemon, database, warm, spec, what)
+
+    def _round_trip_cell(
+        self, row: str, daemon: str, database: str, warm: LoadSpec, spec: LoadSpec, what: str
+    ) -> None:
+        system = self.system
+        proxy = system.proxies[daemon]
+        stats = _StatementStats(system, database) if system.statement_stats else None
+
+        def one_run(load: LoadSpec, scenario: str, tracked: list[Any]) -> CellResult:
+            # Bounded by the number of calls; the duration is only a backstop.
+            return run_load(
+                self.node, load, scenario=scenario, concurrency=1, duration_s=600, warmup_s=0, tracked=tracked
+            )
+
+        one_run(warm, f"{row} warm-up", [])
+        time.sleep(0.2)  # the warm-up's last statements have reached pg_stat_statements
+        before = stats.snapshot() if stats else {}
+        proxy.counter.reset()
+        started = time.monotonic()
+        cell = one_run(spec, row, system.tracked())
+        wall_s = time.monotonic() - started
+        wire = proxy.counter.snapshot()
+        during = stats.snapshot() if stats else {}
+        # The same length of time with no load: what the daemon sends by itself (pool checks,
+        # partition keeper), subtracted below.
+        proxy.counter.reset()
+        time.sleep(wall_s)
+        idle_wire = proxy.counter.snapshot()
+        idle_end = stats.snapshot() if stats else {}
+        ok = max(cell.ok, 1)
+        figures: dict[str, Any] = {
+            "sends": what,
+            "daemon": daemon,
+            "database": database,
+            "calls": cell.ok,
+            "wall_s": round(wall_s, 3),
+            "wire": wire,
+            "wire_idle": idle_wire,
+            "round_trips_per_call": (wire["round_trips"] - idle_wire["round_trips"]) / ok,
+            "round_trips_per_call_raw": wire["round_trips"] / ok,
+        }
+        for name in ("sync", "flush", "query", "parse", "bind", "execute"):
+            figures[f"{name}_per_call"] = (wire[name] - idle_wire[name]) / ok
+        # Statements the client sent: one per Execute, one per simple Query (the pool's empty
+        # checkout probe included), whether or not pg_stat_statements sees them.
+        figures["sent_statements_per_call"] = figures["execute_per_call"] + figures["query_per_call"]
+        if stats:
+            load, idle = _delta(before, during), _delta(during, idle_end)
+            top = sum(v["calls"] for k, v in load.items() if k[1])
+            nested = sum(v["calls"] for k, v in load.items() if not k[1])
+            idle_top = sum(v["calls"] for k, v in idle.items() if k[1])
+            figures |= {
+                "statements_per_call": (top - idle_top) / ok,
+                "statements_per_call_raw": top / ok,
+                "nested_statements_per_call": nested / ok,
+                "db_ms_per_call": sum(v["exec_ms"] + v["plan_ms"] for v in load.values()) / ok,
+                "plan_ms_per_call": sum(v["plan_ms"] for v in load.values()) / ok,
+                "idle_statements": idle_top,
+            }
+            ranked = sorted(load.items(), key=lambda kv: (-kv[1]["calls"], kv[1]["query"]))
+            self.result.captured[f"{row} top statements"] = [
+                f"/* {v['calls'] / ok:.2f} per call{'' if k[1] else ', nested'} */ {_one_line(v['query'], 160)}"
+                for k, v in ranked[:10]
+            ]
+        cell.extra["round_trips"] = figures
+        self._record(cell)
+        stmts = f", {figures['statements_per_call']:.2f} statements" if stats else ""
+        self.progress(
+            f"  {row}: {figures['round_trips_per_call']:.2f} round trips{stmts} per call"
+            f" ({cell.ok} calls; idle interval: {idle_wire['round_trips']} round trips)"
+        )
 
     def _replay_list(self) -> Path:
         """Pre-create distinct completed keys once (Deposits through the real API), recording them."""
@@ -606,6 +737,50 @@ SELECT %(scope)s, k, uuid_extract_timestamp(k), %(method)s, sha256(int8send(g)),
 FROM (SELECT g, uuidv7(-(%(span)s::interval * ((%(total)s - g)::float8 / %(total)s) + interval '1 second')) AS k
       FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS g) AS s
 """
+
+
+class _StatementStats:
+    """pg_stat_statements of WIRE_ROLE in one database: calls, execution and planning time by
+    (queryid, toplevel)."""
+
+    def __init__(self, system: BenchSystem, database: str) -> None:
+        self.system, self.database = system, database
+
+    def snapshot(self) -> dict[tuple[int, bool], dict[str, Any]]:
+        with psycopg.connect(self.system.dsn(self.database), autocommit=True) as conn:
+            found = conn.execute(
+                "SELECT s.queryid, s.toplevel, s.calls, s.total_exec_time, s.total_plan_time, s.query"
+                " FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid"
+                " JOIN pg_roles r ON r.oid = s.userid WHERE d.datname = %s AND r.rolname = %s",
+                (self.database, WIRE_ROLE),
+            ).fetchall()
+        return {
+            (int(q), bool(t)): {"calls": int(c), "exec_ms": float(e), "plan_ms": float(p), "query": str(text)}
+            for q, t, c, e, p, text in found
+        }
+
+
+def _delta(
+    before: dict[tuple[int, bool], dict[str, Any]], after: dict[tuple[int, bool], dict[str, Any]]
+) -> dict[tuple[int, bool], dict[str, Any]]:
+    """Per statement, what happened between two snapshots (statements with no new calls left out)."""
+    out = {}
+    for key, now in after.items():
+        was = before.get(key, {"calls": 0, "exec_ms": 0.0, "plan_ms": 0.0})
+        calls = now["calls"] - was["calls"]
+        if calls > 0:
+            out[key] = {
+                "calls": calls,
+                "exec_ms": now["exec_ms"] - was["exec_ms"],
+                "plan_ms": now["plan_ms"] - was["plan_ms"],
+                "query": now["query"],
+            }
+    return out
+
+
+def _one_line(text: str, width: int) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
 def _size_label(size: int) -> str:

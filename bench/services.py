@@ -25,6 +25,7 @@ import psycopg
 import yaml
 
 from bench.procstat import Tracked
+from bench.wire import WireProxy
 from shardrouter.core.shardmap import ShardMap, even_shard_map, shard_map_document
 from shardrouter.localcluster.cluster import Daemon
 from shardrouter.localcluster.postgres import LocalPostgres, free_port
@@ -49,6 +50,21 @@ PG_SETTINGS = {
     "checkpoint_timeout": "15min",
     "log_min_duration_statement": "-1",
 }
+
+#: Statement statistics for the round-trips rows (calls, execution and planning time per statement),
+#: on for every row of a run since one server serves them all; `--statement-stats off` leaves them
+#: out (bench/README.md gives what they cost). track=all so statements run inside functions and
+#: triggers are seen too (the `toplevel` column keeps them apart from what the client sent).
+STATEMENT_STATS_SETTINGS = {
+    "shared_preload_libraries": "'pg_stat_statements'",
+    "pg_stat_statements.track": "all",
+    "pg_stat_statements.track_utility": "on",
+    "pg_stat_statements.track_planning": "on",
+}
+#: The login of the daemons whose statements the round-trips rows count: a superuser like `postgres`
+#: (so it behaves the same), but its own `userid` in pg_stat_statements, apart from every other
+#: daemon on the same database.
+WIRE_ROLE = "bench_wire"
 
 #: Admission is raised above the largest concurrency: the cells measure capacity, not shedding
 #: (override with --shard-env to bench the shipped defaults). Everything else is shardd's default.
@@ -78,6 +94,10 @@ class BenchSystem:
     hot_account: str = ""
     #: The router's HTTP/JSON front (ROUTER_HTTP_LISTEN), once the router is started.
     router_http_port: int = 0
+    #: pg_stat_statements preloaded (and created in shard_a and noidem).
+    statement_stats: bool = True
+    #: Counting proxies in front of PostgreSQL (bench/wire.py), closed after the daemons.
+    proxies: dict[str, WireProxy] = field(default_factory=dict)
 
     # --- PostgreSQL -------------------------------------------------------------------------------
 
@@ -85,16 +105,32 @@ class BenchSystem:
         """initdb + durable settings + start; create the databases."""
         self.pg = LocalPostgres(self.workdir / "pg")
         self.pg.init()
+        settings = PG_SETTINGS | (STATEMENT_STATS_SETTINGS if self.statement_stats else {})
         with (self.pg.data_dir / "postgresql.conf").open("a") as conf:
-            conf.write("\n# bench\n" + "".join(f"{k} = {v}\n" for k, v in PG_SETTINGS.items()))
+            conf.write("\n# bench\n" + "".join(f"{k} = {v}\n" for k, v in settings.items()))
         self.pg.start()
         for name in ("pgb", "shard_a", "shard_b", "noidem"):
             self.pg.create_database(name)
+        with psycopg.connect(self.dsn("postgres"), autocommit=True) as conn:
+            conn.execute(f"CREATE ROLE {WIRE_ROLE} LOGIN SUPERUSER")
+        if self.statement_stats:
+            for name in ("shard_a", "noidem"):
+                with psycopg.connect(self.dsn(name), autocommit=True) as conn:
+                    conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
 
     def dsn(self, database: str) -> str:
         """DSN of one of the run's databases."""
         assert self.pg is not None
         return self.pg.dsn_for(database)
+
+    def wire_dsn(self, database: str, name: str) -> str:
+        """DSN of `database` through a new counting proxy `name` (bench/wire.py), as WIRE_ROLE and
+        without TLS (the proxy parses the plain protocol)."""
+        assert self.pg is not None
+        proxy = WireProxy("127.0.0.1", self.pg.port, name)
+        self.proxies[name] = proxy  # registered first: closed whatever happens next
+        proxy.start()
+        return f"postgresql://{WIRE_ROLE}@127.0.0.1:{proxy.port}/{database}?sslmode=disable"
 
     def postmaster_pid(self) -> int:
         """PID of the postmaster (first line of postmaster.pid)."""
@@ -109,7 +145,14 @@ class BenchSystem:
 
     def settings_in_force(self) -> dict[str, str]:
         """The durability-relevant settings as the server reports them."""
-        names = ["fsync", "synchronous_commit", "full_page_writes", "wal_sync_method", "shared_buffers"]
+        names = [
+            "fsync",
+            "synchronous_commit",
+            "full_page_writes",
+            "wal_sync_method",
+            "shared_buffers",
+            "shared_preload_libraries",
+        ]
         with psycopg.connect(self.dsn("postgres")) as conn:
             return {n: str(conn.execute(f"SHOW {n}").fetchone()[0]) for n in names}  # type: ignore[index]
 
@@ -161,14 +204,22 @@ class BenchSystem:
         return {**env, **SHARD_ENV_DEFAULTS, **self.shard_env, **extra}
 
     def start_shard(
-        self, name: str, *, shard_id: str, database: str, extra: dict[str, str] | None = None
+        self,
+        name: str,
+        *,
+        shard_id: str,
+        database: str,
+        extra: dict[str, str] | None = None,
+        dsn: str | None = None,
     ) -> Daemon:
-        """A `shardd serve` process; `name` is the bench's handle (two may serve one shard id)."""
+        """A `shardd serve` process; `name` is the bench's handle (two may serve one shard id).
+
+        `dsn` replaces the database's own (e.g. `wire_dsn`: through a counting proxy)."""
         port = self._ports[name] if name in self._ports else free_port()
         env = self._env(
             {
                 "SHARDD_SHARD_ID": shard_id,
-                "SHARDD_DSN": self.dsn(database),
+                "SHARDD_DSN": dsn or self.dsn(database),
                 "SHARDD_LISTEN": f"127.0.0.1:{port}",
                 "SHARDD_SHARD_MAP": str(self.workdir / "shard-map.yaml"),
                 **(extra or {}),
@@ -213,14 +264,22 @@ class BenchSystem:
         """host:port of the router's HTTP/JSON front."""
         return f"127.0.0.1:{self.router_http_port}"
 
-    def start_noidem(self) -> Daemon:
-        """The real TransferServicer without the idempotency interceptor (bench/noidem_server.py)."""
+    def start_noidem(
+        self, name: str = "noidem", *, dsn: str | None = None, extra: dict[str, str] | None = None
+    ) -> Daemon:
+        """The real TransferServicer without the idempotency interceptor (bench/noidem_server.py),
+        on database `noidem` (or `dsn`, e.g. through a counting proxy)."""
         port = free_port()
         env = self._env(
-            {"SHARDD_DSN": self.dsn("noidem"), "SHARDD_LISTEN": f"127.0.0.1:{port}", "SHARDD_SHARD_MAP": ""}
+            {
+                "SHARDD_DSN": dsn or self.dsn("noidem"),
+                "SHARDD_LISTEN": f"127.0.0.1:{port}",
+                "SHARDD_SHARD_MAP": "",
+                **(extra or {}),
+            }
         )
         return self._start(
-            Daemon("noidem", [sys.executable, "-m", "bench.noidem_server"], env, port, self._log("noidem"))
+            Daemon(name, [sys.executable, "-m", "bench.noidem_server"], env, port, self._log(name))
         )
 
     def _log(self, name: str) -> Path:
@@ -241,13 +300,23 @@ class BenchSystem:
             out.append(Tracked("postgres", self.postmaster_pid(), tree=True))
         return out
 
+    def close_proxies(self) -> None:
+        """Stop the counting proxies (after the daemons that connect through them)."""
+        for name, proxy in list(self.proxies.items()):
+            try:
+                proxy.close()
+            except Exception:
+                log.exception("stopping the proxy %s failed", name)
+        self.proxies.clear()
+
     def close(self) -> None:
-        """Stop every process, then the database, then delete the temp dir."""
+        """Stop every process and proxy, then the database, then delete the temp dir."""
         for daemon in reversed(list(self.daemons.values())):
             try:
                 daemon.stop(timeout_s=10)
             except Exception:  # keep stopping the rest: nothing may be left running
                 log.exception("stopping %s failed", daemon.name)
+        self.close_proxies()
         if self.pg is not None:
             try:
                 self.pg.destroy()
@@ -257,11 +326,13 @@ class BenchSystem:
 
 
 @contextmanager
-def bench_system(accounts: int, shard_env: dict[str, str], keep: bool = False) -> Iterator[BenchSystem]:
+def bench_system(
+    accounts: int, shard_env: dict[str, str], keep: bool = False, statement_stats: bool = True
+) -> Iterator[BenchSystem]:
     """A BenchSystem in a fresh temp dir, closed whatever happens (also on Ctrl-C)."""
     # Not under /tmp/pytest-*: the unprivileged server user must be able to traverse to its data.
     workdir = Path(tempfile.mkdtemp(prefix="shard-router-bench-"))
-    system = BenchSystem(workdir, accounts, shard_env)
+    system = BenchSystem(workdir, accounts, shard_env, statement_stats=statement_stats)
     try:
         yield system
     finally:
@@ -269,6 +340,7 @@ def bench_system(accounts: int, shard_env: dict[str, str], keep: bool = False) -
             log.warning("keeping %s (--keep)", workdir)
             for daemon in system.daemons.values():
                 daemon.stop()
+            system.close_proxies()
             if system.pg is not None:
                 system.pg.stop()
         else:

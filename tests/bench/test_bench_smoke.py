@@ -40,11 +40,13 @@ def test_tiny_run_prints_a_table_with_non_zero_figures(tmp_path: Path) -> None:
             "--concurrency",
             "1,4",
             "--scenarios",
-            "pgbench-limit,shard-deposit",
+            "pgbench-limit,shard-deposit,round-trips",
             "--growth",
             "0,3000",
             "--accounts",
             "50",
+            "--round-trip-calls",
+            "20",
             "--json",
             str(out),
         ],
@@ -57,7 +59,8 @@ def test_tiny_run_prints_a_table_with_non_zero_figures(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = result.stdout
     assert "shard-deposit" in table and "pgbench-limit" in table and "targets:" in table
-    cells = [c for c in json.loads(out.read_text())["cells"] if not c["scenario"].startswith("growth-")]
+    all_cells = json.loads(out.read_text())["cells"]
+    cells = [c for c in all_cells if not c["scenario"].startswith(("growth-", "round-trips/"))]
     assert {(c["scenario"], c["concurrency"]) for c in cells} == {
         ("pgbench-limit", 1),
         ("pgbench-limit", 4),
@@ -79,8 +82,25 @@ def test_tiny_run_prints_a_table_with_non_zero_figures(tmp_path: Path) -> None:
     for row in growth:
         assert row["retention_dropped_rows"] > 0 and len(row["retention_dropped"]) == 1, row
         assert row["throughput"] > 0, row
+    _check_round_trips(all_cells, table)
     # Nothing left behind: the harness removes its temp dirs.
     assert set(temp_root.glob("shard-router-bench-*")) <= before
+
+
+def _check_round_trips(cells: list[dict], table: str) -> None:
+    """The round-trips cells counted something per call. No exact values: the protocol is changing
+    (a Deposit is a few round trips; a replay from the database at least one)."""
+    counted = {c["scenario"]: c for c in cells if c["scenario"].startswith("round-trips/")}
+    assert set(counted) == {"round-trips/deposit", "round-trips/replay-db", "round-trips/noidem-deposit"}
+    for name, cell in counted.items():
+        figures = cell["extra"]["round_trips"]
+        assert cell["concurrency"] == 1 and cell["ok"] == figures["calls"] == 20 and not cell["errors"], cell
+        assert figures["round_trips_per_call"] > 0 and figures["wire"]["round_trips"] > 0, (name, figures)
+        assert figures["statements_per_call"] > 0 and figures["sent_statements_per_call"] > 0, (name, figures)
+        assert figures["db_ms_per_call"] > 0, (name, figures)
+    # Replays were answered from the database (the daemon's replay cache is off): they cost statements.
+    assert counted["round-trips/replay-db"]["extra"]["round_trips"]["statements_per_call"] >= 1
+    assert "round trips per Deposit" in table and "round trips (Sync+Flush+Query" in table
 
 
 HTTP_ROWS = ("router-deposit", "http-deposit", "router-replay", "http-replay", "http-conflict")
