@@ -4,7 +4,7 @@ Everything else is built by the same builders as `shardd.server.start_shard`: th
 the same `Database` pool (with its checkout probe), admission, domain error mapping, and the same
 settings (read from the SHARDD_* environment). The only difference is that a mutating call runs the
 handler in a transaction of its own, published with `shardd.db.bind_transaction` as the interceptor
-does, with no key claim, no savepoint and no stored outcome. So "shard directly" minus this row is the
+does, with no key claim, no lock and no stored outcome. So "shard directly" minus this row is the
 price of idempotency, and nothing else.
 
 Run as `python -m bench.noidem_server` (the harness starts it; SIGTERM stops it).
@@ -12,12 +12,14 @@ Run as `python -m bench.noidem_server` (the harness starts it; SIGTERM stops it)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import grpc
+from psycopg.pq import TransactionStatus
 
 from shardrouter.core import grpcserver
 from shardrouter.core.error_interceptor import DomainErrorInterceptor
@@ -46,13 +48,22 @@ class PlainTransferServicer(TransferServicer):
     ) -> Any:
         # The handlers write the key into ledger rows, so it is still read (but never stored as a claim).
         key = next((parse_key(str(v)) for k, v in context.invocation_metadata() if k == KEY_METADATA), None)
-        with (
-            mapped_database_errors(self._database.transient_retry_ms),
-            self._database.connection() as conn,
-            conn.transaction(),
-            bind_transaction(conn, key.text if key else str(uuid.uuid4())),
-        ):
-            return handler(request, context)
+        database = self._database
+        with mapped_database_errors(database.transient_retry_ms), database.connection() as conn:
+            # As the interceptor runs a claimed key's handler: BEGIN goes with the handler's first
+            # statement and the COMMIT with the Sync that ends the pipeline (two round trips for a
+            # Deposit), minus the claim, the record and the lock.
+            try:
+                with conn.pipeline() if database.pipeline else contextlib.nullcontext():
+                    conn.execute("BEGIN")
+                    with bind_transaction(conn, key.text if key else str(uuid.uuid4())):
+                        result = handler(request, context)
+                    conn.execute("COMMIT")
+            except BaseException:
+                if conn.info.transaction_status is not TransactionStatus.IDLE:
+                    conn.execute("ROLLBACK")
+                raise
+            return result
 
     def Deposit(
         self, request: transfer_pb2.DepositRequest, context: grpc.ServicerContext
@@ -77,7 +88,9 @@ def main() -> int:
     # The shard's own builders: the same pool, server options and start-up order as `start_shard`.
     database = shard_server.new_database(settings)
     admission = shard_server.admission_from(settings)  # the shard's own limits: a fair comparison
-    server = shard_server.new_grpc_server(settings, [AdmissionInterceptor(admission), DomainErrorInterceptor()])
+    server = shard_server.new_grpc_server(
+        settings, [AdmissionInterceptor(admission), DomainErrorInterceptor()]
+    )
     transfer_pb2_grpc.add_TransferServiceServicer_to_server(
         PlainTransferServicer(database, ShardLocator(settings.shard_id)), server
     )

@@ -8,9 +8,10 @@ length that counts itself, and the payload.
 
 A client waits for the server only after it sent a Sync ('S'), a Flush ('H') or a simple Query
 ('Q'): before one of those the server has nothing it must answer (extended-protocol messages are
-buffered until Sync or Flush). So the count of those messages is the count of round trips the
-client could have waited for; a client that pipelines may send several before it reads, so on a
-pipelining client it is an upper bound, on a client that waits after each one it is exact. Parse,
+buffered until Sync or Flush). A Sync or Flush that follows another with no message between them
+asks for nothing new (psycopg ends a pipeline with a Sync and then a Flush), so it is not counted.
+The count is the round trips the client could have waited for: exact for a client that waits after
+each, an upper bound for one that sends several requests before it reads. Parse,
 Bind and Execute ('P', 'B', 'E') are counted too, and the bytes each way.
 
 The counts are kept in a `WireCounter` (thread-safe: `snapshot()`, `reset()`); the proxy runs its
@@ -32,6 +33,7 @@ GSSENC_REQUEST = 80877104
 WAIT_POINTS = {ord("S"): "sync", ord("H"): "flush", ord("Q"): "query"}
 COUNTED = {**WAIT_POINTS, ord("P"): "parse", ord("B"): "bind", ord("E"): "execute", ord("X"): "terminate"}
 FIELDS = (
+    "round_trips",
     "sync",
     "flush",
     "query",
@@ -60,11 +62,9 @@ class WireCounter:
                 self._counts[name] += n
 
     def snapshot(self) -> dict[str, int]:
-        """The counts so far, with `round_trips` = sync + flush + query."""
+        """The counts so far."""
         with self._lock:
-            out = dict(self._counts)
-        out["round_trips"] = out["sync"] + out["flush"] + out["query"]
-        return out
+            return dict(self._counts)
 
     def reset(self) -> None:
         """Start counting from zero."""
@@ -83,6 +83,8 @@ class FrontendParser:
     #: Payload bytes still to skip of the current message.
     skip: int = 0
     header: bytearray = field(default_factory=bytearray)
+    #: Messages since the last Sync or Flush (a wait point after none asks for nothing new).
+    since_wait_point: int = 0
 
     def feed(self, data: bytes) -> dict[str, int]:
         """Counts of the messages whose header completed in `data`."""
@@ -113,6 +115,9 @@ class FrontendParser:
                 name = COUNTED.get(kind)
                 if name is not None:
                     counts[name] = counts.get(name, 0) + 1
+                if kind == ord("Q") or (kind in WAIT_POINTS and self.since_wait_point):
+                    counts["round_trips"] = counts.get("round_trips", 0) + 1
+                self.since_wait_point = 0 if kind in WAIT_POINTS else self.since_wait_point + 1
             counts["messages"] += 1
             self.header.clear()
         return counts

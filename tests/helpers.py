@@ -10,9 +10,12 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import grpc
+import psycopg
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
@@ -20,6 +23,14 @@ from grpc_status import rpc_status
 from shardrouter.core.keys import new_key
 from shardrouter.localcluster.postgres import LocalPostgres
 from shardrouter.localcluster.tracing_ui import phoenix_installed
+from shardrouter.shardd.idempotency import store
+from shardrouter.shardd.idempotency.record import (
+    Claim,
+    ClaimStatus,
+    IdempotencyRecord,
+    RecordState,
+    StoredOutcome,
+)
 from shardrouter.shardd.settings import ShardSettings
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 
@@ -116,3 +127,45 @@ __all__ = [
     "pg_data_dir",
     "requires_tracing_ui",
 ]
+
+
+#: The outcome `store_key` stores unless told otherwise.
+STORED_OK = StoredOutcome(code=0, message="", details=None, response=b"first", trailers=())
+
+
+def store_key(
+    conn: psycopg.Connection[Any],
+    *,
+    scope: str,
+    key: str,
+    key_time: datetime,
+    dated_by_key: bool = True,
+    outcome: StoredOutcome = STORED_OK,
+) -> Claim:
+    """Claim a key as a guarded call does (on an autocommit connection) and, if claimed, store its
+    completed record and commit, as the call's last round trip does; the claim found."""
+    claim = store.claim_key(conn, scope=scope, key=key, key_time=key_time, dated_by_key=dated_by_key)
+    if claim.status is ClaimStatus.CLAIMED:
+        assert claim.created_at is not None
+        try:
+            store.begin_handler(conn)
+            store.complete_key(
+                conn,
+                record=IdempotencyRecord(
+                    scope=scope,
+                    key=key,
+                    key_time=key_time,
+                    method="m",
+                    request_hash=b"h",
+                    state=RecordState.COMPLETED,
+                    outcome=outcome,
+                    created_at=claim.created_at,
+                    completed_at=None,
+                ),
+                account_id=None,
+                keep_handler_writes=True,
+            )
+        except BaseException:
+            store.release_claim(conn, scope=scope, key=key)
+            raise
+    return claim

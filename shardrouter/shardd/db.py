@@ -60,7 +60,8 @@ class Database:
         tracer_provider: TracerProvider | None = None,
         traced: bool = False,
     ) -> None:
-        """`pipeline`: guarded calls' transactions use psycopg's pipeline mode (`call_transaction`).
+        """`pipeline`: the handler's transaction of a guarded call runs in psycopg's pipeline mode
+        (`idempotency.steps.DatabaseKeys`), so it costs two round trips, not one per statement.
         `traced`: every pooled connection's statements become spans (OpenTelemetry's psycopg
         instrumentation, to `tracer_provider` or the global provider); the SQL text is recorded,
         never the parameters."""
@@ -92,7 +93,9 @@ class Database:
             # thread (a thread hop and two wake-ups per call, 13% of a busy shard's GIL time), so
             # `connection()` notes the return time itself.
             check=self.checks.check if check_connections else None,
-            kwargs={"autocommit": False, "application_name": "shardd"},
+            # Autocommit: a guarded call's claim is a statement of its own, outside any transaction
+            # (idempotency.store); every other use opens one with `conn.transaction()`.
+            kwargs={"autocommit": True, "application_name": "shardd"},
             reconnect_timeout=3600,
             configure=configure,
         )
@@ -121,16 +124,6 @@ class Database:
                 reason=Reason.DATABASE_BUSY,
                 retry_after_ms=self.transient_retry_ms,
             ) from exc
-
-    @contextmanager
-    def call_transaction(self, conn: Connection) -> Iterator[None]:
-        """The one transaction of a guarded call on `conn`, in pipeline mode if so configured.
-
-        In pipeline mode a statement whose result nobody fetches (BEGIN, SAVEPOINT, an INSERT without
-        RETURNING, the stored outcome, COMMIT) travels with the next one that is fetched.
-        """
-        with conn.pipeline() if self.pipeline else contextlib.nullcontext(), conn.transaction():
-            yield
 
     @contextmanager
     def read(self) -> Iterator[Connection]:

@@ -371,6 +371,102 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
             FOR EACH STATEMENT EXECUTE FUNCTION notify_outbox();
         """,
     ),
+    (
+        12,
+        "a key's claim in one statement: its committed record, or its lock and a fresh look",
+        """
+        -- The claim of a guarded call (shardrouter.shardd.idempotency.store). It runs alone, outside
+        -- the call's transaction: a replay is this one statement and nothing else. Its lock is a
+        -- session lock, so it outlives this statement and holds the key while the handler's
+        -- transaction runs; the caller releases it after that transaction's COMMIT (or ROLLBACK).
+        -- VOLATILE, so each query below reads a snapshot taken when it starts: the read after the
+        -- lock was granted sees every twin that committed (and so let the lock go) before it.
+        CREATE FUNCTION idempotency_completed(p_scope text, p_key text, p_key_time timestamptz)
+            RETURNS idempotency_record LANGUAGE plpgsql VOLATILE AS $$
+        DECLARE
+            found_record idempotency_record;
+        BEGIN
+            IF p_key_time IS NULL THEN  -- a key dated by its first receipt: any partition
+                SELECT * INTO found_record FROM idempotency_record r
+                    WHERE r.scope = p_scope AND r.key = p_key AND r.state = 'completed'
+                    ORDER BY r.key_time LIMIT 1;
+            ELSE  -- a UUIDv7: its own partition, by the full primary key
+                SELECT * INTO found_record FROM idempotency_record r
+                    WHERE r.scope = p_scope AND r.key = p_key AND r.key_time = p_key_time
+                      AND r.state = 'completed';
+            END IF;
+            RETURN found_record;
+        END $$;
+
+        -- p_lock_timeout and p_statement_timeout: the bounds of the handler's transaction if the key
+        -- is claimed (a NULL statement timeout keeps the session's). Set for the session, so they
+        -- hold in the transaction the caller opens next without a statement of their own; the
+        -- session's own values are kept aside and put back by idempotency_release.
+        CREATE FUNCTION idempotency_claim(
+            p_scope text, p_key text, p_key_time timestamptz, p_lock_timeout text, p_statement_timeout text,
+            OUT claim text, OUT claimed_at timestamptz, OUT record idempotency_record
+        ) LANGUAGE plpgsql VOLATILE AS $$
+        DECLARE
+            key_lock constant bigint := hashtextextended(p_scope || ' ' || p_key, 0);
+        BEGIN
+            claimed_at := now();
+            -- A replay reads the committed record and takes no lock, so replays never wait.
+            record := idempotency_completed(p_scope, p_key, p_key_time);
+            IF record.key IS NOT NULL THEN
+                claim := 'existing';
+            ELSIF pg_try_advisory_lock(key_lock) THEN
+                record := idempotency_completed(p_scope, p_key, p_key_time);
+                IF record.key IS NULL THEN
+                    claim := 'claimed';
+                    PERFORM set_config('shardrouter.saved_lock_timeout', current_setting('lock_timeout'), false),
+                            set_config('shardrouter.saved_statement_timeout',
+                                       current_setting('statement_timeout'), false),
+                            set_config('lock_timeout', p_lock_timeout, false),
+                            set_config('statement_timeout',
+                                       coalesce(p_statement_timeout, current_setting('statement_timeout')), false);
+                ELSE  -- a twin committed between the first read and the lock
+                    PERFORM pg_advisory_unlock(key_lock);
+                    claim := 'existing';
+                END IF;
+            ELSE  -- a twin holds the key; it may have committed just now
+                record := idempotency_completed(p_scope, p_key, p_key_time);
+                claim := CASE WHEN record.key IS NULL THEN 'in_flight' ELSE 'existing' END;
+            END IF;
+        END $$;
+
+        -- After the handler's transaction ended (COMMIT or ROLLBACK): let the key go, and give the
+        -- session its own bounds back.
+        CREATE FUNCTION idempotency_release(p_scope text, p_key text) RETURNS boolean
+            LANGUAGE plpgsql VOLATILE AS $$
+        BEGIN
+            PERFORM set_config('lock_timeout', coalesce(current_setting('shardrouter.saved_lock_timeout', true),
+                                                        current_setting('lock_timeout')), false),
+                    set_config('statement_timeout',
+                               coalesce(current_setting('shardrouter.saved_statement_timeout', true),
+                                        current_setting('statement_timeout')), false);
+            RETURN pg_advisory_unlock(hashtextextended(p_scope || ' ' || p_key, 0));
+        END $$;
+        """,
+    ),
+    (
+        13,
+        "the routing hash from PostgreSQL's own crc32 where the server has it",
+        """
+        -- PostgreSQL 18 computes CRC-32 natively (the same CRC as zlib's, which the router uses); the
+        -- PL/pgSQL loop of migration 6 costs tens of microseconds per row, three times per Deposit
+        -- (the account's row, its ledger entry, its idempotency record). A SQL function is inlined
+        -- where it is called. Older servers keep the loop: same values, so shards on different
+        -- versions still agree on every slot.
+        DO $migration$
+        BEGIN
+            IF current_setting('server_version_num')::integer >= 180000 THEN
+                CREATE OR REPLACE FUNCTION account_hash(account_id text) RETURNS bigint
+                    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+                    AS $fn$ SELECT crc32(convert_to(account_id, 'UTF8')) $fn$;
+            END IF;
+        END $migration$;
+        """,
+    ),
 )
 
 

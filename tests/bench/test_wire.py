@@ -101,3 +101,20 @@ def test_the_proxy_forwards_bytes_unchanged_and_counts_the_frontend() -> None:
         proxy.close()
         upstream.close()
     assert not proxy._thread.is_alive()
+
+
+def test_a_wait_point_right_after_another_is_not_a_round_trip() -> None:
+    """psycopg ends a pipeline with a Sync and then a Flush: the Flush asks for nothing new."""
+    stream = (
+        _startup()
+        + _message(b"B", b"\0\0" + b"\0" * 6)
+        + _message(b"E", b"\0\0\0\0\0")
+        + _message(b"H")  # a fetch inside the pipeline: one round trip
+        + _message(b"B", b"\0\0" + b"\0" * 6)
+        + _message(b"E", b"\0\0\0\0\0")
+        + _message(b"S")  # the pipeline's end: one round trip
+        + _message(b"H")  # ...and its trailing flush: none
+        + _message(b"S")  # nor a second Sync with nothing before it
+    )
+    counts = _feed(FrontendParser(), stream, 3)
+    assert counts["round_trips"] == 2 and counts["sync"] == 2 and counts["flush"] == 2, counts

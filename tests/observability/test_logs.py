@@ -65,7 +65,7 @@ def test_the_log_file_holds_no_password_no_request_body_and_no_stored_response(p
     postgres.create_database(name)
     password = "pw-3f9c1a7e"  # a marker, not a secret: trust auth ignores it
     dsn = postgres.dsn_for(name).replace("postgres@", f"postgres:{password}@")
-    shard = shardd_process(tmp_path, shard_id="shard-logs", dsn=dsn)
+    shard = shardd_process(tmp_path, shard_id="shard-logs", dsn=dsn, extra_env={"SHARDD_LOG_CALLS": "true"})
     shard.start()
     try:
         wait_serving(shard.address, 30, shard)
@@ -98,12 +98,10 @@ def test_the_log_file_holds_no_password_no_request_body_and_no_stored_response(p
     assert first.entry_id and first.entry_id not in text, "the stored response leaked into the log"
 
 
-def test_log_calls_false_keeps_only_failed_calls(postgres, tmp_path) -> None:
+def test_answered_calls_are_not_logged_by_default(postgres, tmp_path) -> None:
     name = "logs_quiet"
     postgres.create_database(name)
-    shard = shardd_process(
-        tmp_path, shard_id="shard-quiet", dsn=postgres.dsn_for(name), extra_env={"SHARDD_LOG_CALLS": "false"}
-    )
+    shard = shardd_process(tmp_path, shard_id="shard-quiet", dsn=postgres.dsn_for(name))
     shard.start()
     try:
         with grpc.insecure_channel(shard.address) as channel:

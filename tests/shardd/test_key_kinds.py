@@ -22,10 +22,10 @@ import pytest
 from shardrouter.core.keys import new_key
 from shardrouter.shardd import partitions
 from shardrouter.shardd.idempotency import store
-from shardrouter.shardd.idempotency.record import ClaimStatus, StoredOutcome
+from shardrouter.shardd.idempotency.record import ClaimStatus, IdempotencyRecord, RecordState
 from shardrouter.shardd.server import ShardDaemon, prepare_database, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.helpers import error_info, make_settings, money
+from tests.helpers import STORED_OK, error_info, make_settings, money, store_key
 
 KEYS = {
     "uuid4": lambda: str(uuid.uuid4()),
@@ -133,79 +133,91 @@ def test_a_duplicate_whose_first_record_is_in_last_months_partition_is_replayed(
 
 
 def _claim(conn: psycopg.Connection[Any], key: str, key_time: datetime, *, dated_by_key: bool) -> Any:
-    return store.claim_key(
-        conn,
-        scope="s",
-        key=key,
-        key_time=key_time,
-        dated_by_key=dated_by_key,
-        method="m",
-        request_hash=b"h",
-        claim_lock_timeout_ms=50,
-        handler_lock_timeout_ms=1000,
-    )
+    return store.claim_key(conn, scope="s", key=key, key_time=key_time, dated_by_key=dated_by_key)
 
 
-_OUTCOME = StoredOutcome(code=0, message="", details=None, response=b"first", trailers=())
+def _advisory_locks(conn: psycopg.Connection[Any], pid: int) -> int:
+    row = conn.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = %s AND granted", (pid,)
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+#: Stands in for the claim's record read on one connection (search_path): the first read of each
+#: claim finds nothing, as a read whose snapshot predates a twin's commit would; later reads are real.
+_STALE_FIRST_READ = """
+CREATE SCHEMA IF NOT EXISTS race;
+CREATE OR REPLACE FUNCTION race.idempotency_completed(p_scope text, p_key text, p_key_time timestamptz)
+    RETURNS public.idempotency_record LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    IF coalesce(current_setting('race.first_read_done', true), '') <> 'yes' THEN
+        PERFORM set_config('race.first_read_done', 'yes', true);
+        RETURN NULL;
+    END IF;
+    RETURN public.idempotency_completed(p_scope, p_key, p_key_time);
+END $$;
+"""
 
 
 @KINDS
-def test_a_twin_that_commits_between_the_lookup_and_the_insert_is_found(database, monkeypatch, make_key):
-    """The race the insert's own lookup closes. The claim's first statement reads the key's record and
-    only then tries the lock, all in one snapshot: a twin that commits (and so releases the lock)
-    after that snapshot was taken is invisible to it, and its lock is granted. Forced here: the twin
-    claims and commits first, then the claim's first statement is replaced by what it returns in
-    that race (no record, lock granted; the lock is really taken). The insert, a new statement, must
-    see the twin's record (dated at another receipt time, so the primary key alone would not)."""
+def test_a_twin_that_commits_between_the_lookup_and_the_lock_is_found(database, make_key):
+    """The race the claim's second read closes. The claim reads the key's record and only then tries
+    the lock: a twin that commits (and so releases the lock) after that read started is invisible to
+    it, and the lock is granted. Forced here: the twin stores the key first, then the claim's first
+    read is made to find nothing (a stand-in function, first on the claiming connection's
+    search_path). The read after the lock, a query started after it was granted, must see the
+    twin's record (dated at another receipt time, so the primary key alone would not), and the lock
+    must be let go at once."""
     prepare_database(database, timedelta(days=30))
     key = make_key()
     now = datetime.now(UTC)
-    with psycopg.connect(database) as twin, twin.transaction():
-        assert _claim(twin, key, now - timedelta(minutes=1), dated_by_key=False).status is ClaimStatus.CLAIMED
-        store.complete_key(twin, scope="s", key=key, key_time=now - timedelta(minutes=1), outcome=_OUTCOME)
-
-    real = store._read_or_lock
-    seen: list[dict[str, Any]] = []
-
-    def stale_snapshot(conn: psycopg.Connection[Any], **kwargs: Any) -> dict[str, Any]:
-        row = real(conn, **kwargs)  # the settings, and the committed record the race hides from it
-        assert row["key"] == key and row["locked"] is None
-        locked = conn.execute(
-            "SELECT pg_try_advisory_xact_lock(hashtextextended(%s, 0))", (f"s {key}",)
-        ).fetchone()
-        hidden = {name: None for name in row} | {"locked": locked is not None and locked[0]}
-        seen.append(hidden)
-        return hidden
-
-    monkeypatch.setattr(store, "_read_or_lock", stale_snapshot)
-    with psycopg.connect(database) as conn, conn.transaction():
+    with psycopg.connect(database, autocommit=True) as twin:
+        stored = store_key(twin, scope="s", key=key, key_time=now - timedelta(minutes=1), dated_by_key=False)
+        assert stored.status is ClaimStatus.CLAIMED
+        twin.execute(_STALE_FIRST_READ)
+    with psycopg.connect(database, autocommit=True, options="-c search_path=race,public") as conn:
         claim = _claim(conn, key, now, dated_by_key=False)
-    assert seen and seen[0]["locked"] is True
-    assert claim.status is ClaimStatus.EXISTING
-    assert claim.existing is not None and claim.existing.outcome == _OUTCOME
-    with psycopg.connect(database) as conn:
+        assert claim.status is ClaimStatus.EXISTING
+        assert claim.existing is not None and claim.existing.outcome == STORED_OK
+        with psycopg.connect(database, autocommit=True) as observer:
+            assert _advisory_locks(observer, conn.info.backend_pid) == 0
         assert conn.execute("SELECT count(*) FROM idempotency_record WHERE key = %s", (key,)).fetchone() == (
             1,
         )
 
 
 def test_a_twin_in_flight_holds_any_key_kind_off(database):
-    """While a twin's claim is uncommitted, a second claim of an opaque key is IN_FLIGHT at once;
-    after the twin commits, the same claim finds its record (in any partition)."""
+    """While a twin's claim is held and its handler's transaction uncommitted, a second claim of an
+    opaque key is IN_FLIGHT at once; after the twin commits (and lets the key go), the same claim
+    finds its record (in any partition)."""
     prepare_database(database, timedelta(days=30))
     key = "twin/" + uuid.uuid4().hex
     now = datetime.now(UTC)
-    with psycopg.connect(database) as twin, psycopg.connect(database) as other:
-        with twin.transaction():
-            assert _claim(twin, key, now, dated_by_key=False).status is ClaimStatus.CLAIMED
-            with other.transaction():
-                assert (
-                    _claim(other, key, now + timedelta(seconds=1), dated_by_key=False).status
-                    is ClaimStatus.IN_FLIGHT
-                )
-            store.complete_key(twin, scope="s", key=key, key_time=now, outcome=_OUTCOME)
-        with other.transaction():
-            claim = _claim(other, key, now + timedelta(seconds=2), dated_by_key=False)
+    with (
+        psycopg.connect(database, autocommit=True) as twin,
+        psycopg.connect(database, autocommit=True) as other,
+    ):
+        claimed = _claim(twin, key, now, dated_by_key=False)
+        assert claimed.status is ClaimStatus.CLAIMED
+        store.begin_handler(twin)
+        assert (
+            _claim(other, key, now + timedelta(seconds=1), dated_by_key=False).status is ClaimStatus.IN_FLIGHT
+        )
+        record = IdempotencyRecord(
+            scope="s",
+            key=key,
+            key_time=now,
+            method="m",
+            request_hash=b"h",
+            state=RecordState.COMPLETED,
+            outcome=STORED_OK,
+            created_at=claimed.created_at,
+            completed_at=None,
+        )
+        store.complete_key(twin, record=record, account_id=None, keep_handler_writes=True)
+        assert _advisory_locks(other, twin.info.backend_pid) == 0
+        claim = _claim(other, key, now + timedelta(seconds=2), dated_by_key=False)
         assert claim.status is ClaimStatus.EXISTING and claim.existing is not None
         assert claim.existing.key == key and claim.existing.key_time == now
         assert store.find_key(other, key=key)[0].key_time == now

@@ -16,13 +16,12 @@ from psycopg import sql
 
 from shardrouter.core.keys import key_time, new_key
 from shardrouter.shardd import partitions
-from shardrouter.shardd.idempotency import store
 from shardrouter.shardd.idempotency.record import ClaimStatus
 from shardrouter.shardd.partition_keeper import PartitionKeeper
 from shardrouter.shardd.retention import run_retention
 from shardrouter.shardd.server import MONTHS_AHEAD, prepare_database, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.helpers import key_metadata, make_settings, money
+from tests.helpers import key_metadata, make_settings, money, store_key
 
 RETENTION = timedelta(days=30)
 Month = partitions.Month
@@ -46,16 +45,12 @@ def _plus(month: Month, n: int) -> Month:
 def _claim_at(dsn: str, moment: datetime) -> str:
     """Claim a key dated `moment` (a direct INSERT); the partition the row landed in."""
     key = new_key(int(moment.timestamp() * 1000))
-    with psycopg.connect(dsn) as conn, conn.transaction():
-        claim = store.claim_key(
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        claim = store_key(
             conn,
             scope="s",
             key=str(key),
             key_time=key_time(key),
-            method="m",
-            request_hash=b"h",
-            claim_lock_timeout_ms=50,
-            handler_lock_timeout_ms=1000,
         )
         assert claim.status is ClaimStatus.CLAIMED
         row = conn.execute(

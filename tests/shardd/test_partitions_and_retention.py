@@ -14,12 +14,11 @@ import pytest
 
 from shardrouter.core.keys import key_time, new_key
 from shardrouter.shardd import partitions
-from shardrouter.shardd.idempotency import store
 from shardrouter.shardd.idempotency.record import ClaimStatus
 from shardrouter.shardd.retention import run_retention
 from shardrouter.shardd.server import prepare_database
 from shardrouter.v1 import transfer_pb2
-from tests.helpers import key_metadata, money
+from tests.helpers import key_metadata, money, store_key
 
 RETENTION = timedelta(days=30)
 
@@ -45,16 +44,12 @@ def test_first_day_of_a_month_still_accepts_keys_from_the_last_day_before(databa
         partitions.ensure_partitions(conn, now=first_of_march, retention=RETENTION, months_ahead=2)
         assert "idempotency_record_2027_02" in _months(conn)
     key = new_key(int(datetime(2027, 2, 28, 23, 59, 59, tzinfo=UTC).timestamp() * 1000))
-    with psycopg.connect(database) as conn, conn.transaction():
-        claim = store.claim_key(
+    with psycopg.connect(database, autocommit=True) as conn:
+        claim = store_key(
             conn,
             scope="s",
             key=str(key),
             key_time=key_time(key),
-            method="m",
-            request_hash=b"h",
-            claim_lock_timeout_ms=50,
-            handler_lock_timeout_ms=1000,
         )
     assert claim.status is ClaimStatus.CLAIMED
 
@@ -63,35 +58,21 @@ def test_there_is_no_default_partition_so_a_missing_month_fails_loudly(database)
     prepare_database(database, RETENTION)
     far = new_key(int(datetime(2031, 6, 1, tzinfo=UTC).timestamp() * 1000))
     with (
-        psycopg.connect(database) as conn,
+        psycopg.connect(database, autocommit=True) as conn,
         pytest.raises(psycopg.errors.CheckViolation, match="no partition"),
     ):
-        with conn.transaction():
-            store.claim_key(
-                conn,
-                scope="s",
-                key=str(far),
-                key_time=key_time(far),
-                method="m",
-                request_hash=b"h",
-                claim_lock_timeout_ms=50,
-                handler_lock_timeout_ms=1000,
-            )
+        store_key(conn, scope="s", key=str(far), key_time=key_time(far))
 
 
 def _seed_old_rows(database: str, month_start: datetime, rows: int) -> None:
-    with psycopg.connect(database) as conn, conn.transaction():
+    with psycopg.connect(database, autocommit=True) as conn:
         for i in range(rows):
             key = new_key(int((month_start + timedelta(hours=i)).timestamp() * 1000))
-            store.claim_key(
+            store_key(
                 conn,
                 scope="old",
                 key=str(key),
                 key_time=key_time(key),
-                method="m",
-                request_hash=b"h",
-                claim_lock_timeout_ms=50,
-                handler_lock_timeout_ms=1000,
             )
 
 

@@ -1,14 +1,13 @@
 """In-memory stand-ins for the guarded call's unit tests: a key store and a servicer context.
 
-`FakeKeys` keeps the key table's rules that the steps rely on and nothing else: a transaction
-commits its claims, outcomes and handler writes together or not at all; a savepoint undoes the
-handler's writes; a committed record is found before any lock; a key another transaction holds is
-in flight. The real store is tested against PostgreSQL (tests/shardd).
+`FakeKeys` keeps the key table's rules that the steps rely on and nothing else: a committed record is
+found before any lock; a key another connection holds is in flight; a claimed key's handler writes
+and its record commit together or not at all, and a stored refusal keeps its record but not its
+writes. The real store is tested against PostgreSQL (tests/shardd).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -17,24 +16,19 @@ from typing import Any
 import grpc
 
 from shardrouter.shardd.idempotency.call import GuardedCall
-from shardrouter.shardd.idempotency.record import (
-    Claim,
-    ClaimStatus,
-    IdempotencyRecord,
-    RecordState,
-    StoredOutcome,
-)
+from shardrouter.shardd.idempotency.record import Claim, ClaimStatus, IdempotencyRecord
 
 ScopeKey = tuple[str, str]
 CREATED_AT = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 class FakeTransaction:
-    """One open transaction: what it would commit."""
+    """One connection's handler transaction: what it would commit."""
 
     def __init__(self) -> None:
         self.records: dict[ScopeKey, IdempotencyRecord] = {}
         self.writes: list[str] = []
+        self.completed = False
 
 
 class FakeKeys:
@@ -42,65 +36,49 @@ class FakeKeys:
 
     def __init__(self) -> None:
         self.committed: dict[ScopeKey, IdempotencyRecord] = {}
-        #: Keys held by another, uncommitted transaction (a twin in flight elsewhere).
+        #: Keys held by another connection (a twin in flight elsewhere), or by a claim here.
         self.held: set[ScopeKey] = set()
         #: The handlers' committed writes (a stand-in for ledger rows).
         self.writes: list[str] = []
+        #: Connections checked out (each guarded call that reached the store takes one).
         self.transactions = 0
         self.commits = 0
 
     @contextmanager
-    def transaction(self) -> Iterator[FakeTransaction]:
+    def connection(self) -> Iterator[FakeTransaction]:
         self.transactions += 1
-        tx = FakeTransaction()
-        yield tx  # an exception propagates: nothing is committed
-        self.committed.update(tx.records)
-        self.writes += tx.writes
-        self.commits += 1
+        yield FakeTransaction()
 
-    def claim(
-        self,
-        conn: FakeTransaction,
-        call: GuardedCall,
-        *,
-        method: str,
-        statement_timeout_ms: int | None,
-        traceparent: str | None,
-    ) -> Claim:
+    def claim(self, conn: FakeTransaction, call: GuardedCall) -> Claim:
         scoped = (call.scope, call.key.text)
         existing = self.committed.get(scoped)
         if existing is not None:
             return Claim(ClaimStatus.EXISTING, existing)
         if scoped in self.held:
             return Claim(ClaimStatus.IN_FLIGHT)
-        conn.records[scoped] = IdempotencyRecord(
-            scope=call.scope,
-            key=call.key.text,
-            key_time=call.key.time,
-            method=method,
-            request_hash=call.request_hash,
-            state=RecordState.IN_FLIGHT,
-            outcome=None,
-            created_at=CREATED_AT,
-            completed_at=None,
-            first_traceparent=traceparent,
-        )
+        self.held.add(scoped)
         return Claim(ClaimStatus.CLAIMED, created_at=CREATED_AT)
 
     @contextmanager
-    def savepoint(self, conn: FakeTransaction) -> Iterator[None]:
-        mark = len(conn.writes)
-        try:
-            yield
-        except BaseException:
-            del conn.writes[mark:]
-            raise
-
-    def complete(self, conn: FakeTransaction, call: GuardedCall, outcome: StoredOutcome) -> None:
+    def handler_transaction(self, conn: FakeTransaction, call: GuardedCall) -> Iterator[FakeTransaction]:
         scoped = (call.scope, call.key.text)
-        record = conn.records[scoped]
-        assert record.state is RecordState.IN_FLIGHT, "completing a key this transaction did not claim"
-        conn.records[scoped] = dataclasses.replace(record, state=RecordState.COMPLETED, outcome=outcome)
+        try:
+            yield conn  # an exception propagates: nothing is committed
+            assert conn.completed, "the handler's transaction ended without its record"
+            self.committed.update(conn.records)
+            self.writes += conn.writes
+            self.commits += 1
+        finally:
+            self.held.discard(scoped)
+
+    def complete(self, conn: FakeTransaction, call: GuardedCall, record: IdempotencyRecord) -> None:
+        scoped = (call.scope, call.key.text)
+        assert scoped in self.held, "completing a key this connection did not claim"
+        assert record.outcome is not None
+        if record.outcome.code != 0:
+            conn.writes.clear()  # a stored refusal keeps its record, not its handler's writes
+        conn.records[scoped] = record
+        conn.completed = True
 
 
 class Aborted(Exception):

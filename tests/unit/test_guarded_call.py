@@ -327,7 +327,7 @@ def test_a_business_refusal_is_stored_its_writes_undone_and_replayed_byte_for_by
     assert second.trailers == first.trailers
     assert first.status is not None and second.status is not None
     assert second.status.details == first.status.details
-    assert shard.keys.writes == []  # the savepoint undid them; the claim and outcome committed
+    assert shard.keys.writes == []  # rolled back; the refusal was stored on its own
     assert len(shard.keys.committed) == 1
 
 

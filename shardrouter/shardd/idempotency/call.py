@@ -108,43 +108,46 @@ class FlightStep(Protocol):
         ...
 
 
+class StoreStep(Protocol):
+    """The step in the handler's transaction on a claimed key (store_outcome)."""
+
+    def __call__(self, call: GuardedCall, conn: Any, claimed: IdempotencyRecord) -> IdempotencyRecord:
+        """The key's completed record (`claimed` with the handler's outcome), stored."""
+        ...
+
+
 class TransactionStep(Protocol):
-    """A step inside the transaction that claimed the key (store_outcome, run_handler)."""
+    """The step that runs the handler in that transaction (run_handler)."""
 
     def __call__(self, call: GuardedCall, conn: Any) -> StoredOutcome:
-        """The outcome of the handler, stored (or to be stored) in `conn`'s transaction."""
+        """The outcome of the handler, to store."""
         ...
 
 
 class KeyStore(Protocol):
     """What the steps need of the key table: `steps.DatabaseKeys` over PostgreSQL (a fake in unit tests).
 
-    A transaction rolls back when its block raises and commits otherwise; a savepoint inside it undoes
-    the handler's writes when the handler raises, the key's claim staying in place.
+    A claim is a read outside any transaction; a CLAIMED key is held (by `conn`) until the handler's
+    transaction ends: `complete` commits the handler's writes with the completed record, or, for a
+    stored refusal, rolls them back and stores the record alone; an exception out of `handler_transaction`
+    rolls everything back and lets the key go.
     """
 
-    def transaction(self) -> AbstractContextManager[Any]:
-        """The call's one transaction (its connection); transient failures raised as ours."""
+    def connection(self) -> AbstractContextManager[Any]:
+        """The call's database connection; transient failures raised as ours."""
         ...
 
-    def claim(
-        self,
-        conn: Any,
-        call: GuardedCall,
-        *,
-        method: str,
-        statement_timeout_ms: int | None,
-        traceparent: str | None,
-    ) -> Claim:
+    def claim(self, conn: Any, call: GuardedCall) -> Claim:
         """Claim the call's key, or find its committed record, or find it in flight elsewhere."""
         ...
 
-    def savepoint(self, conn: Any) -> AbstractContextManager[Any]:
-        """A savepoint around the handler's writes."""
+    def handler_transaction(self, conn: Any, call: GuardedCall) -> AbstractContextManager[Any]:
+        """The handler's transaction on a claimed key; it ends when `complete` was called in it."""
         ...
 
-    def complete(self, conn: Any, call: GuardedCall, outcome: StoredOutcome) -> None:
-        """Store the outcome of the key this transaction claimed."""
+    def complete(self, conn: Any, call: GuardedCall, record: IdempotencyRecord) -> None:
+        """Store the completed record of the key this connection claimed (the handler's writes kept
+        for a success, undone for a stored refusal) and commit."""
         ...
 
 
@@ -157,5 +160,6 @@ __all__ = [
     "KeyStore",
     "MutatingMethod",
     "Settled",
+    "StoreStep",
     "TransactionStep",
 ]

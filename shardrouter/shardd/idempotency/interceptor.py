@@ -158,7 +158,7 @@ def chain(
     """The steps after decoding, built once per method: answer_from_memory -> admit -> claim_or_replay
     -> store_outcome -> run_handler (admit left out when there are no admission limits)."""
     name, config = method.full_name, collaborators.config
-    in_transaction = StoreOutcome(RunHandler(handler, keys, name), keys)
+    in_transaction = StoreOutcome(RunHandler(handler, name), keys)
     to_database: FlightStep = ClaimOrReplay(in_transaction, keys, name, config)
     if collaborators.admission is not None:
         to_database = Admit(to_database, collaborators.admission)

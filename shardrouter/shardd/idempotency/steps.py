@@ -3,9 +3,10 @@
     read_key -> check_key_age -> decode_and_validate      build the call's input (`GuardedCall`)
     -> answer_from_memory   a key this process completed, or a duplicate joining its flight
     -> admit                an admission slot (left out of the chain when there are no limits)
-    -> claim_or_replay      one transaction: claim the key, or replay its committed record
-    -> store_outcome        the handler's outcome stored in that transaction
-    -> run_handler          the real handler, in a savepoint
+    -> claim_or_replay      claim the key, or replay its committed record; a claimed key's handler
+                            runs in one transaction on the claiming connection
+    -> store_outcome        the handler's outcome stored with its writes, and committed
+    -> run_handler          the real handler
 
 Each step answers (returns, or raises a `ShardRouterError`) or hands the call to the next one; the
 interceptor's entry point (`interceptor.GuardedMethod`) writes the answer. The steps know the key
@@ -14,6 +15,7 @@ table only through a `KeyStore`: `DatabaseKeys` here, over PostgreSQL and `store
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -24,6 +26,8 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from psycopg import errors
+from psycopg.pq import TransactionStatus
 
 from shardrouter.core.errors import (
     Aborted,
@@ -48,6 +52,7 @@ from shardrouter.shardd.idempotency.call import (
     KeyStore,
     MutatingMethod,
     Settled,
+    StoreStep,
     TransactionStep,
 )
 from shardrouter.shardd.idempotency.config import IdempotencyConfig
@@ -253,14 +258,12 @@ class Admit:
 
 
 class ClaimOrReplay:
-    """claim_or_replay: one transaction that claims the key and runs the steps below in it, or finds
-    the key's committed record (replayed, no lock), or finds it in flight elsewhere (ABORTED)."""
+    """claim_or_replay: claim the key and run the steps below in the handler's transaction, or find
+    the key's committed record (replayed, no lock), or find it in flight elsewhere (ABORTED)."""
 
     __slots__ = ("_in_flight_retry_ms", "_keys", "_method", "_next")
 
-    def __init__(
-        self, next_step: TransactionStep, keys: KeyStore, method: str, config: IdempotencyConfig
-    ) -> None:
+    def __init__(self, next_step: StoreStep, keys: KeyStore, method: str, config: IdempotencyConfig) -> None:
         self._next = next_step
         self._keys = keys
         self._method = method
@@ -269,40 +272,34 @@ class ClaimOrReplay:
     def __call__(self, call: GuardedCall, flight: KeyFlight) -> Settled:
         """The key's completed record, and whether this call made it."""
         keys = self._keys
-        traceparent = traceparent_of(call.span)
-        with keys.transaction() as conn:
-            claim = keys.claim(
-                conn,
-                call,
-                method=self._method,
-                statement_timeout_ms=statement_timeout_ms(call.context),
-                traceparent=traceparent,
-            )
+        with keys.connection() as conn:
+            claim = keys.claim(conn, call)
             if claim.status is ClaimStatus.IN_FLIGHT:
                 raise in_flight(call.span, self._in_flight_retry_ms)
             if claim.status is ClaimStatus.EXISTING:
                 assert claim.existing is not None and claim.existing.outcome is not None
                 return claim.existing, False
             flight.mark_claimed()
-            outcome = self._next(call, conn)
-        assert claim.created_at is not None
-        record = IdempotencyRecord(
-            scope=call.scope,
-            key=call.key.text,
-            key_time=call.key.time,
-            method=self._method,
-            request_hash=call.request_hash,
-            state=RecordState.COMPLETED,
-            outcome=outcome,
-            created_at=claim.created_at,
-            completed_at=None,
-            first_traceparent=traceparent,
-        )
+            assert claim.created_at is not None
+            claimed = IdempotencyRecord(
+                scope=call.scope,
+                key=call.key.text,
+                key_time=call.key.time,
+                method=self._method,
+                request_hash=call.request_hash,
+                state=RecordState.IN_FLIGHT,
+                outcome=None,
+                created_at=claim.created_at,
+                completed_at=None,
+                first_traceparent=traceparent_of(call.span),
+            )
+            with keys.handler_transaction(conn, call):
+                record = self._next(call, conn, claimed)
         return record, True
 
 
 class StoreOutcome:
-    """store_outcome: the handler's outcome (success or business refusal) stored with the claim."""
+    """store_outcome: the handler's outcome (success or business refusal) stored as the key's record."""
 
     __slots__ = ("_keys", "_next")
 
@@ -310,31 +307,30 @@ class StoreOutcome:
         self._next = next_step
         self._keys = keys
 
-    def __call__(self, call: GuardedCall, conn: Any) -> StoredOutcome:
-        """The next step's outcome, stored in the transaction."""
-        outcome = self._next(call, conn)
-        self._keys.complete(conn, call, outcome)
-        return outcome
+    def __call__(self, call: GuardedCall, conn: Any, claimed: IdempotencyRecord) -> IdempotencyRecord:
+        """The completed record: the next step's outcome, stored in the transaction."""
+        record = dataclasses.replace(claimed, state=RecordState.COMPLETED, outcome=self._next(call, conn))
+        self._keys.complete(conn, call, record)
+        return record
 
 
 class RunHandler:
-    """run_handler: the real handler in a savepoint; a stored-kind refusal undoes its writes and
-    becomes the outcome, any other error leaves the whole transaction to roll back."""
+    """run_handler: the real handler; a stored-kind refusal becomes the outcome (its writes are undone
+    when it is stored), any other error leaves the whole transaction to roll back."""
 
-    __slots__ = ("_behaviour", "_keys", "_method", "_serialize")
+    __slots__ = ("_behaviour", "_method", "_serialize")
 
-    def __init__(self, handler: MethodHandler, keys: KeyStore, method: str) -> None:
+    def __init__(self, handler: MethodHandler, method: str) -> None:
         assert handler.unary_unary is not None  # only unary-unary methods are guarded
         self._behaviour = handler.unary_unary
         self._serialize = handler.response_serializer
-        self._keys = keys
         self._method = method
 
     def __call__(self, call: GuardedCall, conn: Any) -> StoredOutcome:
         """The handler's outcome, to store."""
         context = call.context
         try:
-            with self._keys.savepoint(conn), bind_transaction(conn, call.key.text):
+            with bind_transaction(conn, call.key.text):
                 response = self._behaviour(call.request, context)
         except ShardRouterError as error:
             if not error.is_stored_outcome:
@@ -433,12 +429,12 @@ class DatabaseKeys:
 
     def __init__(self, database: Database, config: IdempotencyConfig, tracer: trace.Tracer | None) -> None:
         self._database = database
-        self._claim_lock_timeout_ms = config.claim_lock_timeout_ms
         self._handler_lock_timeout_ms = config.handler_lock_timeout_ms
+        self._in_flight_retry_ms = config.in_flight_retry_ms
         self._tracer = tracer
 
     @contextmanager
-    def transaction(self) -> Iterator[Any]:
+    def connection(self) -> Iterator[Any]:
         """`db.transaction`: connection checkout, key claim, handler statements, stored outcome, commit.
 
         Refusals raised inside (conflict, key reuse) are answers, not database failures; only the
@@ -457,12 +453,9 @@ class DatabaseKeys:
             )
         ) as span:
             try:
-                # In pipeline mode (the default), statements whose results are not fetched go out
-                # with the next fetched one (store.py's timeline).
                 with (
                     mapped_database_errors(db.transient_retry_ms, db.on_slot_fenced),
                     db.connection() as conn,
-                    db.call_transaction(conn),
                 ):
                     yield conn
             except ShardRouterError as error:
@@ -475,39 +468,55 @@ class DatabaseKeys:
                 span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
                 raise
 
-    def claim(
-        self,
-        conn: Any,
-        call: GuardedCall,
-        *,
-        method: str,
-        statement_timeout_ms: int | None,
-        traceparent: str | None,
-    ) -> Claim:
-        """`store.claim_key` for the call."""
+    def claim(self, conn: Any, call: GuardedCall) -> Claim:
+        """`store.claim_key` for the call; a claim bounds the handler's statements by the call's deadline."""
         return store.claim_key(
             conn,
             scope=call.scope,
             key=call.key.text,
             key_time=call.key.time,
             dated_by_key=call.key.dated_by_key,
-            method=method,
-            request_hash=call.request_hash,
-            account_id=call.account_id,
-            claim_lock_timeout_ms=self._claim_lock_timeout_ms,
             handler_lock_timeout_ms=self._handler_lock_timeout_ms,
-            statement_timeout_ms=statement_timeout_ms,
-            traceparent=traceparent,
+            statement_timeout_ms=statement_timeout_ms(call.context),
         )
 
-    def savepoint(self, conn: Any) -> AbstractContextManager[Any]:
-        """psycopg's nested transaction: a savepoint."""
-        savepoint: AbstractContextManager[Any] = conn.transaction()
-        return savepoint
+    @contextmanager
+    def handler_transaction(self, conn: Any, call: GuardedCall) -> Iterator[Any]:
+        """The handler's transaction, in pipeline mode unless the database says otherwise: BEGIN and
+        the bounds go with the handler's first statement, and the Sync that ends the pipeline carries
+        the record, the COMMIT and the lock's release (`store`'s timeline)."""
+        try:
+            with conn.pipeline() if self._database.pipeline else nullcontext():
+                store.begin_handler(conn)
+                yield conn
+            if conn.info.transaction_status is not TransactionStatus.IDLE:
+                raise Internal(f"the handler's transaction of {call.scope} was left open")
+        except BaseException as exc:
+            store.release_claim(conn, scope=call.scope, key=call.key.text)
+            if _twin_holds_the_key(exc):
+                raise in_flight(call.span, self._in_flight_retry_ms) from exc
+            raise
 
-    def complete(self, conn: Any, call: GuardedCall, outcome: StoredOutcome) -> None:
+    def complete(self, conn: Any, call: GuardedCall, record: IdempotencyRecord) -> None:
         """`store.complete_key` for the call."""
-        store.complete_key(conn, scope=call.scope, key=call.key.text, key_time=call.key.time, outcome=outcome)
+        assert record.outcome is not None
+        store.complete_key(
+            conn,
+            record=record,
+            account_id=call.account_id,
+            keep_handler_writes=record.outcome.code == 0,
+        )
+
+
+def _twin_holds_the_key(exc: BaseException) -> bool:
+    """Whether the completed record's insert met a twin's record of the same key (committed, or not
+    yet and waited for past the claim's bound): the primary key's backstop, never expected while the
+    key's lock is held."""
+    if isinstance(exc, errors.UniqueViolation):
+        return (exc.diag.table_name or "").startswith("idempotency_record")
+    if isinstance(exc, errors.LockNotAvailable):
+        return "idempotency_record" in (exc.diag.context or "")
+    return False
 
 
 #: Tracing off: no `db.transaction` span (a no-op context, reused by every call).

@@ -1,49 +1,34 @@
 """Every SQL statement on `idempotency_record`. The interceptor calls these; it never builds SQL.
 
 A record's `key_time` dates it and picks its monthly partition. A UUIDv7 key dates itself, so its
-record is found by its full primary key (scope, key, key_time) in one partition, and the primary key
-alone makes a claim unique. Any other key (another UUID version, an opaque key) is dated by its first
-receipt: its record is found by (scope, key) across the live partitions, and the primary key cannot
-keep a twin out (the twin, received at another time, has another `key_time`, perhaps in another
-partition); the advisory lock on hash(scope, key), and a lookup in a statement started after it was
-taken, do.
+record is found by its full primary key (scope, key, key_time) in one partition. Any other key (another
+UUID version, an opaque key) is dated by its first receipt: its record is found by (scope, key) across
+the live partitions.
 
-Timeline of a UUIDv7 key inside the claiming transaction:
+A guarded call takes three round trips when it applies, one when it replays:
 
-    BEGIN
-      one statement: the call's statement_timeout, the claim's bounded lock wait, the key's committed
-        record (scope, key, key_time) if there is one, and only if there is none
-        pg_try_advisory_xact_lock(scope, key)
-        record found -> EXISTING: replayed (or refused as reused); no lock taken, nothing written
-        lock refused -> a twin is in flight; re-read once (it may have just committed) -> IN_FLIGHT
-      INSERT ... ON CONFLICT DO NOTHING RETURNING  (lock_timeout = claim bound, 55P03 -> IN_FLIGHT)
-        one row  -> CLAIMED: the handler runs in this same transaction, then `complete_key`
-        no rows  -> EXISTING: the twin committed just now; its record is read and replayed
-    COMMIT   -- the record becomes visible together with the handler's writes, or not at all
+    1  claim_key (autocommit, no transaction): `idempotency_claim` (migration 12) reads the key's
+       committed record; found -> EXISTING, replayed, no lock taken or waited for. Else it tries the
+       key's session advisory lock, hash(scope, key), and reads again in a query started after the
+       lock was granted, which sees every twin that committed (and so let the lock go) before it:
+         lock granted, nothing found  -> CLAIMED: this connection holds the key
+         lock granted, record found   -> EXISTING (the lock is let go at once)
+         lock refused                 -> EXISTING if the holder has just committed, else IN_FLIGHT
+    2  the handler: BEGIN and the call's timeouts (`begin_handler`) travel in the pipeline with its
+       first statement; a Deposit is one statement
+    3  complete_key: INSERT of the completed record, COMMIT, and only then the lock's release, sent
+       together with the pipeline's Sync
 
-Timeline of any other key (dated by receipt: key_time = now), the same number of round trips:
+There is no in-progress row: while the handler runs, the session lock is the claim, and the record
+appears, completed, with the handler's writes at COMMIT or not at all. The lock is a session lock (it
+outlives the claim's own statement) and is released after the COMMIT, so no twin can read "no
+record" and take the lock while the outcome is not visible yet. A handler's refusal that is stored
+(`NOT_FOUND`, `FAILED_PRECONDITION`) rolls the handler's writes back and stores the refusal in its own
+statement, still under the lock: no savepoint. If the call fails, `release_claim` rolls back and
+releases the lock; a connection that cannot do that is closed, which ends its session and its locks.
 
-    BEGIN
-      one statement: as above, but the committed record is looked up by (scope, key) in every
-        partition; record found -> EXISTING (no lock); lock refused -> re-read -> IN_FLIGHT
-      INSERT ... SELECT ... WHERE NOT EXISTS (a record of (scope, key) in any state, any partition)
-        ON CONFLICT DO NOTHING RETURNING
-        This is a new statement, so it reads a snapshot taken after the lock was granted. The first
-        statement's snapshot was taken before its lock attempt: a twin that committed (and so
-        released the lock) in between is invisible to it, but not to this one. A twin holding the
-        lock now has refused ours, so every twin that could have inserted has committed or rolled back.
-        one row  -> CLAIMED (record dated now)
-        no rows  -> EXISTING: that twin's record, read by (scope, key), is replayed
-    COMMIT
-
-The interceptor runs the transaction in psycopg's pipeline mode unless `SHARDD_DB_PIPELINE=false`:
-a statement whose result nobody fetches (BEGIN, SAVEPOINT, an INSERT without RETURNING, the outcome
-UPDATE, COMMIT) travels with the next one that is fetched, so a Deposit costs 5 round trips, not 12.
-
-A replay of a completed key is therefore a plain read: it never waits for, nor takes, a lock, so any
-number of concurrent replays of one key all get the stored answer. The advisory lock answers an
-in-flight duplicate without waiting; for a UUIDv7 key the unique primary key is what actually decides
-the winner, and the bounded lock wait is the backstop if the two ever disagree.
+The primary key is the backstop for a UUIDv7 key: a completed record inserted twice violates it and
+the second COMMIT fails (answered as in flight; the retry replays the first).
 """
 
 from __future__ import annotations
@@ -52,7 +37,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg import errors
+from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
@@ -68,7 +53,7 @@ _COLUMNS = (
     "scope, key, key_time, method, request_hash, state, status_code, status_message,"
     " status_details, response, trailers, created_at, completed_at, first_traceparent"
 )
-_RECORD_COLUMNS = ", ".join(f"r.{c.strip()}" for c in _COLUMNS.split(","))
+_CLAIM = "SELECT c.claim, c.claimed_at, (c.record).* FROM idempotency_claim(%s, %s, %s, %s, %s) AS c"
 
 
 def claim_key(
@@ -78,151 +63,92 @@ def claim_key(
     key: str,
     key_time: datetime,
     dated_by_key: bool = True,
-    method: str,
-    request_hash: bytes,
-    account_id: str | None = None,
-    claim_lock_timeout_ms: int,
-    handler_lock_timeout_ms: int,
+    handler_lock_timeout_ms: int = 2000,
     statement_timeout_ms: int | None = None,
-    traceparent: str | None = None,
 ) -> Claim:
-    """Try to claim a key in the caller's open transaction. Never SELECT-then-INSERT.
+    """Claim a key (one statement, on an autocommit connection outside any transaction).
 
-    `key_time`: the record's date; `dated_by_key`: whether the key carries it (a UUIDv7), so its
-    record can only be in that partition, or it is this receipt's time (any other key), so a
-    record of the key may be anywhere (the module's timelines).
-    `statement_timeout_ms` bounds every later statement of the transaction (the caller's deadline).
-    `account_id`: the account the call is routed by; the record stores its hash, so it moves with
-    the account's slot.
+    `key_time`: the date of a record this call makes; `dated_by_key`: whether the key carries it (a
+    UUIDv7), so its record can only be in that partition, or it is this receipt's time, so a record
+    of the key may be in any partition. CLAIMED leaves the key's session lock held by `conn`, and the
+    session's statements bound by `handler_lock_timeout_ms` (a row lock's wait) and
+    `statement_timeout_ms` (the caller's deadline; None keeps the session's) until `complete_key` or
+    `release_claim` lets the key go and puts the session's own bounds back.
     """
-    row = _read_or_lock(
-        conn,
-        scope=scope,
-        key=key,
-        key_time=key_time if dated_by_key else None,
-        claim_lock_timeout_ms=claim_lock_timeout_ms,
-        statement_timeout_ms=statement_timeout_ms,
-    )
-    found_time = key_time if dated_by_key else None
-    if row["key"] is not None:
-        return Claim(ClaimStatus.EXISTING, _record(row))
-    if not row["locked"]:
-        # The twin holding the lock may have committed between the read and the lock attempt (a
-        # transaction's locks are released just after its commit becomes visible).
-        return _committed_or_in_flight(conn, scope=scope, key=key, key_time=found_time)
-    values = (scope, key, key_time, method, request_hash, traceparent, account_id)
-    returning = " RETURNING created_at, set_config('lock_timeout', %s, true)"
-    try:
-        if dated_by_key:
-            inserted = conn.execute(
-                f"INSERT INTO idempotency_record ({_INSERTED})"
-                " VALUES (%s, %s, %s, %s, %s, 'in_progress', %s, account_hash(nullif(%s, '')))"
-                " ON CONFLICT (scope, key, key_time) DO NOTHING" + returning,
-                (*values, f"{handler_lock_timeout_ms}ms"),
-            ).fetchone()
-        else:
-            # A new statement: its snapshot sees every twin that committed before our lock.
-            inserted = conn.execute(
-                f"INSERT INTO idempotency_record ({_INSERTED})"
-                " SELECT %s, %s, %s, %s, %s, 'in_progress', %s, account_hash(nullif(%s, ''))"
-                " WHERE NOT EXISTS (SELECT 1 FROM idempotency_record WHERE scope = %s AND key = %s)"
-                " ON CONFLICT (scope, key, key_time) DO NOTHING" + returning,
-                (*values, scope, key, f"{handler_lock_timeout_ms}ms"),
-            ).fetchone()
-    except errors.LockNotAvailable:
-        # The transaction is now aborted; the caller answers "in flight" and rolls it back.
-        return Claim(ClaimStatus.IN_FLIGHT)
-    if inserted is not None:
-        return Claim(ClaimStatus.CLAIMED, created_at=inserted[0])
-    return _committed_or_in_flight(conn, scope=scope, key=key, key_time=found_time)
-
-
-_INSERTED = "scope, key, key_time, method, request_hash, state, first_traceparent, account_hash"
-
-
-def _read_or_lock(
-    conn: psycopg.Connection[Any],
-    *,
-    scope: str,
-    key: str,
-    key_time: datetime | None,
-    claim_lock_timeout_ms: int,
-    statement_timeout_ms: int | None,
-) -> dict[str, Any]:
-    """The claim's first statement: the settings, the key's committed record (by its full primary
-    key when `key_time` is known, else by (scope, key) in every partition), and the advisory lock
-    only if there is no such record. One round trip: round trips are most of a call's cost."""
-    timeouts = (
-        f"{claim_lock_timeout_ms}ms",
-        f"{statement_timeout_ms}ms" if statement_timeout_ms else None,
-        f"{scope} {key}",
-    )
+    bounds = (f"{handler_lock_timeout_ms}ms", f"{statement_timeout_ms}ms" if statement_timeout_ms else None)
     with conn.cursor(row_factory=dict_row) as cur:
-        if key_time is not None:
-            row = cur.execute(
-                _READ_OR_LOCK + " AND r.key_time = %s AND r.state = 'completed'",
-                (*timeouts, scope, key, key_time),
-            ).fetchone()
-        else:
-            row = cur.execute(
-                _READ_OR_LOCK + " AND r.state = 'completed'", (*timeouts, scope, key)
-            ).fetchone()
-    assert row is not None  # the VALUES row is always there
-    return row
+        row = cur.execute(_CLAIM, (scope, key, key_time if dated_by_key else None, *bounds)).fetchone()
+    assert row is not None  # the function returns one row
+    status = ClaimStatus(row["claim"])
+    if status is ClaimStatus.EXISTING:
+        return Claim(status, _record(row))
+    return Claim(status, created_at=row["claimed_at"])
 
 
-_READ_OR_LOCK = (
-    "SELECT set_config('lock_timeout', %s, true) AS lock_timeout,"
-    " set_config('statement_timeout', coalesce(%s, current_setting('statement_timeout')), true)"
-    " AS statement_timeout,"
-    " CASE WHEN r.key IS NULL THEN pg_try_advisory_xact_lock(hashtextextended(%s, 0)) END AS locked,"
-    f" {_RECORD_COLUMNS}"
-    " FROM (VALUES (1)) AS one LEFT JOIN idempotency_record r"
-    " ON r.scope = %s AND r.key = %s"
-)
-
-
-def _committed_or_in_flight(
-    conn: psycopg.Connection[Any], *, scope: str, key: str, key_time: datetime | None
-) -> Claim:
-    existing = lookup_key(conn, scope=scope, key=key, key_time=key_time)
-    if existing is None or existing.state is not RecordState.COMPLETED:
-        # Not committed yet (or its partition was dropped between two statements).
-        return Claim(ClaimStatus.IN_FLIGHT)
-    return Claim(ClaimStatus.EXISTING, existing)
+def begin_handler(conn: psycopg.Connection[Any]) -> None:
+    """Open the handler's transaction (the claim has set its bounds). Nothing is fetched, so in
+    pipeline mode it travels with the handler's first statement."""
+    conn.execute("BEGIN")
 
 
 def complete_key(
     conn: psycopg.Connection[Any],
     *,
-    scope: str,
-    key: str,
-    key_time: datetime,
-    outcome: StoredOutcome,
+    record: IdempotencyRecord,
+    account_id: str | None,
+    keep_handler_writes: bool,
 ) -> None:
-    """Store the outcome of a claimed key, in the claiming transaction.
+    """Store the completed record of a claimed key and commit, then release the key.
 
-    Nothing is fetched, so in pipeline mode the statement travels with the COMMIT. If it does not
-    match exactly the one in-progress row, the statement fails (and with it the transaction) with a
-    message saying so, instead of a row count checked after a round trip.
+    `keep_handler_writes`: False for a stored refusal, whose handler writes are rolled back first
+    (the record is then stored by a statement of its own, the key still held). Nothing is fetched:
+    in pipeline mode it all goes with the Sync that ends the pipeline, and the first error is
+    raised there.
     """
+    if not keep_handler_writes:
+        conn.execute("ROLLBACK")
+    outcome = record.outcome
+    assert outcome is not None
     conn.execute(
-        "WITH done AS (UPDATE idempotency_record SET state = 'completed', status_code = %s,"
-        " status_message = %s, status_details = %s, response = %s, trailers = %s, completed_at = now()"
-        " WHERE scope = %s AND key = %s AND key_time = %s AND state = 'in_progress' RETURNING 1)"
-        " SELECT CASE WHEN count(*) = 1 THEN 1"
-        " ELSE ('completing a claimed key matched ' || count(*) || ' in-progress rows')::int END FROM done",
+        "INSERT INTO idempotency_record (scope, key, key_time, method, request_hash, state, status_code,"
+        " status_message, status_details, response, trailers, created_at, completed_at,"
+        " first_traceparent, account_hash)"
+        " VALUES (%s, %s, %s, %s, %s, 'completed', %s, %s, %s, %s, %s, %s, now(), %s,"
+        " account_hash(nullif(%s, '')))",
         (
+            record.scope,
+            record.key,
+            record.key_time,
+            record.method,
+            record.request_hash,
             outcome.code,
             outcome.message,
             outcome.details,
             outcome.response,
             Jsonb(outcome.trailers_json()),
-            scope,
-            key,
-            key_time,
+            record.created_at,
+            record.first_traceparent,
+            account_id,
         ),
     )
+    if keep_handler_writes:
+        conn.execute("COMMIT")
+    _release(conn, record.scope, record.key)
+
+
+def release_claim(conn: psycopg.Connection[Any], *, scope: str, key: str) -> None:
+    """After a failed call: roll back the handler's transaction and release the key. A connection
+    that cannot is closed (its session, and the lock with it, ends)."""
+    try:
+        if conn.info.transaction_status is not TransactionStatus.IDLE:
+            conn.execute("ROLLBACK")
+        _release(conn, scope, key).fetchone()
+    except psycopg.Error:
+        conn.close()
+
+
+def _release(conn: psycopg.Connection[Any], scope: str, key: str) -> psycopg.Cursor[Any]:
+    return conn.execute("SELECT idempotency_release(%s, %s)", (scope, key))
 
 
 def lookup_key(
@@ -294,8 +220,10 @@ def _bytes(value: Any) -> bytes | None:
 
 
 __all__ = [
+    "begin_handler",
     "claim_key",
     "complete_key",
     "find_key",
     "lookup_key",
+    "release_claim",
 ]

@@ -21,6 +21,7 @@ from google.protobuf import timestamp_pb2
 from shardrouter.core.errors import (
     FailedPrecondition,
     FieldViolation,
+    Internal,
     NotFound,
     Reason,
     Unavailable,
@@ -207,25 +208,29 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         call = current_transaction()
         account_id, amount = request.account_id, request.amount
         self._locator.require_local(account_id)
-        store.create_account_if_missing(call.conn, account_id, amount.currency)
-        account = _usable_account(
-            store.lock_accounts(call.conn, [account_id]).get(account_id), account_id, amount.currency
-        )
-        _check_limit(account, amount.amount_minor)
-        balance = store.add_to_balance(call.conn, account_id, amount.amount_minor)
         entry_id = new_key()
-        store.insert_entry(
+        balance = store.deposit(
             call.conn,
             account_id=account_id,
+            currency=amount.currency,
             amount_minor=amount.amount_minor,
-            kind="deposit",
+            max_balance=MAX_BALANCE,
             idempotency_key=call.key,
             entry_id=entry_id,
             reference=request.reference,
         )
+        if balance is None:  # nothing written: say why (the account's row is locked, so this holds)
+            found = store.read_account(call.conn, account_id)
+            account = (
+                _usable_account(found, account_id, amount.currency)
+                if found is not None
+                else AccountRow(account_id, amount.currency, 0, "open")  # a first deposit past the limit
+            )
+            _check_limit(account, amount.amount_minor)
+            raise Internal(f"the deposit to {account_id} was applied nowhere, for no known reason")
         return transfer_pb2.DepositResponse(
             entry_id=str(entry_id),
-            balance=transfer_pb2.Money(amount_minor=balance, currency=account.currency),
+            balance=transfer_pb2.Money(amount_minor=balance, currency=amount.currency),
         )
 
     def GetBalance(

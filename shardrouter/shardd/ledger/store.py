@@ -90,6 +90,46 @@ def create_account_if_missing(conn: Connection, account_id: str, currency: str) 
     )
 
 
+def deposit(
+    conn: Connection,
+    *,
+    account_id: str,
+    currency: str,
+    amount_minor: int,
+    max_balance: int,
+    idempotency_key: str,
+    entry_id: uuid.UUID,
+    reference: str,
+) -> int | None:
+    """A deposit in one statement: open the account with it, or add it to an open account of the same
+    currency that stays within `max_balance`, and append its ledger entry. The new balance, or None
+    when nothing was written (the account is closed, holds another currency, or would pass the
+    limit; the account's row stays locked, so a read in this transaction says which)."""
+    row = conn.execute(
+        "WITH account AS ("
+        " INSERT INTO accounts AS a (id, currency, balance)"
+        " SELECT %(id)s, %(currency)s, %(amount)s WHERE %(amount)s <= %(max)s"
+        " ON CONFLICT (id) DO UPDATE SET balance = a.balance + excluded.balance"
+        " WHERE a.state = 'open' AND a.currency = excluded.currency"
+        " AND a.balance + excluded.balance <= %(max)s"
+        " RETURNING a.balance),"
+        " entry AS ("
+        " INSERT INTO ledger_entries (id, account_id, amount_minor, kind, idempotency_key, reference)"
+        " SELECT %(entry)s, %(id)s, %(amount)s, 'deposit', %(key)s, %(reference)s FROM account)"
+        " SELECT balance FROM account",
+        {
+            "id": account_id,
+            "currency": currency,
+            "amount": amount_minor,
+            "max": max_balance,
+            "entry": entry_id,
+            "key": idempotency_key,
+            "reference": reference,
+        },
+    ).fetchone()
+    return None if row is None else int(row[0])
+
+
 def lock_accounts(conn: Connection, account_ids: Sequence[str]) -> dict[str, AccountRow]:
     """Lock the existing accounts among `account_ids` (in id order) and return them."""
     with conn.cursor(row_factory=dict_row) as cur:
@@ -119,13 +159,10 @@ def slot_fenced(conn: Connection, account_id: str) -> bool:
     return bool(row and row[0])
 
 
-def add_to_balance(conn: Connection, account_id: str, delta: int) -> int:
-    """Move an account's balance by `delta` (the CHECK constraints forbid < 0); the new balance."""
-    row = conn.execute(
-        "UPDATE accounts SET balance = balance + %s WHERE id = %s RETURNING balance", (delta, account_id)
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
+def add_to_balance(conn: Connection, account_id: str, delta: int) -> None:
+    """Move an account's balance by `delta` (the CHECK constraints forbid < 0). Nothing is fetched:
+    in pipeline mode it travels with the next statement whose result is, or with the COMMIT."""
+    conn.execute("UPDATE accounts SET balance = balance + %s WHERE id = %s", (delta, account_id))
 
 
 def insert_entry(
@@ -331,6 +368,7 @@ __all__ = [
     "claim_due_outbox",
     "create_account_if_missing",
     "dead_letter",
+    "deposit",
     "entry_of_transfer",
     "insert_entry",
     "insert_outbox",
