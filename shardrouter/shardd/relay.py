@@ -7,6 +7,12 @@ outcome at the destination, so the credit applies once. Idle workers are woken b
 queues a credit (a listener thread in `LISTEN shardrouter_outbox`; migration 11 notifies) and look
 every `_IDLE_S` anyway, for postponed credits and for a notification lost while the listener was down.
 
+Callers waiting in `GetTransfer` are woken when a transfer leaves PENDING (`transfer_waits`): the
+transaction that marks a transfer completed also sends `pg_notify` on `TRANSFER_CHANNEL`, and so does
+the relay once a refund it sent is confirmed; right after, it signals this process's waiters. The
+listener also `LISTEN`s on `TRANSFER_CHANNEL` and signals them when another daemon of the shard made
+the change.
+
 A credit that fails for good (unknown or closed account, currency mismatch) or that is older than
 `relay_max_age_s` goes to `dead_letters` and is compensated by `RefundTransfer` on this shard, keyed
 by the transfer's refund key. Before giving up on age, the relay fences the credit with `VoidCredit`
@@ -62,6 +68,7 @@ from shardrouter.shardd.db import Database, mapped_database_errors
 from shardrouter.shardd.ledger import store
 from shardrouter.shardd.ledger.service import refund_key
 from shardrouter.shardd.settings import ShardSettings
+from shardrouter.shardd.transfer_waits import TRANSFER_CHANNEL, TransferWaits, notify_in_transaction
 
 log = logging.getLogger(__name__)
 
@@ -190,10 +197,16 @@ class OutboxRelay:
     """Background workers draining this shard's outbox."""
 
     def __init__(
-        self, settings: ShardSettings, database: Database, shard_map: Callable[[], ShardMap]
+        self,
+        settings: ShardSettings,
+        database: Database,
+        shard_map: Callable[[], ShardMap],
+        waits: TransferWaits | None = None,
     ) -> None:
         self._settings = settings
         self._db = database
+        #: This process's `GetTransfer` waiters, signalled after each committed state change.
+        self._waits = waits if waits is not None else TransferWaits()
         self._clients = ShardClients(settings, shard_map)
         self._tracer_provider = database.tracer_provider
         self._stop = threading.Event()
@@ -244,6 +257,7 @@ class OutboxRelay:
 
     def _refund(self, letters: list[store.DeadLetterRow]) -> int:
         done = 0
+        refunded: list[uuid.UUID] = []
         for letter in letters:
             request = ledger_pb2.RefundTransferRequest(
                 transfer_id=str(letter.transfer_id),
@@ -259,9 +273,24 @@ class OutboxRelay:
             )
             if code is grpc.StatusCode.OK:
                 done += 1
+                refunded.append(letter.transfer_id)
             else:
                 log.warning("refund of %s not confirmed: %s %s", letter.transfer_id, code.name, message)
+        self._announce_refunds(refunded)
         return done
+
+    def _announce_refunds(self, transfer_ids: list[uuid.UUID]) -> None:
+        """Wake the waiters of refunded transfers: each refund committed in whichever daemon answered
+        RefundTransfer, so the notification goes out after the fact, in a transaction of its own."""
+        if not transfer_ids:
+            return
+        try:
+            with tracing.untraced(), mapped_database_errors(250), self._db.connection() as conn:
+                with conn.transaction():
+                    notify_in_transaction(conn, transfer_ids)
+        except ShardRouterError as exc:  # the waiters of other daemons poll instead
+            log.info("refunds not announced to other daemons: %s", exc)
+        self._waits.notify(transfer_ids)
 
     def _work(self) -> None:
         while not self._stop.is_set():
@@ -280,25 +309,33 @@ class OutboxRelay:
                 self._wake.clear()
 
     def _listen(self) -> None:
-        """Wake the workers whenever a commit queued a credit (`LISTEN`), reconnecting after a loss.
+        """Wake the workers whenever a commit queued a credit (`LISTEN`), and this process's
+        `GetTransfer` waiters whenever a transfer of the shard changed state; reconnect after a loss.
 
         Its own connection, outside the pool: it sits in LISTEN for the daemon's life. While it is
-        down the workers still poll every `_IDLE_S`.
+        down the workers still poll every `_IDLE_S`, and the waiters at their short step.
         """
         pause = 0.1
         while not self._stop.is_set():
             try:
                 with psycopg.connect(self._settings.dsn, autocommit=True, connect_timeout=5) as conn:
                     conn.execute(f"LISTEN {OUTBOX_CHANNEL}")
+                    conn.execute(f"LISTEN {TRANSFER_CHANNEL}")
                     self._wake.set()  # anything queued while not listening is due now
+                    self._waits.set_listening(True)
                     pause = 0.1
                     while not self._stop.is_set():
-                        for _ in conn.notifies(timeout=0.5, stop_after=1):
-                            self._wake.set()
+                        for note in conn.notifies(timeout=0.5, stop_after=1):
+                            if note.channel == TRANSFER_CHANNEL:
+                                self._waits.notify_payload(note.payload)
+                            else:
+                                self._wake.set()
             except psycopg.Error as exc:
+                self._waits.set_listening(False)
                 log.warning("relay listener lost its connection (%s); polling until it is back", exc)
                 self._stop.wait(pause)
                 pause = min(pause * 2, _LISTEN_RETRY_MAX_S)
+        self._waits.set_listening(False)
 
     def _job_span(
         self, name: str, transfer_ids: list[uuid.UUID]
@@ -315,6 +352,7 @@ class OutboxRelay:
         )
 
     def _deliver_batch(self) -> RelayStats:
+        completed: list[uuid.UUID] = []
         # Outermost, so that the job span (entered only once the claim found rows) covers the commit.
         with contextlib.ExitStack() as job:
             with mapped_database_errors(250), self._db.connection() as conn, conn.transaction():
@@ -323,7 +361,8 @@ class OutboxRelay:
                 if not rows:
                     return RelayStats()
                 span = job.enter_context(self._job_span("outbox.deliver", [r.transfer_id for r in rows]))
-                delivered, postponed, dead = self._deliver(conn, rows)
+                delivered, postponed, dead = self._deliver(conn, rows, completed)
+                notify_in_transaction(conn, completed)  # heard by the other daemons after the commit
                 span.set_attributes(
                     {
                         "outbox.delivered": delivered,
@@ -331,10 +370,14 @@ class OutboxRelay:
                         "outbox.dead_lettered": dead,
                     }
                 )
+        self._waits.notify(completed)  # committed: this process's waiters read COMPLETED now
         return RelayStats(delivered, postponed, dead)
 
-    def _deliver(self, conn: store.Connection, rows: list[store.OutboxRow]) -> tuple[int, int, int]:
-        """Send each claimed credit and record its outcome in the claiming transaction."""
+    def _deliver(
+        self, conn: store.Connection, rows: list[store.OutboxRow], completed: list[uuid.UUID]
+    ) -> tuple[int, int, int]:
+        """Send each claimed credit and record its outcome in the claiming transaction; the
+        transfers it marks completed are appended to `completed`."""
         delivered = postponed = dead = 0
         for row in rows:
             if self._stop.is_set():
@@ -349,7 +392,8 @@ class OutboxRelay:
             store.record_attempt(conn, row.transfer_id, code.name, message)
             if code is grpc.StatusCode.OK:
                 store.mark_delivered(conn, row.id)
-                store.set_transfer_state(conn, row.transfer_id, expected="pending", new="completed")
+                if store.set_transfer_state(conn, row.transfer_id, expected="pending", new="completed"):
+                    completed.append(row.transfer_id)
                 delivered += 1
             elif code in _PERMANENT:
                 self._dead_letter(conn, row, f"{code.name}: {message}")

@@ -38,6 +38,7 @@ from shardrouter.shardd.ledger.service import (
 from shardrouter.shardd.observability import ShardMetrics, ShardStateCollector
 from shardrouter.shardd.partition_keeper import PartitionKeeper
 from shardrouter.shardd.settings import ShardSettings
+from shardrouter.shardd.transfer_waits import TransferWaits
 from shardrouter.v1 import transfer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,8 @@ class ShardDaemon:
     #: The daemon's metrics (None when metrics_port is 0) and the port /metrics is served on.
     metrics: ShardMetrics | None = None
     metrics_port: int = 0
+    #: The `GetTransfer` calls waiting for transfers, woken by the relay (and its listener).
+    transfer_waits: TransferWaits = field(default_factory=TransferWaits)
 
     @property
     def shard_map(self) -> ShardMap | None:
@@ -311,7 +314,9 @@ def start_background(daemon: ShardDaemon, *, metrics_host: str | None = None) ->
         from shardrouter.shardd.relay import OutboxRelay
 
         maps = daemon.shard_maps
-        _start(OutboxRelay(settings, daemon.database, lambda: maps.current), background)
+        _start(
+            OutboxRelay(settings, daemon.database, lambda: maps.current, daemon.transfer_waits), background
+        )
 
 
 def start_shard(
@@ -352,7 +357,10 @@ def start_shard(
             tracing=tracing.server_interceptor(tracer_provider) if traced else None,
         ),
     )
-    transfer_pb2_grpc.add_TransferServiceServicer_to_server(TransferServicer(database, locator), server)
+    transfer_waits = TransferWaits()
+    transfer_pb2_grpc.add_TransferServiceServicer_to_server(
+        TransferServicer(database, locator, transfer_waits), server
+    )
     ledger_pb2_grpc.add_ShardLedgerServiceServicer_to_server(ShardLedgerServicer(locator), server)
     health_servicer = grpcserver.add_health_and_reflection(server, [PUBLIC_SERVICE, INTERNAL_SERVICE])
     credentials = (
@@ -361,7 +369,16 @@ def start_shard(
         else None
     )
     port = listen_when_ready(settings, server, database, credentials)
-    daemon = ShardDaemon(settings, server, port, database, health_servicer, shard_maps, metrics=metrics)
+    daemon = ShardDaemon(
+        settings,
+        server,
+        port,
+        database,
+        health_servicer,
+        shard_maps,
+        metrics=metrics,
+        transfer_waits=transfer_waits,
+    )
     start_background(daemon, metrics_host=metrics_host)
     grpcserver.mark_serving(health_servicer, [PUBLIC_SERVICE, INTERNAL_SERVICE])
     _warn_about(settings)

@@ -42,6 +42,7 @@ from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
 from shardrouter.shardd.db import Database, current_transaction
 from shardrouter.shardd.ledger import store
 from shardrouter.shardd.ledger.store import AccountRow, TransferRow
+from shardrouter.shardd.transfer_waits import TransferWaits
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 
 MAX_BALANCE = 10**17
@@ -50,7 +51,11 @@ _TRANSFER_STATES = {
     "completed": transfer_pb2.TRANSFER_STATE_COMPLETED,
     "refunded": transfer_pb2.TRANSFER_STATE_REFUNDED,
 }
-_POLL_INTERVAL_S = 0.05
+#: How often a waiting `GetTransfer` reads the transfer again without being woken (s): the fallback
+#: for a lost wake-up, while a listener in this process hears the shard's state changes.
+_POLL_INTERVAL_S = 0.25
+#: The same step while nothing in this process hears them (no relay here, or its listener is down).
+_UNHEARD_POLL_INTERVAL_S = 0.05
 #: RetryInfo delay of an ACCOUNT_MOVED refusal: the router redirects at once; a direct caller (or a
 #: router that cannot name the new owner yet) retries after it.
 ACCOUNT_MOVED_RETRY_MS = 500
@@ -115,9 +120,11 @@ def refund_key(transfer_id: uuid.UUID) -> uuid.UUID:
 class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
     """Public API of one shard."""
 
-    def __init__(self, database: Database, locator: ShardLocator) -> None:
+    def __init__(self, database: Database, locator: ShardLocator, waits: TransferWaits | None = None) -> None:
         self._db = database
         self._locator = locator
+        #: Where `GetTransfer` waits to be woken by a state change (the relay signals it).
+        self._waits = waits if waits is not None else TransferWaits()
 
     def Transfer(
         self, request: transfer_pb2.TransferRequest, context: grpc.ServicerContext
@@ -258,7 +265,13 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
     def GetTransfer(
         self, request: transfer_pb2.GetTransferRequest, context: grpc.ServicerContext
     ) -> transfer_pb2.GetTransferResponse:
-        """A transfer with its delivery history, optionally waiting for it to leave PENDING."""
+        """A transfer with its delivery history, optionally waiting for it to leave PENDING.
+
+        While it waits it reads the transfer again when woken (`TransferWaits`: the relay of any
+        daemon of the shard committed a state change of it), when the call ends, and otherwise every
+        `_POLL_INTERVAL_S` (`_UNHEARD_POLL_INTERVAL_S` while no listener in this process hears the
+        shard's state changes). A wake-up between a read and the wait that follows is not lost.
+        """
 
         validate_get_transfer(request)
         self._locator.require_local(request.source_account_id)
@@ -268,20 +281,32 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         if remaining is not None:
             wait_s = min(wait_s, max(0.0, remaining - 0.05))
         give_up = time.monotonic() + wait_s
-        while True:
-            with self._db.read() as conn:
-                transfer = store.read_transfer(conn, transfer_id)
-                attempts = store.attempts_of(conn, transfer_id) if transfer else []
-                if store.slot_fenced(conn, request.source_account_id):
-                    raise _slot_moving(request.source_account_id)
-            if transfer is None or transfer.source_account_id != request.source_account_id:
-                raise NotFound(
-                    f"no transfer {request.transfer_id} from account {request.source_account_id} on this shard",
-                    reason=Reason.TRANSFER_NOT_FOUND,
-                )
-            if transfer.state != "pending" or time.monotonic() >= give_up or not context.is_active():
-                return transfer_pb2.GetTransferResponse(transfer=_transfer_message(transfer, attempts))
-            time.sleep(_POLL_INTERVAL_S)
+        with self._waits.watch(transfer_id) as watch:
+            if wait_s > 0:
+                context.add_callback(watch.interrupt)  # a cancelled call stops waiting at once
+            while True:
+                watch.before_read()
+                transfer, attempts = self._read_transfer(request, transfer_id)
+                if transfer.state != "pending" or time.monotonic() >= give_up or not context.is_active():
+                    return transfer_pb2.GetTransferResponse(transfer=_transfer_message(transfer, attempts))
+                step = _POLL_INTERVAL_S if self._waits.listening else _UNHEARD_POLL_INTERVAL_S
+                watch.wait(min(step, give_up - time.monotonic()))
+
+    def _read_transfer(
+        self, request: transfer_pb2.GetTransferRequest, transfer_id: uuid.UUID
+    ) -> tuple[TransferRow, list[store.AttemptRow]]:
+        """The transfer and its delivery attempts; NOT_FOUND unless it is from the request's account."""
+        with self._db.read() as conn:
+            transfer = store.read_transfer(conn, transfer_id)
+            attempts = store.attempts_of(conn, transfer_id) if transfer else []
+            if store.slot_fenced(conn, request.source_account_id):
+                raise _slot_moving(request.source_account_id)
+        if transfer is None or transfer.source_account_id != request.source_account_id:
+            raise NotFound(
+                f"no transfer {request.transfer_id} from account {request.source_account_id} on this shard",
+                reason=Reason.TRANSFER_NOT_FOUND,
+            )
+        return transfer, attempts
 
 
 class ShardLedgerServicer(ledger_pb2_grpc.ShardLedgerServiceServicer):
