@@ -106,11 +106,19 @@ def test_first_call_then_replay(traced: Traced, db) -> None:
         ]
 
     first_sql = statements(db_spans[0])
-    assert any(q.startswith("INSERT INTO idempotency_record") for q in first_sql), first_sql
-    assert any(q.startswith("INSERT INTO ledger_entries") for q in first_sql), first_sql
-    assert any(
-        q.startswith("WITH done AS (UPDATE idempotency_record SET state = 'completed'") for q in first_sql
-    ), first_sql
+    # The claim alone; the handler's transaction (a Deposit is one statement); the completed record
+    # with the COMMIT, and only then the key's release.
+    expected = [
+        "SELECT c.claim, c.claimed_at, (c.record).* FROM idempotency_claim(",
+        "BEGIN",
+        "WITH account AS ( INSERT INTO accounts",
+        "INSERT INTO idempotency_record",
+        "COMMIT",
+        "SELECT idempotency_release(",
+    ]
+    assert len(first_sql) == len(expected), first_sql
+    assert all(q.startswith(prefix) for q, prefix in zip(first_sql, expected, strict=True)), first_sql
+    assert "INSERT INTO ledger_entries" in first_sql[2], first_sql
     assert all(q and key not in q for q in first_sql), first_sql
     # This process completed the key, so it replays from memory: no database transaction at all.
     assert replay.attributes["idempotency.record_source"] == "memory"

@@ -23,6 +23,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import grpc
+import psycopg
 from google.protobuf.message import DecodeError, Message
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -492,7 +493,14 @@ class DatabaseKeys:
             if conn.info.transaction_status is not TransactionStatus.IDLE:
                 raise Internal(f"the handler's transaction of {call.scope} was left open")
         except BaseException as exc:
-            store.release_claim(conn, scope=call.scope, key=call.key.text)
+            if isinstance(exc, psycopg.Error):
+                # A failed statement aborts the pipeline, and psycopg's cache of the connection's
+                # prepared statements may then disagree with the server's (seen as "prepared
+                # statement does not exist" on a later call). Closing the connection ends its session,
+                # which rolls the transaction back and lets the key go.
+                conn.close()
+            else:
+                store.release_claim(conn, scope=call.scope, key=call.key.text)
             if _twin_holds_the_key(exc):
                 raise in_flight(call.span, self._in_flight_retry_ms) from exc
             raise
