@@ -28,10 +28,18 @@ __all__ = ["CompletedKeys", "KeyFlight", "KeyFlights", "ScopedKey"]
 
 
 class KeyFlight:
-    """One call's work on a key, as its duplicates in this process see it."""
+    """One call's work on a key, as its duplicates in this process see it.
 
-    def __init__(self) -> None:
-        self._settled = threading.Event()
+    Most flights never have a duplicate, so the event a duplicate waits on is made only when one
+    joins (under the flights' lock, which also guards the settled flag, so no wake-up is missed).
+    """
+
+    __slots__ = ("_event", "_lock", "_settled", "claimed", "record")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self._event: threading.Event | None = None
+        self._settled = False
         #: The database gave the key to this call (its handler runs): duplicates are in flight.
         self.claimed = False
         #: The key's completed record, once this call has seen or made it.
@@ -40,15 +48,31 @@ class KeyFlight:
     def mark_claimed(self) -> None:
         """The call claimed the key; its duplicates need not wait any longer."""
         self.claimed = True
-        self._settled.set()
+        self._settle()
 
     def wait_settled(self, timeout_s: float) -> bool:
         """Wait until the call claimed the key or ended; False on time-out."""
-        return self._settled.wait(timeout_s)
+        event = self._event
+        assert event is not None, "only a duplicate that joined the flight waits for it"
+        return event.wait(timeout_s)
+
+    def _follow(self) -> None:
+        """A duplicate joins (called under the flights' lock): it will wait on the event."""
+        if self._event is None:
+            self._event = threading.Event()
+            if self._settled:
+                self._event.set()
+
+    def _settle(self) -> None:
+        with self._lock:
+            self._settled = True
+            event = self._event
+        if event is not None:
+            event.set()
 
     def _end(self, record: IdempotencyRecord | None) -> None:
         self.record = record
-        self._settled.set()
+        self._settle()
 
 
 class KeyFlights:
@@ -63,8 +87,9 @@ class KeyFlights:
         with self._lock:
             flight = self._flights.get(scoped)
             if flight is not None:
+                flight._follow()
                 return flight, False
-            flight = self._flights[scoped] = KeyFlight()
+            flight = self._flights[scoped] = KeyFlight(self._lock)
             return flight, True
 
     def land(self, scoped: ScopedKey, flight: KeyFlight, record: IdempotencyRecord | None) -> None:
