@@ -57,6 +57,13 @@ class Shard:
         return self.addresses[0]
 
 
+def account_hash(account_id: str) -> int:
+    """The CRC-32 of an account id's UTF-8 bytes: its slot for any slot count, and the `account_hash`
+    column every row of the account carries in a shard's database (the same value as the database's
+    own `account_hash()`)."""
+    return zlib.crc32(account_id.encode())
+
+
 @dataclass(frozen=True)
 class ShardMap:
     """Slot ranges to shards; look-ups are a binary search over the ranges' starts."""
@@ -70,7 +77,7 @@ class ShardMap:
 
     def slot_of(self, account_id: str) -> int:
         """The hash slot of an account id."""
-        return zlib.crc32(account_id.encode()) % self.slots
+        return account_hash(account_id) % self.slots
 
     def shard_for(self, account_id: str) -> Shard:
         """The shard that owns an account."""
@@ -276,6 +283,7 @@ __all__ = [
     "Shard",
     "ShardMap",
     "ShardMapError",
+    "account_hash",
     "even_shard_map",
     "load_shard_map",
     "parse_shard_map",

@@ -434,17 +434,25 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
             END IF;
         END $$;
 
-        -- After the handler's transaction ended (COMMIT or ROLLBACK): let the key go, and give the
-        -- session its own bounds back.
-        CREATE FUNCTION idempotency_release(p_scope text, p_key text) RETURNS boolean
-            LANGUAGE plpgsql VOLATILE AS $$
+        -- Let the key go and give the session its own bounds back: after the handler's transaction
+        -- ended (ROLLBACK), or, p_at_commit, from inside it: the key is then held by a transaction
+        -- lock (granted at once, this session holding the key) until the COMMIT, so the store of its
+        -- record and its release are one statement and no twin can take the key before the record
+        -- is visible.
+        CREATE FUNCTION idempotency_release(p_scope text, p_key text, p_at_commit boolean DEFAULT false)
+            RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$
+        DECLARE
+            key_lock constant bigint := hashtextextended(p_scope || ' ' || p_key, 0);
         BEGIN
+            IF p_at_commit THEN
+                PERFORM pg_advisory_xact_lock(key_lock);
+            END IF;
             PERFORM set_config('lock_timeout', coalesce(current_setting('shardrouter.saved_lock_timeout', true),
                                                         current_setting('lock_timeout')), false),
                     set_config('statement_timeout',
                                coalesce(current_setting('shardrouter.saved_statement_timeout', true),
                                         current_setting('statement_timeout')), false);
-            RETURN pg_advisory_unlock(hashtextextended(p_scope || ' ' || p_key, 0));
+            RETURN pg_advisory_unlock(key_lock);
         END $$;
         """,
     ),

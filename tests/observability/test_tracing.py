@@ -106,15 +106,14 @@ def test_first_call_then_replay(traced: Traced, db) -> None:
         ]
 
     first_sql = statements(db_spans[0])
-    # The claim alone; the handler's transaction (a Deposit is one statement); the completed record
-    # with the COMMIT, and only then the key's release.
+    # The claim alone; the handler's transaction (a Deposit is one statement); the completed record,
+    # stored by the statement that releases the key at the COMMIT; the COMMIT.
     expected = [
         "SELECT c.claim, c.claimed_at, (c.record).* FROM idempotency_claim(",
         "BEGIN",
         "WITH account AS ( INSERT INTO accounts",
-        "INSERT INTO idempotency_record",
+        "WITH stored AS (INSERT INTO idempotency_record",
         "COMMIT",
-        "SELECT idempotency_release(",
     ]
     assert len(first_sql) == len(expected), first_sql
     assert all(q.startswith(prefix) for q, prefix in zip(first_sql, expected, strict=True)), first_sql

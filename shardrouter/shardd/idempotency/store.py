@@ -16,13 +16,15 @@ A guarded call takes three round trips when it applies, one when it replays:
          lock refused                 -> EXISTING if the holder has just committed, else IN_FLIGHT
     2  the handler: BEGIN and the call's timeouts (`begin_handler`) travel in the pipeline with its
        first statement; a Deposit is one statement
-    3  complete_key: INSERT of the completed record, COMMIT, and only then the lock's release, sent
-       together with the pipeline's Sync
+    3  complete_key: the completed record's INSERT, in the statement that hands the key from the
+       session lock to a transaction lock (`idempotency_release`, which is let go by the COMMIT),
+       and the COMMIT, sent with the pipeline's Sync
 
 There is no in-progress row: while the handler runs, the session lock is the claim, and the record
 appears, completed, with the handler's writes at COMMIT or not at all. The lock is a session lock (it
-outlives the claim's own statement) and is released after the COMMIT, so no twin can read "no
-record" and take the lock while the outcome is not visible yet. A handler's refusal that is stored
+outlives the claim's own statement); the statement that stores the record exchanges it for a
+transaction lock on the same key, which the COMMIT releases, so no twin can read "no record" and take
+the key while the outcome is not visible yet. A handler's refusal that is stored
 (`NOT_FOUND`, `FAILED_PRECONDITION`) rolls the handler's writes back and stores the refusal in its own
 statement, still under the lock: no savepoint. If the call fails, `release_claim` rolls back and
 releases the lock; a connection that cannot do that is closed, which ends its session and its locks.
@@ -41,6 +43,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from shardrouter.core.shardmap import account_hash
 from shardrouter.shardd.idempotency.record import (
     Claim,
     ClaimStatus,
@@ -98,7 +101,7 @@ def complete_key(
     account_id: str | None,
     keep_handler_writes: bool,
 ) -> None:
-    """Store the completed record of a claimed key and commit, then release the key.
+    """Store the completed record of a claimed key, release the key at the COMMIT, and commit.
 
     `keep_handler_writes`: False for a stored refusal, whose handler writes are rolled back first
     (the record is then stored by a statement of its own, the key still held). Nothing is fetched:
@@ -106,34 +109,35 @@ def complete_key(
     raised there.
     """
     if not keep_handler_writes:
-        conn.execute("ROLLBACK")
+        conn.execute("ROLLBACK")  # the record is then stored by an implicit transaction of its own
     outcome = record.outcome
     assert outcome is not None
     conn.execute(
-        "INSERT INTO idempotency_record (scope, key, key_time, method, request_hash, state, status_code,"
-        " status_message, status_details, response, trailers, created_at, completed_at,"
+        "WITH stored AS (INSERT INTO idempotency_record (scope, key, key_time, method, request_hash, state,"
+        " status_code, status_message, status_details, response, trailers, created_at, completed_at,"
         " first_traceparent, account_hash)"
-        " VALUES (%s, %s, %s, %s, %s, 'completed', %s, %s, %s, %s, %s, %s, now(), %s,"
-        " account_hash(nullif(%s, '')))",
-        (
-            record.scope,
-            record.key,
-            record.key_time,
-            record.method,
-            record.request_hash,
-            outcome.code,
-            outcome.message,
-            outcome.details,
-            outcome.response,
-            Jsonb(outcome.trailers_json()),
-            record.created_at,
-            record.first_traceparent,
-            account_id,
-        ),
+        " VALUES (%(scope)s, %(key)s, %(key_time)s, %(method)s, %(hash)s, 'completed', %(code)s, %(message)s,"
+        " %(details)s, %(response)s, %(trailers)s, %(created_at)s, now(), %(traceparent)s, %(account_hash)s)"
+        " RETURNING 1)"
+        " SELECT idempotency_release(%(scope)s, %(key)s, true) FROM stored",
+        {
+            "scope": record.scope,
+            "key": record.key,
+            "key_time": record.key_time,
+            "method": record.method,
+            "hash": record.request_hash,
+            "code": outcome.code,
+            "message": outcome.message,
+            "details": outcome.details,
+            "response": outcome.response,
+            "trailers": Jsonb(outcome.trailers_json()),
+            "created_at": record.created_at,
+            "traceparent": record.first_traceparent,
+            "account_hash": account_hash(account_id) if account_id else None,
+        },
     )
     if keep_handler_writes:
         conn.execute("COMMIT")
-    _release(conn, record.scope, record.key)
 
 
 def release_claim(conn: psycopg.Connection[Any], *, scope: str, key: str) -> None:
@@ -148,7 +152,7 @@ def release_claim(conn: psycopg.Connection[Any], *, scope: str, key: str) -> Non
 
 
 def _release(conn: psycopg.Connection[Any], scope: str, key: str) -> psycopg.Cursor[Any]:
-    return conn.execute("SELECT idempotency_release(%s, %s)", (scope, key))
+    return conn.execute("SELECT idempotency_release(%s, %s, false)", (scope, key))
 
 
 def lookup_key(
