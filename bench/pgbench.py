@@ -303,7 +303,7 @@ def limit_script(deposit: Captured) -> str:
     # The key's record is inserted as a claim (completed later) or completed at once: its columns
     # are read from that INSERT, the stored response from whichever statement sends bytes.
     record = next(
-        _insert_values(s) for s in deposit.statements if s.sql.startswith("INSERT INTO idempotency_record")
+        _insert_values(s) for s in deposit.statements if "INSERT INTO idempotency_record" in s.sql
     )
     scope = record.get("scope") or ""
     method = record.get("method") or ""

@@ -398,6 +398,11 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
             RETURN found_record;
         END $$;
 
+        -- Its reads use generic plans: a custom plan of a query on the partitioned key table is made
+        -- again on every call (the planner prices the generic plan with every partition in it), which
+        -- cost about 0.1 ms of the database's time per call; the generic plan prunes partitions when
+        -- it starts (bench: the claim's database time per new key 0.62 -> 0.40 ms, per replay 0.33 ->
+        -- 0.07 ms).
         -- p_lock_timeout and p_statement_timeout: the bounds of the handler's transaction if the key
         -- is claimed (a NULL statement timeout keeps the session's). Set for the session, so they
         -- hold in the transaction the caller opens next without a statement of their own; the
@@ -405,7 +410,7 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
         CREATE FUNCTION idempotency_claim(
             p_scope text, p_key text, p_key_time timestamptz, p_lock_timeout text, p_statement_timeout text,
             OUT claim text, OUT claimed_at timestamptz, OUT record idempotency_record
-        ) LANGUAGE plpgsql VOLATILE AS $$
+        ) LANGUAGE plpgsql VOLATILE SET plan_cache_mode = force_generic_plan AS $$
         DECLARE
             key_lock constant bigint := hashtextextended(p_scope || ' ' || p_key, 0);
         BEGIN
