@@ -52,7 +52,7 @@ class ShardSettings:
     #: RetryInfo delay after a transient database failure (ms).
     transient_retry_ms: int = 250
     #: Run a claimed key's handler transaction in psycopg's pipeline mode: a Deposit in 3 round trips
-    #: (claim, handler, record with COMMIT), not 6. Off only to debug statement by statement.
+    #: (claim, handler, record with COMMIT), not 5. Off only to debug statement by statement.
     db_pipeline: bool = True
     #: Idempotency keys expire after this many days.
     retention_days: int = 30

@@ -248,3 +248,29 @@ def test_a_shard_requiring_uuidv7_refuses_other_keys_and_stores_nothing(database
             assert db.execute("SELECT count(*) FROM ledger_entries").fetchone() == (1,)
     finally:
         daemon.stop(0.5)
+
+
+def test_the_key_stays_held_from_its_hand_over_until_the_commit(database):
+    """The record's statement exchanges the claim's session lock for a transaction lock: between it
+    and the COMMIT a twin still finds the key in flight (the record is not visible yet), after the
+    COMMIT the key is free, and the session's own bounds are back."""
+    prepare_database(database, timedelta(days=30))
+    key = "handover/" + uuid.uuid4().hex
+    now = datetime.now(UTC)
+    with (
+        psycopg.connect(database, autocommit=True) as holder,
+        psycopg.connect(database, autocommit=True) as twin,
+    ):
+        own_timeout = holder.execute("SELECT current_setting('lock_timeout')").fetchone()
+        claim = store.claim_key(holder, scope="s", key=key, key_time=now, handler_lock_timeout_ms=1234)
+        assert claim.status is ClaimStatus.CLAIMED
+        assert holder.execute("SELECT current_setting('lock_timeout')").fetchone() == ("1234ms",)
+        store.begin_handler(holder)
+        assert holder.execute("SELECT idempotency_release('s', %s, true)", (key,)).fetchone() == (True,)
+        assert _claim(twin, key, now, dated_by_key=False).status is ClaimStatus.IN_FLIGHT
+        holder.execute("COMMIT")
+        assert holder.execute("SELECT current_setting('lock_timeout')").fetchone() == own_timeout
+        assert _advisory_locks(twin, holder.info.backend_pid) == 0
+        claimed = _claim(twin, key, now, dated_by_key=False)
+        assert claimed.status is ClaimStatus.CLAIMED  # no record was stored: the key is free again
+        store.release_claim(twin, scope="s", key=key)
