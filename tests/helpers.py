@@ -133,6 +133,23 @@ __all__ = [
 STORED_OK = StoredOutcome(code=0, message="", details=None, response=b"first", trailers=())
 
 
+def completed_record(
+    *, scope: str, key: str, key_time: datetime, created_at: datetime, outcome: StoredOutcome = STORED_OK
+) -> IdempotencyRecord:
+    """The completed record a test stores for a claimed key (method "m", request hash b"h")."""
+    return IdempotencyRecord(
+        scope=scope,
+        key=key,
+        key_time=key_time,
+        method="m",
+        request_hash=b"h",
+        state=RecordState.COMPLETED,
+        outcome=outcome,
+        created_at=created_at,
+        completed_at=None,
+    )
+
+
 def store_key(
     conn: psycopg.Connection[Any],
     *,
@@ -147,24 +164,12 @@ def store_key(
     claim = store.claim_key(conn, scope=scope, key=key, key_time=key_time, dated_by_key=dated_by_key)
     if claim.status is ClaimStatus.CLAIMED:
         assert claim.created_at is not None
+        record = completed_record(
+            scope=scope, key=key, key_time=key_time, created_at=claim.created_at, outcome=outcome
+        )
         try:
             store.begin_handler(conn)
-            store.complete_key(
-                conn,
-                record=IdempotencyRecord(
-                    scope=scope,
-                    key=key,
-                    key_time=key_time,
-                    method="m",
-                    request_hash=b"h",
-                    state=RecordState.COMPLETED,
-                    outcome=outcome,
-                    created_at=claim.created_at,
-                    completed_at=None,
-                ),
-                account_id=None,
-                keep_handler_writes=True,
-            )
+            store.complete_key(conn, record=record, account_id=None, keep_handler_writes=True)
         except BaseException:
             store.release_claim(conn, scope=scope, key=key)
             raise

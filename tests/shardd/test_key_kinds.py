@@ -22,10 +22,10 @@ import pytest
 from shardrouter.core.keys import new_key
 from shardrouter.shardd import partitions
 from shardrouter.shardd.idempotency import store
-from shardrouter.shardd.idempotency.record import ClaimStatus, IdempotencyRecord, RecordState
+from shardrouter.shardd.idempotency.record import ClaimStatus
 from shardrouter.shardd.server import ShardDaemon, prepare_database, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.helpers import STORED_OK, error_info, make_settings, money, store_key
+from tests.helpers import STORED_OK, completed_record, error_info, make_settings, money, store_key
 
 KEYS = {
     "uuid4": lambda: str(uuid.uuid4()),
@@ -204,17 +204,8 @@ def test_a_twin_in_flight_holds_any_key_kind_off(database):
         assert (
             _claim(other, key, now + timedelta(seconds=1), dated_by_key=False).status is ClaimStatus.IN_FLIGHT
         )
-        record = IdempotencyRecord(
-            scope="s",
-            key=key,
-            key_time=now,
-            method="m",
-            request_hash=b"h",
-            state=RecordState.COMPLETED,
-            outcome=STORED_OK,
-            created_at=claimed.created_at,
-            completed_at=None,
-        )
+        assert claimed.created_at is not None
+        record = completed_record(scope="s", key=key, key_time=now, created_at=claimed.created_at)
         store.complete_key(twin, record=record, account_id=None, keep_handler_writes=True)
         assert _advisory_locks(other, twin.info.backend_pid) == 0
         claim = _claim(other, key, now + timedelta(seconds=2), dated_by_key=False)
