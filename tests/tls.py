@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,10 +47,20 @@ class TestCA:
         self.ca_path = folder / "ca.crt"
         self.ca_path.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, common_name: str, *, server: bool = False, client: bool | None = None) -> CertFiles:
+    def issue(
+        self,
+        common_name: str,
+        *,
+        server: bool = False,
+        client: bool | None = None,
+        uris: Sequence[str] = (),
+        stem: str | None = None,
+    ) -> CertFiles:
         """A certificate for `common_name` (for 127.0.0.1 and localhost if `server`); `client`: also for
         client authentication (default: only when not `server`). A shard's certificate is both, as
-        cert-manager issues `shardd-tls`: its relay presents it to the other shards."""
+        cert-manager issues `shardd-tls`: its relay presents it to the other shards. `uris`: URI SANs
+        (a SPIFFE ID, `spiffe://cluster.local/ns/<ns>/sa/<sa>`, as cert-manager's `uris:` puts it);
+        `stem`: the files' name (default: the common name)."""
         client = not server if client is None else client
         usages = [
             u
@@ -74,16 +85,15 @@ class TestCA:
                 critical=False,
             )
         )
+        names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(uri) for uri in uris]
         if server:
-            builder = builder.add_extension(
-                x509.SubjectAlternativeName(
-                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-                ),
-                critical=False,
-            )
+            names += [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        if names:
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
         cert = builder.sign(self.key, hashes.SHA256())
-        cert_path = self.folder / f"{common_name}.crt"
-        key_path = self.folder / f"{common_name}.key"
+        stem = stem or common_name
+        cert_path = self.folder / f"{stem}.crt"
+        key_path = self.folder / f"{stem}.key"
         cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         key_path.write_bytes(
             key.private_bytes(

@@ -29,6 +29,7 @@ process or channel hop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import ssl
@@ -52,7 +53,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from shardrouter.core import tls, tracing
-from shardrouter.core.callers import CALLER_METADATA
+from shardrouter.core.callers import CALLER_METADATA, certificate_identity
 from shardrouter.core.errors import NotFound, Reason, ShardRouterError
 from shardrouter.core.http_problems import (
     PROBLEM_CONTENT_TYPE,
@@ -98,8 +99,9 @@ _TRACE_HEADERS = ("traceparent", "tracestate")
 _GET_BALANCE = rpc(PUBLIC_SERVICE, "GetBalance")
 #: Accounts whose currency the front remembers (for compact transfers that name none).
 _CURRENCIES_KEPT = 100_000
-#: ASGI scope extension the protocol below fills: the verified client certificate's common name and
-#: whether the request's headers went over the limit.
+#: ASGI scope extension the protocol below fills: the verified client certificate's common name, URI
+#: SANs and identity (`client_identity`: its SPIFFE ID, else its common name; what the router forwards
+#: as `x-caller-id`) and whether the request's headers went over the limit.
 _EXTENSION = "shardrouter.connection"
 
 
@@ -111,14 +113,22 @@ class HttpCall:
     deadline: float  # time.monotonic() by which the call must be answered
     #: The common name of the caller's verified client certificate (mTLS), if any.
     common_name: str | None = None
+    #: The URI SANs of that certificate: its `spiffe://` one is the caller (`core.callers.peer_identity`).
+    uris: tuple[str, ...] = ()
 
     def invocation_metadata(self) -> tuple[MetadataEntry, ...]:
         """The metadata the HTTP request carries (key, caller, trace context)."""
         return self.metadata
 
     def auth_context(self) -> Mapping[str, Iterable[bytes]]:
-        """The verified peer identity, in gRPC's shape."""
-        return {"x509_common_name": [self.common_name.encode()]} if self.common_name else {}
+        """The verified peer's certificate names, in gRPC's shape (`x509_common_name`, `peer_uri`), so
+        that the caller is decided as for a gRPC call (`core.callers.peer_identity`)."""
+        names: dict[str, Iterable[bytes]] = {}
+        if self.common_name:
+            names["x509_common_name"] = [self.common_name.encode()]
+        if self.uris:
+            names["peer_uri"] = [uri.encode() for uri in self.uris]
+        return names
 
     def time_remaining(self) -> float:
         """Seconds left before the deadline."""
@@ -279,6 +289,7 @@ class HttpFront:
             tuple(metadata),
             time.monotonic() + self.settings.http_deadline_s,
             connection.get("client_common_name"),
+            connection.get("client_uris", ()),
         )
 
     async def _body(self, request: Request) -> bytes:
@@ -349,7 +360,7 @@ class HttpFront:
         return currency
 
     async def _read_currency(self, account_id: str, call: HttpCall) -> str:
-        reader = HttpCall(tuple(e for e in call.metadata if e[0] != KEY_METADATA), call.deadline, call.common_name)
+        reader = dataclasses.replace(call, metadata=tuple(e for e in call.metadata if e[0] != KEY_METADATA))
         request = transfer_pb2.GetBalanceRequest(account_id=account_id)
         outcome = await self.forwarder.forward(_GET_BALANCE, request.SerializeToString(), reader)
         if outcome.code is not grpc.StatusCode.OK or outcome.response is None:
@@ -443,7 +454,7 @@ def _trailer(trailers: Sequence[MetadataEntry], name: str) -> str | None:
 
 class _Protocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, plus what the front needs of a connection: the verified client
-    certificate's common name (ASGI scope extension) and a bound on the bytes of a request's headers."""
+    certificate's names and identity (ASGI scope extension) and a bound on the bytes of a request's headers."""
 
     max_header_bytes = 16 * 1024
     #: Longest a request's headers may take to arrive (s), from the connection or the request's first
@@ -452,7 +463,9 @@ class _Protocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._common_name = _common_name(transport.get_extra_info("peercert"))
+        peercert = transport.get_extra_info("peercert")
+        self._common_name = _common_name(peercert)
+        self._uris = _uris(peercert)
         self._headers_due: asyncio.TimerHandle | None = None
         self._arm_header_timer()
 
@@ -464,7 +477,11 @@ class _Protocol(HttpToolsProtocol):
         super().on_message_begin()
         self._arm_header_timer()
         self._header_bytes = 0
-        self._connection: dict[str, Any] = {"client_common_name": self._common_name}
+        self._connection: dict[str, Any] = {
+            "client_common_name": self._common_name,
+            "client_uris": self._uris,
+            "client_identity": certificate_identity(self._common_name, self._uris),
+        }
         extensions: dict[str, Any] = {_EXTENSION: self._connection}
         self.scope["extensions"] = extensions
 
@@ -514,6 +531,11 @@ def _common_name(peercert: Any) -> str | None:
             if key == "commonName":
                 return str(value)
     return None
+
+
+def _uris(peercert: Any) -> tuple[str, ...]:
+    """The URI SANs of a verified certificate (`ssl`'s `getpeercert()` shape)."""
+    return tuple(str(value) for kind, value in (peercert or {}).get("subjectAltName", ()) if kind == "URI")
 
 
 class _Server(uvicorn.Server):

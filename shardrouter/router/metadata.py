@@ -3,7 +3,8 @@ caller's identity made trustworthy.
 
 The shards believe the router's `x-caller-id` (the router's client certificate is a trusted proxy to
 them), so the router must never relay a caller's unverified claim outside dev mode: with mTLS from
-callers it overwrites the entry with the verified certificate's common name. Which to believe is the
+callers it overwrites the entry with the verified certificate's identity (`core.callers.peer_identity`:
+its SPIFFE ID, else its common name). Which to believe is the
 rule every part follows (`core.callers.CallerRule`); no proxy in front of the router is trusted.
 """
 
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import grpc.aio
 
-from shardrouter.core.callers import CALLER_METADATA, CallerRule, peer_common_name
+from shardrouter.core.callers import CALLER_METADATA, CallerRule, peer_identity
 from shardrouter.core.errors import Reason, Unauthenticated
 from shardrouter.core.wire import MetadataEntry
 
@@ -55,7 +56,7 @@ class CallContext(Protocol):
         ...
 
     def auth_context(self) -> Mapping[str, Iterable[bytes]]:
-        """The peer's verified identity (`x509_common_name`), as gRPC reports it."""
+        """The peer's verified certificate names (`x509_common_name`, `peer_uri`), as gRPC reports them."""
         ...
 
     def time_remaining(self) -> float | None:
@@ -72,7 +73,8 @@ def forwardable(metadata: Iterable[MetadataEntry]) -> list[MetadataEntry]:
 class CallerPolicy:
     """Where the forwarded caller identity comes from."""
 
-    #: The router's server requires client certificates: the verified common name is the caller.
+    #: The router's server requires client certificates: the verified identity (SPIFFE ID, else common
+    #: name) is the caller.
     verifies_callers: bool
     #: Without verified callers, believe a caller-sent `x-caller-id` (local development only).
     dev_mode: bool
@@ -85,14 +87,15 @@ class CallerPolicy:
     def outgoing(self, context: CallContext) -> list[MetadataEntry]:
         """The metadata to send to the shard for this call."""
         metadata = forwardable(context.invocation_metadata() or ())
-        verified = peer_common_name(context) if self.verifies_callers else None
+        verified = peer_identity(context) if self.verifies_callers else None
         if self.rule.believes_claim(verified):  # dev mode: the claim goes on as sent, the shard checks it
             return metadata
         if verified is not None:
             return [(k, v) for k, v in metadata if k != CALLER_METADATA] + [(CALLER_METADATA, verified)]
-        if self.verifies_callers:  # cannot happen with require_client_auth; refuse if it does
+        if self.verifies_callers:  # with require_client_auth: a certificate with several SPIFFE IDs
             raise Unauthenticated(
-                "the router requires a verified client certificate (mTLS); the caller has none",
+                "the router requires a verified client certificate (mTLS) naming one caller (one "
+                "spiffe:// URI SAN, or none and a common name); the caller has none",
                 reason=Reason.UNAUTHENTICATED,
             )
         raise Unauthenticated(

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from shardrouter.core.callers import CALLER_METADATA, CallerRule, claimed_caller
+from shardrouter.core.callers import CALLER_METADATA, MAX_CALLER_LENGTH, CallerRule, claimed_caller
 from shardrouter.core.errors import InvalidArgument, Unauthenticated
 from shardrouter.router.metadata import CallerPolicy
 from shardrouter.shardd.admission import Admission, AdmissionLimits, caller_bucket
@@ -97,7 +97,7 @@ def test_the_shards_key_scope_follows_the_same_rule() -> None:
     assert dev.caller_of(context, context.invocation_metadata()) == "alice"
 
 
-@pytest.mark.parametrize("value", ["", "-dash", "a" * 129, "with space"])
+@pytest.mark.parametrize("value", ["", "-dash", "a" * (MAX_CALLER_LENGTH + 1), "with space"])
 def test_a_malformed_entry_is_refused(value: str) -> None:
     with pytest.raises(InvalidArgument):
         claimed_caller([(CALLER_METADATA, value)])
