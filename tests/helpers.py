@@ -20,6 +20,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from shardrouter.core.authz import ALLOW_ALL_DOCUMENT
 from shardrouter.core.keys import new_key
 from shardrouter.localcluster.postgres import LocalPostgres
 from shardrouter.localcluster.tracing_ui import phoenix_installed
@@ -62,8 +63,23 @@ def own_postgres() -> Iterator[LocalPostgres]:
     shutil.rmtree(server.data_dir.parent, ignore_errors=True)
 
 
+def allow_all_policy_file() -> Path:
+    """A policy file that allows every call (written once per test session), for daemons in production
+    mode whose tests are not about authorization."""
+    global _ALLOW_ALL
+    if _ALLOW_ALL is None:
+        path = Path(tempfile.mkdtemp(prefix="shardrouter-authz-")) / "allow-all.json"
+        path.write_text(ALLOW_ALL_DOCUMENT)
+        _ALLOW_ALL = path
+    return _ALLOW_ALL
+
+
+_ALLOW_ALL: Path | None = None
+
+
 def make_settings(dsn: str, **overrides: object) -> ShardSettings:
-    """Shard settings for an in-process test daemon on a free port."""
+    """Shard settings for an in-process test daemon on a free port (outside dev mode with an allow-all
+    authorization policy unless the test gives its own)."""
     values: dict[str, object] = {
         "dsn": dsn,
         "listen": "127.0.0.1:0",
@@ -78,6 +94,8 @@ def make_settings(dsn: str, **overrides: object) -> ShardSettings:
         "relay_workers": 0,
     }
     values.update(overrides)
+    if not values["dev_mode"] and "authz_policy_file" not in overrides:
+        values["authz_policy_file"] = str(allow_all_policy_file())
     return ShardSettings(**values)  # type: ignore[arg-type]
 
 

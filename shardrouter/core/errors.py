@@ -50,6 +50,9 @@ class Reason:
     RATE_LIMITED = "RATE_LIMITED"
     SHARD_SATURATED = "SHARD_SATURATED"
     UNAUTHENTICATED = "UNAUTHENTICATED"
+    # The shard's authorization policy does not let this caller call this method on this account;
+    # nothing was applied or stored. ErrorInfo metadata: caller, method, account (when the call has one).
+    PERMISSION_DENIED = "PERMISSION_DENIED"
     INTERNAL = "INTERNAL"
 
 
@@ -135,6 +138,12 @@ class Unauthenticated(ShardRouterError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDenied(ShardRouterError):
+    """A verified caller the authorization policy does not allow to make this call; never stored."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Internal(ShardRouterError):
     """A bug or an unexpected state; nothing was applied."""
 
@@ -187,6 +196,7 @@ _RPC_CODES: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: code_pb2.DEADLINE_EXCEEDED,
     grpc.StatusCode.RESOURCE_EXHAUSTED: code_pb2.RESOURCE_EXHAUSTED,
     grpc.StatusCode.UNAUTHENTICATED: code_pb2.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED: code_pb2.PERMISSION_DENIED,
     grpc.StatusCode.INTERNAL: code_pb2.INTERNAL,
 }
 
@@ -201,6 +211,7 @@ __all__ = [
     "Internal",
     "InvalidArgument",
     "NotFound",
+    "PermissionDenied",
     "Reason",
     "ResourceExhausted",
     "ShardRouterError",

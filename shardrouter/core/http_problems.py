@@ -123,6 +123,7 @@ REASON_ROWS: Mapping[str, ProblemRow] = MappingProxyType(
         Reason.RATE_LIMITED: ProblemRow(_S.RESOURCE_EXHAUSTED, 429, "Too many requests", retryable=True),
         Reason.SHARD_SATURATED: ProblemRow(_S.UNAVAILABLE, 503, "Shard saturated", retryable=True),
         Reason.UNAUTHENTICATED: ProblemRow(_S.UNAUTHENTICATED, 401, "Unauthenticated"),
+        Reason.PERMISSION_DENIED: ProblemRow(_S.PERMISSION_DENIED, 403, "Permission denied"),
         Reason.INTERNAL: ProblemRow(_S.INTERNAL, 500, "Internal error"),
     }
 )

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import psycopg
 
 from shardrouter.core import tracing
+from shardrouter.core.authz import AuthzPolicyError, load_policy_file
 from shardrouter.core.errors import InvalidArgument
 from shardrouter.core.grpcserver import ListenError
 from shardrouter.core.keys import parse_key
@@ -78,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except psycopg.OperationalError as exc:
         print(f"shardd: {database_unreachable(settings.dsn, exc)}", file=sys.stderr)
         return 1
-    except (ShardMapError, ListenError) as exc:  # start-up configuration: one clear line, no traceback
+    except (ShardMapError, ListenError, AuthzPolicyError) as exc:  # start-up configuration: one clear line, no traceback
         print(f"shardd: cannot start: {exc}", file=sys.stderr)
         return 2
 
@@ -104,6 +105,12 @@ def _run(settings: ShardSettings, command: tuple[str, ...], operands: list[str])
 def _serve_processes(settings: ShardSettings, args: list[str]) -> int:
     """The parent of `processes` serving processes on one port (shardd/processes.py)."""
     signals = TerminationSignals()
+    # A missing or bad policy stops the parent, before any process starts (each one follows the file).
+    problems = settings.serving_problems()
+    if problems:
+        raise AuthzPolicyError("invalid shardd settings: " + "; ".join(problems))
+    if settings.authz_policy_file:
+        load_policy_file(settings.authz_policy_file)
     if settings.listen.rsplit(":", 1)[-1] == "0":
         print("shardd: --processes above 1 needs a fixed --listen port (they share it)", file=sys.stderr)
         return 2

@@ -17,6 +17,12 @@ Each daemon has its own `MeterProvider` and Prometheus registry (`shardrouter.co
   (absent until the first run).
 - `shardd_outbox_backlog`, `shardd_outbox_oldest_age_seconds`: undelivered cross-shard credits.
 - `shardd_metrics_collector_errors_total`: failed refreshes of the database gauges.
+- `shardd_authz_decisions_total{method,outcome}`: calls decided by the authorization policy
+  (`shardd/authorization.py`); `outcome` is allowed | denied.
+- `shardd_authz_policy_reloads_total{result}`: loads of the policy file; `result` is loaded | refused
+  (a bad new file: the last good policy stays).
+- `shardd_authz_policy_info{name,hash}`: 1 for the policy in force (its name and the first 16 hex
+  digits of its file's SHA-256).
 
 Moves of slot ranges (`shard-router reshard`), from the `slot_moves` journal, which only the
 old owner's database holds; each series is of a move that is not done or aborted, or of the one that
@@ -55,6 +61,7 @@ from opentelemetry.sdk.metrics.export import MetricReader
 from prometheus_client import CollectorRegistry
 
 from shardrouter.core import tracing
+from shardrouter.core.authz import AuthzPolicy
 from shardrouter.core.metrics import new_metrics_pipeline
 from shardrouter.core.moves import FINISHED_PHASES, Phase
 from shardrouter.shardd import partitions
@@ -107,6 +114,22 @@ class ShardMetrics:
             unit="{refresh}",
             description="Failed refreshes of the database gauges (the gauges keep their last values).",
         )
+        self.authz_decisions = self.meter.create_counter(
+            "shardd_authz_decisions",
+            unit="{call}",
+            description="Calls decided by the authorization policy, by method and outcome (allowed, denied).",
+        )
+        self.authz_reloads = self.meter.create_counter(
+            "shardd_authz_policy_reloads",
+            unit="{load}",
+            description="Loads of the authorization policy file by result (loaded, refused: the last good stays).",
+        )
+        self._policy_labels: dict[str, str] | None = None
+        self.meter.create_observable_gauge(
+            "shardd_authz_policy_info",
+            callbacks=[self._policy_info],
+            description="1 for the authorization policy in force, labelled with its name and file hash.",
+        )
         # An OpenTelemetry counter has no series until its first add; these unlabelled ones are
         # alerted on with increase(), which needs the 0 sample from the start.
         self.key_reuse.add(0)
@@ -121,6 +144,19 @@ class ShardMetrics:
             self.key_reuse.add(1)
 
     __call__ = observe
+
+    def observe_authz(self, method: str, allowed: bool) -> None:
+        """Count one call the authorization policy decided (`method`: the short name)."""
+        self.authz_decisions.add(1, {"method": method, "outcome": "allowed" if allowed else "denied"})
+
+    def observe_policy(self, result: str, policy: AuthzPolicy) -> None:
+        """Count one load of the policy file; `policy` is the one in force after it."""
+        self.authz_reloads.add(1, {"result": result})
+        self._policy_labels = {"name": policy.name, "hash": policy.digest}
+
+    def _policy_info(self, _options: CallbackOptions) -> Iterable[Observation]:
+        labels = self._policy_labels
+        return () if labels is None else (Observation(1, labels),)
 
     def shutdown(self) -> None:
         """Stop the provider; the registry stops exposing the instruments (idempotent)."""

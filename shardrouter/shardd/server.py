@@ -14,6 +14,7 @@ from grpc_health.v1 import health
 from opentelemetry import trace
 
 from shardrouter.core import grpcserver, tls, tracing
+from shardrouter.core.authz import AuthzPolicyError
 from shardrouter.core.interceptors import ServerInterceptorBase
 from shardrouter.core.lifecycle import Stoppable, stop_all
 from shardrouter.core.metrics import start_metrics_server
@@ -23,6 +24,7 @@ from shardrouter.core.shardmap_file import ShardMapFile
 from shardrouter.internal.v1 import ledger_pb2_grpc
 from shardrouter.shardd import migrations, partitions
 from shardrouter.shardd.admission import Admission, AdmissionLimits
+from shardrouter.shardd.authorization import AuthorizationInterceptor, AuthzObserver, PolicyFile
 from shardrouter.shardd.db import Database
 from shardrouter.shardd.idempotency import IdempotencyConfig, IdempotencyInterceptor, MutatingMethod
 from shardrouter.shardd.idempotency.outcomes import OutcomeListener
@@ -140,6 +142,8 @@ class ShardDaemon:
     health: health.HealthServicer
     #: The followed shard map (None when the daemon runs without one).
     shard_maps: ShardMapFile | None
+    #: The followed authorization policy (None: dev mode without one, every call allowed).
+    policies: PolicyFile | None = None
     #: What runs beside the server, in start order (stopped in reverse).
     background: list[Stoppable] = field(default_factory=list)
     #: The daemon's metrics (None when metrics_port is 0) and the port /metrics is served on.
@@ -192,6 +196,38 @@ def follow_shard_map(settings: ShardSettings) -> ShardMapFile | None:
     return shard_maps
 
 
+def identity_from(settings: ShardSettings) -> IdentityPolicy:
+    """Whom the daemon believes a caller is (the key scope's and the authorization's caller)."""
+    return IdentityPolicy(dev_mode=settings.dev_mode, trusted_proxies=frozenset(settings.trusted_proxies))
+
+
+def follow_policy(settings: ShardSettings, observer: AuthzObserver | None = None) -> PolicyFile | None:
+    """The daemon's authorization policy follower (not yet polling), or None in dev mode without a file.
+
+    Outside dev mode a policy file is required (`ShardSettings.serving_problems`); a missing or bad
+    file stops the start with AuthzPolicyError, naming the setting or the bad place in the file.
+    """
+    problems = settings.serving_problems()
+    if problems:
+        raise AuthzPolicyError("invalid shardd settings: " + "; ".join(problems))
+    if not settings.authz_policy_file:
+        log.warning(
+            "dev mode without an authorization policy (authz_policy_file): every caller may call every "
+            "method on every account"
+        )
+        return None
+    return PolicyFile(settings.authz_policy_file, interval_s=settings.authz_policy_reload_s, observer=observer)
+
+
+def authorization_from(
+    settings: ShardSettings, policies: PolicyFile | None, observer: AuthzObserver | None = None
+) -> AuthorizationInterceptor | None:
+    """The interceptor enforcing the followed policy (None without one: nothing to enforce)."""
+    if policies is None:
+        return None
+    return AuthorizationInterceptor(lambda: policies.current, identity_from(settings), observer)
+
+
 def new_database(
     settings: ShardSettings, *, tracer_provider: trace.TracerProvider | None = None, traced: bool = False
 ) -> Database:
@@ -222,9 +258,7 @@ def new_idempotency_interceptor(
         database=database,
         methods=mutating_methods(locator),
         config=idempotency_config(settings),
-        identity=IdentityPolicy(
-            dev_mode=settings.dev_mode, trusted_proxies=frozenset(settings.trusted_proxies)
-        ),
+        identity=identity_from(settings),
         listeners=listeners,
         tracer=tracer,
         shard_id=settings.shard_id,
@@ -292,6 +326,8 @@ def start_background(daemon: ShardDaemon, *, metrics_host: str | None = None) ->
     """
     settings, background = daemon.settings, daemon.background
     runs_background = settings.process_index <= 1
+    if daemon.policies is not None:  # every serving process enforces, so every one follows the file
+        _start(daemon.policies, background)
     if daemon.shard_maps is not None:
         _start(daemon.shard_maps, background)
     if runs_background:
@@ -333,9 +369,10 @@ def start_shard(
     Metrics: with `settings.metrics_port > 0`, /metrics is served on `metrics_host` (default: the
     host of `settings.listen`, so a loopback daemon exposes its metrics on loopback only).
     """
+    metrics = ShardMetrics() if settings.metrics_port > 0 else None
+    policies = follow_policy(settings, metrics)
     shard_maps = follow_shard_map(settings)
     locator = ShardLocator(settings.shard_id, shard_maps)
-    metrics = ShardMetrics() if settings.metrics_port > 0 else None
     traced = tracing.tracing_active(tracer_provider)
     database = new_database(settings, tracer_provider=tracer_provider, traced=traced)
     if shard_maps is not None:
@@ -355,6 +392,7 @@ def start_shard(
             idempotency=guard,
             admission=admission,
             tracing=tracing.server_interceptor(tracer_provider) if traced else None,
+            authorization=authorization_from(settings, policies, metrics),
         ),
     )
     transfer_waits = TransferWaits()
@@ -376,6 +414,7 @@ def start_shard(
         database,
         health_servicer,
         shard_maps,
+        policies,
         metrics=metrics,
         transfer_waits=transfer_waits,
     )
@@ -421,8 +460,11 @@ __all__ = [
     "PUBLIC_SERVICE",
     "ShardDaemon",
     "admission_from",
+    "authorization_from",
+    "follow_policy",
     "follow_shard_map",
     "idempotency_config",
+    "identity_from",
     "listen_when_ready",
     "mutating_methods",
     "new_database",

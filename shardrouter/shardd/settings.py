@@ -103,6 +103,13 @@ class ShardSettings:
     trusted_proxies: tuple[str, ...] = ("router",)
     #: Dev mode believes `x-caller-id` without TLS. Never in production.
     dev_mode: bool = False
+    #: Authorization policy file (JSON, gRFC A43 plus an account match; README, "Authorization"):
+    #: who may call which method on which accounts. Followed without a restart; a bad new file is
+    #: refused and the last good policy stays. Required to serve outside dev mode; in dev mode without
+    #: one every call is allowed.
+    authz_policy_file: str = ""
+    #: Seconds between checks of the authorization policy file.
+    authz_policy_reload_s: float = 1.0
     #: Seconds to finish in-flight calls on SIGTERM.
     shutdown_grace_s: float = 10.0
     #: Oldest a client's connection may get (s, +-10% jitter): then GOAWAY and the client reconnects,
@@ -138,6 +145,16 @@ class ShardSettings:
         """Whether mTLS is configured."""
         return bool(self.tls_cert)
 
+    def serving_problems(self) -> list[str]:
+        """What keeps these settings from serving calls (the other commands need no policy)."""
+        if not self.dev_mode and not self.authz_policy_file:
+            return [
+                "authz_policy_file (SHARDD_AUTHZ_POLICY_FILE, --authz-policy-file) is required outside "
+                "dev mode: without an authorization policy every caller could call every method on "
+                "every account"
+            ]
+        return []
+
     def problems(self) -> list[str]:
         """Every reason these settings are unusable."""
         out = []
@@ -152,6 +169,8 @@ class ShardSettings:
             out.append("max_connection_age_s and max_connection_age_grace_s must not be negative")
         if self.shard_map_reload_s <= 0:
             out.append("shard_map_reload_s must be positive")
+        if not 0 < self.authz_policy_reload_s <= 60:
+            out.append("authz_policy_reload_s must be positive and at most 60")
         if self.max_in_flight < 1 or self.max_waiting < 0:
             out.append("max_in_flight must be at least 1 and max_waiting at least 0")
         if self.replay_cache_entries < 0 or self.replay_cache_mb < 0:
