@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +20,15 @@ from typing import Any
 import grpc
 import psycopg
 import pytest
+import yaml
 from prometheus_client import generate_latest
 
 from shardrouter.core.authz import AuthzPolicyError
 from shardrouter.core.keys import new_key
+from shardrouter.core.shardmap import even_shard_map, shard_map_document
 from shardrouter.core.tls import channel_credentials
 from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
-from shardrouter.localcluster.postgres import free_port
+from shardrouter.localcluster.postgres import LocalPostgres, free_port
 from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.helpers import error_info, key_metadata, make_settings, money
@@ -282,3 +285,71 @@ def test_dev_mode_without_a_policy_allows_everything_and_says_so(
             assert _deposit(stub, "anyone", caller="whoever").balance.amount_minor == 50
     finally:
         daemon.stop(0.2)
+
+
+def test_a_cross_shard_credit_is_sent_with_the_relays_own_identity(
+    postgres: LocalPostgres, tmp_path: Path
+) -> None:
+    """The source account's rule decides the transfer; the destination's CreditTransfer is the source
+    shard relay's own call, made with its shard certificate ("shard-0"), which the policy allows."""
+    ca = TestCA(tmp_path)
+    policy_path = tmp_path / "policy.json"
+    policy_path.write_text(json.dumps(TEAM_A_ONLY))
+    ports = {sid: free_port() for sid in ("shard-0", "shard-1")}
+    shard_map = even_shard_map({sid: f"127.0.0.1:{port}" for sid, port in ports.items()})
+    map_path = tmp_path / "shard-map.yaml"
+    map_path.write_text(yaml.safe_dump(shard_map_document(shard_map)))
+    daemons: dict[str, ShardDaemon] = {}
+    dsns: dict[str, str] = {}
+    try:
+        for sid, port in ports.items():
+            name = f"x{uuid.uuid4().hex[:10]}"
+            postgres.create_database(name)
+            dsns[sid] = postgres.dsn_for(name)
+            files = ca.issue(sid, server=True, client=True)
+            daemons[sid] = start_shard(
+                make_settings(
+                    dsns[sid],
+                    shard_id=sid,
+                    listen=f"127.0.0.1:{port}",
+                    shard_map=str(map_path),
+                    dev_mode=False,
+                    tls_cert=str(files.cert),
+                    tls_key=str(files.key),
+                    tls_ca=str(ca.ca_path),
+                    authz_policy_file=str(policy_path),
+                    relay_workers=1 if sid == "shard-0" else 0,
+                    relay_call_timeout_s=2.0,
+                )
+            )
+        src = next(f"team-a-{i}" for i in range(1000) if shard_map.shard_for(f"team-a-{i}").id == "shard-0")
+        dst = next(f"team-b-{i}" for i in range(1000) if shard_map.shard_for(f"team-b-{i}").id == "shard-1")
+        with psycopg.connect(dsns["shard-1"], autocommit=True) as conn:
+            conn.execute("INSERT INTO accounts (id, currency) VALUES (%s, 'EUR')", (dst,))
+        client = ca.issue("team-a")
+        creds = channel_credentials(str(client.cert), str(client.key), str(ca.ca_path))
+        with grpc.secure_channel(f"127.0.0.1:{ports['shard-0']}", creds) as channel:
+            stub = transfer_pb2_grpc.TransferServiceStub(channel)
+            _deposit(stub, src)
+            transfer = stub.Transfer(
+                transfer_pb2.TransferRequest(
+                    source_account_id=src, destination_account_id=dst, amount=money(20)
+                ),
+                metadata=key_metadata(),
+                timeout=5,
+            ).transfer
+            done = stub.GetTransfer(
+                transfer_pb2.GetTransferRequest(
+                    transfer_id=transfer.transfer_id, source_account_id=src, wait_for_completion_ms=15_000
+                ),
+                timeout=20,
+            ).transfer
+        assert done.state == transfer_pb2.TRANSFER_STATE_COMPLETED
+        with psycopg.connect(dsns["shard-1"], autocommit=True) as conn:
+            row = conn.execute("SELECT balance FROM accounts WHERE id = %s", (dst,)).fetchone()
+            scope = conn.execute("SELECT scope FROM idempotency_record").fetchone()
+        assert row == (20,)
+        assert scope is not None and str(scope[0]).endswith("|shard-0")  # the relay's own identity
+    finally:
+        for daemon in daemons.values():
+            daemon.stop(0.2)
