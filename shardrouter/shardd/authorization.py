@@ -196,7 +196,8 @@ class AuthorizationInterceptor(UnaryInterceptor):
             self._observer.observe_authz(declaration.name, decision.allowed)
         if decision.allowed:
             return
-        on = f" on account {account}" if account else ""
+        shown = _shown(account) if account else ""
+        on = f" on account {shown}" if shown else ""
         log.warning(
             "call refused by authorization policy %r: caller %s may not call %s%s",
             policy.name,
@@ -206,7 +207,7 @@ class AuthorizationInterceptor(UnaryInterceptor):
             extra={
                 "caller": caller,
                 "method": declaration.full_name,
-                "account": account or "",
+                "account": shown,
                 "policy": policy.name,
                 "rule": decision.rule or "",
             },
@@ -218,9 +219,20 @@ class AuthorizationInterceptor(UnaryInterceptor):
             metadata={
                 "caller": caller,
                 "method": declaration.full_name,
-                **({"account": account} if account else {}),
+                **({"account": shown} if shown else {}),
             },
         )
+
+
+#: Longest account shown in a denial: a request may carry any string; its status travels in trailers.
+_SHOWN_ACCOUNT = 128
+
+
+def _shown(account: str) -> str:
+    """The account as a denial names it: control characters escaped (a log line stays one line), cut short."""
+    if not account.isprintable():
+        account = account.encode("unicode_escape").decode("ascii")
+    return account if len(account) <= _SHOWN_ACCOUNT else account[:_SHOWN_ACCOUNT] + "..."
 
 
 def _decoded(decode: Callable[[bytes], Any], raw: Any, method: str) -> Any:

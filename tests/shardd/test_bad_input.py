@@ -1415,6 +1415,148 @@ def test_unknown_fields_do_not_smuggle_a_second_amount(lab):
     ).fetchall() == [(4,)]
 
 
+# --------------------------------------------------------------------------------------------------
+# Authorization: hostile callers and accounts against a shard with a policy (dev mode, so the
+# x-caller-id entry is the caller; tests/shardd/test_authorization.py has the mTLS cases)
+
+AUTHZ_POLICY = {
+    "name": "alice-only",
+    "allow_policies": [
+        {
+            "name": "alice-app",
+            "source": {"principals": ["alice-app"]},
+            "request": {"paths": ["/shardrouter.v1.TransferService/*"], "accounts": ["alice"]},
+        },
+        {"name": "shards", "source": {"principals": ["relay:*"]}, "request": {"paths": [INTERNAL + "*"]}},
+    ],
+}
+PERMISSION_DENIED = grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.fixture(scope="module")
+def authz_lab(postgres: LocalPostgres, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    """A shard whose policy lets alice-app touch only the account alice, and relays the internal API."""
+    import json
+
+    name = f"bad_authz_{uuid.uuid4().hex[:8]}"
+    postgres.create_database(name)
+    dsn = postgres.dsn_for(name)
+    policy = tmp_path_factory.mktemp("authz") / "policy.json"
+    policy.write_text(json.dumps(AUTHZ_POLICY))
+    daemon = start_shard(make_settings(dsn, authz_policy_file=str(policy)))
+    channel = grpc.insecure_channel(f"127.0.0.1:{daemon.port}")
+    conn = psycopg.connect(dsn, autocommit=True)
+    lab = Lab(daemon, channel, transfer_pb2_grpc.TransferServiceStub(channel), conn)
+    lab.stub.Deposit(
+        transfer_pb2.DepositRequest(account_id="alice", amount=money(1_000)),
+        metadata=[(KEY, str(new_key())), (CALLER, "alice-app")],
+    )
+    conn.execute("INSERT INTO accounts (id, currency) VALUES ('bob', 'EUR')")
+    conn.execute("INSERT INTO accounts (id, currency) VALUES ('zoe', 'EUR')")
+    yield lab
+    conn.close()
+    channel.close()
+    daemon.stop(0.5)
+
+
+def _authz_metadata(rpc: Rpc, caller: str) -> list[tuple[str, str]]:
+    return [*(fresh_key() if rpc.mutating else []), (CALLER, caller)]
+
+
+@pytest.mark.parametrize("rpc", RPCS, ids=str)
+@pytest.mark.parametrize("caller", ["mallory", "alice-app-2", "ALICE-APP", "relay-shard-0"])
+def test_a_caller_the_policy_does_not_name_is_refused_on_every_rpc(authz_lab, rpc, caller):
+    body = rpc.valid(authz_lab).SerializeToString()
+    before = snapshot(authz_lab)
+    answer = call(authz_lab, rpc.path, body, _authz_metadata(rpc, caller))
+    assert answer.code == PERMISSION_DENIED, answer
+    assert answer.reason == "PERMISSION_DENIED"
+    assert answer.error_metadata["caller"] == caller and answer.error_metadata["method"] == rpc.path
+    assert f"caller {caller} may not call {rpc.path}" in answer.message
+    assert_nothing_written(authz_lab, before)
+
+
+@pytest.mark.parametrize(
+    "account",
+    [
+        "Alice",
+        "alice ",
+        " alice",
+        "alicex",
+        "xalice",
+        "alic",
+        "alice\x00",
+        "al*",
+        "*",
+        "\uff41lice",
+        "a" * 10_000,
+    ],
+    ids=lambda a: repr(a[:12]),
+)
+def test_accounts_that_only_look_like_an_allowed_one_are_refused(authz_lab, account):
+    body = transfer_pb2.DepositRequest(account_id=account, amount=money(5), reference="secret-ref-42")
+    before = snapshot(authz_lab)
+    answer = call(
+        authz_lab, PUBLIC + "Deposit", body.SerializeToString(), [*fresh_key(), (CALLER, "alice-app")]
+    )
+    assert answer.code == PERMISSION_DENIED, answer
+    assert "secret-ref-42" not in answer.message  # the request's content is never echoed
+    shown = answer.error_metadata["account"]
+    assert len(shown) <= 131 and shown.isprintable()
+    assert_nothing_written(authz_lab, before)
+
+
+@pytest.mark.parametrize("caller", ["*", "alice-*", "", " alice-app", "alice-app*"])
+def test_a_caller_that_is_a_pattern_or_no_name_is_invalid_not_matched(authz_lab, caller):
+    before = snapshot(authz_lab)
+    body = BY_NAME["Deposit"].valid(authz_lab).SerializeToString()
+    answer = call(authz_lab, PUBLIC + "Deposit", body, [*fresh_key(), (CALLER, caller)])
+    assert answer.code == INVALID, answer
+    assert answer.reason == "INVALID_CALLER"
+    assert_nothing_written(authz_lab, before)
+
+
+def test_two_caller_entries_are_refused_not_the_friendlier_one_believed(authz_lab):
+    before = snapshot(authz_lab)
+    body = BY_NAME["Deposit"].valid(authz_lab).SerializeToString()
+    metadata = [*fresh_key(), (CALLER, "mallory"), (CALLER, "alice-app")]
+    answer = call(authz_lab, PUBLIC + "Deposit", body, metadata)
+    assert answer.code == INVALID and answer.reason == "INVALID_CALLER", answer
+    assert_nothing_written(authz_lab, before)
+
+
+@pytest.mark.parametrize("caller", ["mallory", "alice-app"])
+@pytest.mark.parametrize(
+    "body", [b"\xff\xff\xff", b"\x0a\xff", b"\x0a\x05al"], ids=["garbage", "bad-length", "short"]
+)
+def test_bytes_that_are_no_request_are_invalid_for_any_caller(authz_lab, caller, body):
+    before = snapshot(authz_lab)
+    answer = call(authz_lab, PUBLIC + "Deposit", body, [*fresh_key(), (CALLER, caller)])
+    assert answer.code == INVALID and answer.reason == "INVALID_REQUEST", answer
+    assert_nothing_written(authz_lab, before)
+
+
+def test_the_allowed_caller_on_its_account_still_works(authz_lab):
+    body = transfer_pb2.DepositRequest(account_id="alice", amount=money(5)).SerializeToString()
+    answer = call(authz_lab, PUBLIC + "Deposit", body, [*fresh_key(), (CALLER, "alice-app")])
+    assert answer.code == OK, answer
+    # An unknown field cannot smuggle a second account past the routing field's check.
+    smuggled = transfer_pb2.DepositRequest(account_id="bob", amount=money(5)).SerializeToString()
+    smuggled += _wire(99, b"alice")
+    before = snapshot(authz_lab)
+    answer = call(authz_lab, PUBLIC + "Deposit", smuggled, [*fresh_key(), (CALLER, "alice-app")])
+    assert answer.code == PERMISSION_DENIED, answer
+    assert_nothing_written(authz_lab, before)
+    # A repeated routing field: protobuf keeps the last one, and so does the check.
+    doubled = (
+        transfer_pb2.DepositRequest(account_id="alice", amount=money(5)).SerializeToString()
+        + transfer_pb2.DepositRequest(account_id="bob").SerializeToString()
+    )
+    answer = call(authz_lab, PUBLIC + "Deposit", doubled, [*fresh_key(), (CALLER, "alice-app")])
+    assert answer.code == PERMISSION_DENIED and answer.error_metadata["account"] == "bob", answer
+    assert_nothing_written(authz_lab, before)
+
+
 def test_ledger_stays_balanced_after_all_of_the_above(lab):
     """Runs last in this module: every balance equals the sum of its entries, none negative."""
     rows = lab.db.execute(
