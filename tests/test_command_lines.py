@@ -24,6 +24,7 @@ from shardrouter.router.settings import RouterSettings
 from shardrouter.shardd.migrations import _MIGRATION_LOCK
 from shardrouter.shardd.settings import ENV_PREFIX as SHARDD_PREFIX
 from shardrouter.shardd.settings import ShardSettings
+from tests.helpers import allow_all_policy_file
 from tests.processes import ROOT
 
 DAEMONS = {"shardd": (ShardSettings, SHARDD_PREFIX), "router": (RouterSettings, ROUTER_PREFIX)}
@@ -129,7 +130,19 @@ def test_unknown_prefixed_environment_variable_is_reported_at_start() -> None:
 
 
 @pytest.mark.parametrize(
-    "command", [["serve", "--listen", "127.0.0.1:0", "--metrics-port", "0"], ["migrate"]]
+    "command",
+    [
+        [
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-port",
+            "0",
+            "--authz-policy-file",
+            str(allow_all_policy_file()),
+        ],
+        ["migrate"],
+    ],
 )
 def test_unreachable_database_is_one_clear_line(command) -> None:
     port = free_port()
@@ -141,6 +154,36 @@ def test_unreachable_database_is_one_clear_line(command) -> None:
         f'connection to server at "127.0.0.1", port {port} failed: Connection refused'
     ], result.stderr
     assert "Traceback" not in result.stderr and "hunter2" not in result.stderr
+
+
+def test_serving_outside_dev_mode_needs_a_valid_authorization_policy(tmp_path: Path) -> None:
+    """Checked before the database is reached: one line naming the setting, or the bad place."""
+    dsn = f"postgresql://app@127.0.0.1:{free_port()}/ledger"
+    result = _run("shardd", "serve", "--dsn", dsn, "--listen", "127.0.0.1:0", "--metrics-port", "0")
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("shardd:")]
+    assert len(lines) == 1 and "authz_policy_file (SHARDD_AUTHZ_POLICY_FILE" in lines[0], result.stderr
+    bad = tmp_path / "policy.json"
+    bad.write_text('{"name": "p", "allow_policies": [{"name": "a", "request": {"headers": []}}]}')
+    result = _run(
+        "shardd",
+        "serve",
+        "--dsn",
+        dsn,
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-port",
+        "0",
+        "--authz-policy-file",
+        str(bad),
+    )
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("shardd:")]
+    assert lines == [
+        f"shardd: cannot start: {bad}: allow_policies[0].request.headers: header matches are not "
+        "supported (only paths and accounts)"
+    ], result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_sigterm_during_start_up_migrations_is_a_clean_stop(database: str, tmp_path: Path) -> None:
