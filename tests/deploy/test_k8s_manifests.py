@@ -83,6 +83,10 @@ SHARDD_ENV = frozenset(
         "SHARDD_TLS_CA",
         "SHARDD_DEV_MODE",
         "SHARDD_TRACE_STATEMENTS",
+        # The authorization policy (shardrouter/shardd/settings.py authz_policy_file) and whose
+        # x-caller-id is believed (trusted_proxies): overlays/prod/shardd-authz.yaml.
+        "SHARDD_AUTHZ_POLICY_FILE",
+        "SHARDD_TRUSTED_PROXIES",
     }
 )
 ROUTER_ENV = frozenset(
@@ -137,6 +141,15 @@ ROUTER_METRICS_NAMES = frozenset({"router_requests_total", "router_request_durat
 #: The shard daemons trust this client certificate common name to speak for callers
 #: (shardrouter/shardd/settings.py trusted_proxies default).
 ROUTER_IDENTITY = "router"
+#: The router's and the shards' SPIFFE IDs in prod (their certificates' URI SANs, their pods' service
+#: accounts): a verified certificate's identity (shardrouter/core/callers.py).
+ROUTER_SPIFFE_ID = "spiffe://cluster.local/ns/shard-router/sa/router"
+SHARDD_SPIFFE_ID = "spiffe://cluster.local/ns/shard-router/sa/shardd"
+#: Cluster-wide approver-policy objects, applied once before overlays/prod (not a namespaced target).
+APPROVER_POLICY = K8S / "approver-policy"
+#: Where the shard daemons read their authorization policy, and the ConfigMap that holds it.
+AUTHZ_POLICY_FILE = "/etc/shardd/authz/policy.json"
+AUTHZ_CONFIGMAP = "shardd-authz-policy"
 IMAGE = "shard-router"
 IMAGE_UID = 10001
 SLOTS = 16384
@@ -439,6 +452,17 @@ def check_custom_resource(obj: dict[str, Any]) -> None:
         assert len(set(spec) & {"selfSigned", "ca", "acme", "vault"}) == 1
         if "ca" in spec:
             assert spec["ca"]["secretName"]
+    elif kind == "CertificateRequestPolicy":
+        assert obj["apiVersion"] == "policy.cert-manager.io/v1alpha1"
+        assert "namespace" not in obj["metadata"], "cluster-scoped"
+        selector = spec["selector"]
+        assert selector.get("issuerRef") and selector["namespace"]["matchNames"]
+        allowed = spec["allowed"]
+        assert set(allowed) <= {"commonName", "dnsNames", "ipAddresses", "uris", "emailAddresses", "isCA", "usages", "subject"}
+        assert set(allowed.get("usages", [])) <= CERT_USAGES
+        for field in ("commonName", "dnsNames", "uris"):
+            for validation in allowed.get(field, {}).get("validations", []):
+                assert isinstance(validation["rule"], str) and validation["rule"].strip()
     else:
         pytest.fail(f"no structural check for custom resource {kind}: add one")
 
@@ -1452,6 +1476,210 @@ def test_prod_certificates_name_what_clients_dial() -> None:
             parts = name.split(".")
             if "svc" in parts:
                 assert parts[parts.index("svc") - 1] == namespace, name
+
+
+def test_prod_certificates_carry_their_service_accounts_spiffe_id() -> None:
+    """Every leaf certificate names one SPIFFE ID, that of the service account whose pods mount it;
+    it is the certificate's identity (URI SAN first, shardrouter/core/callers.py)."""
+    from shardrouter.core.callers import certificate_identity
+
+    mounted_by = {}
+    for _, spec, _ in all_containers("prod"):
+        for volume in spec.get("volumes", []):
+            if "secret" in volume:
+                mounted_by.setdefault(volume["secret"]["secretName"], set()).add(spec.get("serviceAccountName"))
+    for cert in of_kind("prod", "Certificate"):
+        spec = cert["spec"]
+        if spec.get("isCA"):
+            assert not spec.get("uris"), cert["metadata"]["name"]
+            continue
+        (uri,) = spec["uris"]
+        (account,) = mounted_by[spec["secretName"]]
+        assert uri == f"spiffe://cluster.local/ns/{NAMESPACES['prod']}/sa/{account}", cert["metadata"]["name"]
+        assert certificate_identity(spec.get("commonName"), spec["uris"]) == uri
+    assert one("prod", "Certificate", "shardd-tls")["spec"]["uris"] == [SHARDD_SPIFFE_ID]
+
+
+def test_the_router_identity_comes_from_the_routers_own_issuer_only() -> None:
+    certs = {c["metadata"]["name"]: c["spec"] for c in of_kind("prod", "Certificate")}
+    issuers = {i["metadata"]["name"]: i["spec"] for i in of_kind("prod", "Issuer")}
+    routers = {name for name, spec in certs.items() if ROUTER_SPIFFE_ID in spec.get("uris", [])}
+    assert routers == {"router-tls", "router-shard-client-tls"}
+    by_router_issuer = {name for name, spec in certs.items() if spec["issuerRef"]["name"] == "shard-router-router-ca"}
+    assert by_router_issuer == routers
+    # The router's CA Secret: made by its own Certificate, an intermediate under the one root (so every
+    # party keeps one ca.crt), and used by no other Issuer.
+    router_ca = issuers["shard-router-router-ca"]["ca"]["secretName"]
+    assert [i for i in issuers.values() if i.get("ca", {}).get("secretName") == router_ca] == [
+        issuers["shard-router-router-ca"]
+    ]
+    (ca_cert,) = [spec for spec in certs.values() if spec["secretName"] == router_ca]
+    assert ca_cert["isCA"] and ca_cert["issuerRef"]["name"] == "shard-router-ca"
+    assert issuers["shard-router-ca"]["ca"]["secretName"] != router_ca
+
+
+def test_prod_shards_enforce_the_authorization_policy_in_the_configmap() -> None:
+    from shardrouter.core.authz import parse_policy_text
+
+    configmap = one("prod", "ConfigMap", AUTHZ_CONFIGMAP)
+    policy = parse_policy_text(configmap["data"]["policy.json"])
+    assert policy.decide("spiffe://cluster.local/ns/payments/sa/team-a", "/shardrouter.v1.TransferService/Transfer", "team-a-1").allowed
+    assert not policy.decide("spiffe://cluster.local/ns/payments/sa/team-a", "/shardrouter.v1.TransferService/Transfer", "team-b-1").allowed
+    assert policy.decide(SHARDD_SPIFFE_ID, "/shardrouter.internal.v1.ShardLedgerService/CreditTransfer", "x").allowed
+    assert not policy.decide(ROUTER_SPIFFE_ID, "/shardrouter.v1.TransferService/Transfer", "team-a-1").allowed
+    directory, _, name = AUTHZ_POLICY_FILE.rpartition("/")
+    for sid, deployment in shard_deployments("prod").items():
+        c = daemon_container(deployment)
+        assert env_value(c, "SHARDD_AUTHZ_POLICY_FILE") == AUTHZ_POLICY_FILE, sid
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == directory]
+        assert "subPath" not in mount, "a subPath mount never sees an edited ConfigMap"
+        (volume,) = [v for v in pod_spec(deployment)["volumes"] if v["name"] == mount["name"]]  # type: ignore[index]
+        assert volume["configMap"]["name"] == AUTHZ_CONFIGMAP and name in configmap["data"]
+        settings = shardd_settings.parse_settings([], env=resolved_env(c, f"shardd-{sid}-x"))
+        assert settings.authz_policy_file == AUTHZ_POLICY_FILE and not settings.serving_problems()
+        assert ROUTER_SPIFFE_ID in settings.trusted_proxies
+
+
+# approver-policy, simulated: which CertificateRequests of the prod Certificates (and of someone else's)
+# the policies of deploy/k8s/approver-policy approve. The CEL rules used there are translated to Python.
+
+
+class _Text(str):
+    def startsWith(self, prefix: str) -> bool:  # CEL's name
+        return self.startswith(prefix)
+
+    def endsWith(self, suffix: str) -> bool:  # CEL's name
+        return self.endswith(suffix)
+
+    def matches(self, pattern: str) -> bool:
+        return re.search(pattern, self) is not None
+
+
+def _cel(rule: str, value: str, request_name: str) -> bool:
+    python = rule.replace("&&", " and ").replace("||", " or ")
+    python = re.sub(r"!(?!=)", " not ", python)
+    cr = type("CR", (), {"name": _Text(request_name), "namespace": _Text(NAMESPACES["prod"])})()
+    return bool(eval(python, {"__builtins__": {}}, {"self": _Text(value), "cr": cr}))  # our own rules
+
+
+def _wildcard(pattern: str, value: str) -> bool:
+    return re.fullmatch(".*".join(re.escape(part) for part in pattern.split("*")), value) is not None
+
+
+def _permits(policy: dict[str, Any], request: dict[str, Any]) -> bool:
+    allowed, name = policy["spec"]["allowed"], request["name"]
+    if request.get("isCA") and not allowed.get("isCA"):
+        return False
+    if not set(request.get("usages", [])) <= set(allowed.get("usages", [])):
+        return False
+    cn, rule = request.get("commonName", ""), allowed.get("commonName")
+    if rule is None:
+        if cn:
+            return False
+    else:
+        if rule.get("required") and not cn:
+            return False
+        if cn and not (_wildcard(rule.get("value", "*"), cn) and all(_cel(v["rule"], cn, name) for v in rule.get("validations", []))):
+            return False
+    for field in ("dnsNames", "uris"):
+        values, rule = request.get(field, []), allowed.get(field)
+        if rule is None:
+            if values:
+                return False
+            continue
+        if rule.get("required") and not values:
+            return False
+        for value in values:
+            if not any(_wildcard(p, value) for p in rule.get("values", ["*"])):
+                return False
+            if not all(_cel(v["rule"], value, name) for v in rule.get("validations", [])):
+                return False
+    maximum = policy["spec"].get("constraints", {}).get("maxDuration")
+    if maximum is None:
+        return True
+    return bool(request.get("duration")) and int(request["duration"][:-1]) <= int(maximum[:-1])
+
+
+def _approved(policies: list[dict[str, Any]], request: dict[str, Any]) -> bool:
+    """approver-policy's rule: some policy selecting the request permits it (all are bound to its requester)."""
+    selecting = [
+        p
+        for p in policies
+        if _wildcard(p["spec"]["selector"]["issuerRef"].get("name", "*"), request["issuer"])
+        and request["namespace"] in p["spec"]["selector"]["namespace"]["matchNames"]
+    ]
+    return any(_permits(p, request) for p in selecting)
+
+
+def _request(certificate: dict[str, Any], suffix: str = "x7k2q") -> dict[str, Any]:
+    spec = certificate["spec"]
+    return {
+        "name": f"{certificate['metadata']['name']}-{suffix}",  # cert-manager's generateName
+        "namespace": certificate["metadata"]["namespace"],
+        "issuer": spec["issuerRef"]["name"],
+        **{k: spec[k] for k in ("commonName", "dnsNames", "uris", "usages", "isCA", "duration") if k in spec},
+    }
+
+
+def approver_policies() -> list[dict[str, Any]]:
+    return [o for o in kustomize(APPROVER_POLICY) if o["kind"] == "CertificateRequestPolicy"]
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_approver_policy_objects_validate(version: str) -> None:
+    rendered = kustomize(APPROVER_POLICY)
+    for obj in rendered:
+        assert "namespace" not in obj["metadata"], "cluster-scoped objects"
+        if is_builtin(obj):
+            kubernetes_validate.validate(obj, version, strict=True)
+        else:
+            check_custom_resource(obj)
+    policies = {p["metadata"]["name"] for p in approver_policies()}
+    (role,) = [o for o in rendered if o["kind"] == "ClusterRole"]
+    assert set(role["rules"][0]["resourceNames"]) == policies and role["rules"][0]["verbs"] == ["use"]
+
+
+def test_approver_policies_approve_the_prod_certificates() -> None:
+    policies = approver_policies()
+    issuers = {i["metadata"]["name"] for i in of_kind("prod", "Issuer")}
+    assert {p["spec"]["selector"]["issuerRef"]["name"] for p in policies} <= issuers
+    for certificate in of_kind("prod", "Certificate"):
+        assert _approved(policies, _request(certificate)), certificate["metadata"]["name"]
+
+
+def test_approver_policies_refuse_the_router_identity_to_anyone_else() -> None:
+    policies = approver_policies()
+    client = one("prod", "Certificate", "router-shard-client-tls")
+    caller = {
+        "name": "caller-payments-ab12c",
+        "namespace": NAMESPACES["prod"],
+        "issuer": "shard-router-ca",
+        "commonName": "payments",
+        "uris": ["spiffe://cluster.local/ns/payments/sa/team-a"],
+        "usages": ["digital signature", "key encipherment", "client auth"],
+    }
+    assert _approved(policies, caller)
+    refused = {
+        "the router's certificate under another name": {**_request(client), "name": "router-shard-client-tls-evil-ab12c"},
+        "the router's identity from the namespace CA": {**_request(client), "issuer": "shard-router-ca"},
+        "CN=router with another SPIFFE ID": {**caller, "commonName": "router"},
+        "CN=shardd outside shardd-tls": {**caller, "commonName": "shardd"},
+        "the shards' SPIFFE ID": {**caller, "uris": [SHARDD_SPIFFE_ID]},
+        "no SPIFFE ID (its common name would be its identity)": {**caller, "uris": []},
+        "the router's DNS name": {**caller, "dnsNames": ["router.shard-router.svc"]},
+        "a CA": {**caller, "isCA": True, "usages": ["cert sign"]},
+        "another intermediate": {**_request(one("prod", "Certificate", "shard-router-router-ca")), "name": "shard-router-router-ca-2-ab12c"},
+        "another namespace": {**_request(client), "namespace": "payments"},
+    }
+    for what, request in refused.items():
+        assert not _approved(policies, request), what
+    # ... and a caller whose SPIFFE ID is the router's, but whose request came from the router's issuer
+    assert not _approved(policies, {**caller, "issuer": "shard-router-router-ca", "uris": [ROUTER_SPIFFE_ID], "commonName": "router"})
+    # A policy checks each URI, not how many: two SPIFFE IDs pass it, and name no one to the code.
+    from shardrouter.core.callers import certificate_identity
+
+    two = [caller["uris"][0], "spiffe://cluster.local/ns/payments/sa/b"]
+    assert _approved(policies, {**caller, "uris": two}) and certificate_identity("payments", two) is None
 
 
 def _secret_files(document: dict[str, Any], folder: Path) -> dict[str, Path]:
