@@ -5,6 +5,7 @@ fixtures built on it are in `tests/conftest.py`."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -63,18 +64,13 @@ def own_postgres() -> Iterator[LocalPostgres]:
     shutil.rmtree(server.data_dir.parent, ignore_errors=True)
 
 
+@functools.cache
 def allow_all_policy_file() -> Path:
     """A policy file that allows every call (written once per test session), for daemons in production
     mode whose tests are not about authorization."""
-    global _ALLOW_ALL
-    if _ALLOW_ALL is None:
-        path = Path(tempfile.mkdtemp(prefix="shardrouter-authz-")) / "allow-all.json"
-        path.write_text(ALLOW_ALL_DOCUMENT)
-        _ALLOW_ALL = path
-    return _ALLOW_ALL
-
-
-_ALLOW_ALL: Path | None = None
+    path = Path(tempfile.mkdtemp(prefix="shardrouter-authz-")) / "allow-all.json"
+    path.write_text(ALLOW_ALL_DOCUMENT)
+    return path
 
 
 def make_settings(dsn: str, **overrides: object) -> ShardSettings:
