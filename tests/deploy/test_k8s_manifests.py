@@ -1540,6 +1540,23 @@ def test_prod_shards_enforce_the_authorization_policy_in_the_configmap() -> None
         assert ROUTER_SPIFFE_ID in settings.trusted_proxies
 
 
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_the_shards_of_every_overlay_have_a_policy_to_serve_with(target: str) -> None:
+    """Outside dev mode shardd serves only with an authorization policy file (settings.serving_problems)."""
+    from shardrouter.core.authz import parse_policy_text
+
+    configmap = one(target, "ConfigMap", AUTHZ_CONFIGMAP)
+    parse_policy_text(configmap["data"]["policy.json"])
+    for sid, deployment in shard_deployments(target).items():
+        c = daemon_container(deployment)
+        settings = shardd_settings.parse_settings([], env=resolved_env(c, f"shardd-{sid}-x"))
+        assert not settings.serving_problems(), (target, sid)
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod_spec(deployment)["volumes"]}  # type: ignore[index]
+        directory, _, name = settings.authz_policy_file.rpartition("/")
+        assert volumes[mounts[directory]]["configMap"]["name"] == AUTHZ_CONFIGMAP and name in configmap["data"]
+
+
 # approver-policy, simulated: which CertificateRequests of the prod Certificates (and of someone else's)
 # the policies of deploy/k8s/approver-policy approve. The CEL rules used there are translated to Python.
 
