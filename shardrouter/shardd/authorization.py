@@ -10,10 +10,10 @@ and the policy in force is named by `shardd_authz_policy_info{name,hash}`.
 (`interceptor_chain.py`), for every method of TransferService and ShardLedgerService, reads too: a
 denied call takes no admission slot, is never claimed, replayed or stored. The caller is the one the
 key scope uses (`IdentityPolicy.caller_of`: a verified certificate's identity, or a trusted proxy's
-`x-caller-id`); the account is the request's routing field (`core.rpcs`), decoded only when the policy
-matches on accounts. A denial is PERMISSION_DENIED with reason PERMISSION_DENIED, naming caller,
-method and account (never the request), counted in `shardd_authz_decisions_total{method,outcome}`
-and logged at WARNING.
+`x-caller-id`); the account is the request's routing field (`core.rpcs`), decoded when the policy
+matches on accounts (or to name it in a denial). A denial is PERMISSION_DENIED with reason
+PERMISSION_DENIED, naming caller, method and account (never the request), counted in
+`shardd_authz_decisions_total{method,outcome}` and logged at WARNING.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import grpc
 from google.protobuf.message import DecodeError
 
-from shardrouter.core.authz import AuthzPolicy, AuthzPolicyError, load_policy_file
+from shardrouter.core.authz import AuthzPolicy, AuthzPolicyError, Decision, load_policy_file
 from shardrouter.core.errors import InvalidArgument, PermissionDenied, Reason, ShardRouterError
 from shardrouter.core.interceptors import MethodHandler, UnaryInterceptor
 from shardrouter.core.rpcs import RPCS_BY_PATH, RpcDeclaration
@@ -170,16 +170,25 @@ class AuthorizationInterceptor(UnaryInterceptor):
         below = handler.request_deserializer
         decode: Callable[[bytes], Any] = below if below is not None else declaration.request_type.FromString
 
+        def account_of(request: Any) -> str | None:
+            return str(getattr(request, declaration.routing_field)) or None
+
         def authorized(raw: Any, context: grpc.ServicerContext) -> Any:
             request: Any = None
             try:
                 policy = self._policy()
                 caller = self._identity.caller_of(context, context.invocation_metadata())
-                account: str | None = None
                 if below is not None or policy.uses_accounts:
                     request = _decoded(decode, raw, method)
-                    account = str(getattr(request, declaration.routing_field)) or None
-                self._decide(policy, caller, declaration, account)
+                decision = policy.decide(
+                    caller, declaration.full_name, None if request is None else account_of(request)
+                )
+                if self._observer is not None:
+                    self._observer.observe_authz(declaration.name, decision.allowed)
+                if not decision.allowed:
+                    # The refusal names the account even when the policy did not need it.
+                    shown = account_of(request if request is not None else _decoded(decode, raw, method))
+                    raise _denial(policy, decision, caller, declaration, shown)
             except ShardRouterError as error:
                 abort_with_error(context, error)
             return behaviour(request if below is not None else raw, context)
@@ -188,40 +197,33 @@ class AuthorizationInterceptor(UnaryInterceptor):
             authorized, response_serializer=handler.response_serializer
         )
 
-    def _decide(
-        self, policy: AuthzPolicy, caller: str, declaration: RpcDeclaration, account: str | None
-    ) -> None:
-        decision = policy.decide(caller, declaration.full_name, account)
-        if self._observer is not None:
-            self._observer.observe_authz(declaration.name, decision.allowed)
-        if decision.allowed:
-            return
-        shown = _shown(account) if account else ""
-        on = f" on account {shown}" if shown else ""
-        log.warning(
-            "call refused by authorization policy %r: caller %s may not call %s%s",
-            policy.name,
-            caller,
-            declaration.full_name,
-            on,
-            extra={
-                "caller": caller,
-                "method": declaration.full_name,
-                "account": shown,
-                "policy": policy.name,
-                "rule": decision.rule or "",
-            },
-        )
-        raise PermissionDenied(
-            f"caller {caller} may not call {declaration.full_name}{on} (authorization policy "
-            f"{policy.name!r}); nothing was applied",
-            reason=Reason.PERMISSION_DENIED,
-            metadata={
-                "caller": caller,
-                "method": declaration.full_name,
-                **({"account": shown} if shown else {}),
-            },
-        )
+
+def _denial(
+    policy: AuthzPolicy, decision: Decision, caller: str, declaration: RpcDeclaration, account: str | None
+) -> PermissionDenied:
+    """The refusal of a call the policy denies, logged at WARNING (never with the request's content)."""
+    shown = _shown(account) if account else ""
+    on = f" on account {shown}" if shown else ""
+    log.warning(
+        "call refused by authorization policy %r: caller %s may not call %s%s",
+        policy.name,
+        caller,
+        declaration.full_name,
+        on,
+        extra={
+            "caller": caller,
+            "method": declaration.full_name,
+            "account": shown,
+            "policy": policy.name,
+            "rule": decision.rule or "",
+        },
+    )
+    return PermissionDenied(
+        f"caller {caller} may not call {declaration.full_name}{on} (authorization policy "
+        f"{policy.name!r}); nothing was applied",
+        reason=Reason.PERMISSION_DENIED,
+        metadata={"caller": caller, "method": declaration.full_name, **({"account": shown} if shown else {})},
+    )
 
 
 #: Longest account shown in a denial: a request may carry any string; its status travels in trailers.
