@@ -140,8 +140,10 @@ def peer_identity(context: Any) -> str | None:
     """Who the peer's verified client certificate says it is (`certificate_identity`): its SPIFFE ID,
     else its common name; None without a verified certificate (or with an ambiguous one).
 
-    Every decision about who is calling reads this, not `peer_common_name`. `context` is a sync or
-    asyncio servicer context, or anything with the same `auth_context()` (the HTTP front's calls).
+    Every decision about who is calling is to read this, not `peer_common_name` (the router's does;
+    the shard's key scope and admission, `shardd.identity` and `shardd.admission`, still read the
+    common name until they switch). `context` is a sync or asyncio servicer context, or anything with
+    the same `auth_context()` (the HTTP front's calls).
     """
     return certificate_identity(peer_common_name(context), peer_uris(context))
 
