@@ -163,6 +163,11 @@ def test_serving_outside_dev_mode_needs_a_valid_authorization_policy(tmp_path: P
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("shardd:")]
     assert len(lines) == 1 and "authz_policy_file (SHARDD_AUTHZ_POLICY_FILE" in lines[0], result.stderr
+    listen = f"127.0.0.1:{free_port()}"
+    several = _run(
+        "shardd", "serve", "--dsn", dsn, "--listen", listen, "--metrics-port", "0", "--processes", "2"
+    )
+    assert several.returncode == 2 and "SHARDD_AUTHZ_POLICY_FILE" in several.stderr, several.stderr
     bad = tmp_path / "policy.json"
     bad.write_text('{"name": "p", "allow_policies": [{"name": "a", "request": {"headers": []}}]}')
     result = _run(

@@ -105,18 +105,18 @@ def _run(settings: ShardSettings, command: tuple[str, ...], operands: list[str])
 def _serve_processes(settings: ShardSettings, args: list[str]) -> int:
     """The parent of `processes` serving processes on one port (shardd/processes.py)."""
     signals = TerminationSignals()
-    # A missing or bad policy stops the parent, before any process starts (each one follows the file).
-    problems = settings.serving_problems()
-    if problems:
-        raise AuthzPolicyError("invalid shardd settings: " + "; ".join(problems))
-    if settings.authz_policy_file:
-        load_policy_file(settings.authz_policy_file)
     if settings.listen.rsplit(":", 1)[-1] == "0":
         print("shardd: --processes above 1 needs a fixed --listen port (they share it)", file=sys.stderr)
         return 2
     if not port_is_free(settings.listen):
         print(f"shardd: cannot listen on {settings.listen}: the address is in use", file=sys.stderr)
         return 2
+    # A missing or bad policy stops the parent, before any process starts (each one follows the file).
+    problems = settings.serving_problems()
+    if problems:
+        raise AuthzPolicyError("invalid shardd settings: " + "; ".join(problems))
+    if settings.authz_policy_file:
+        load_policy_file(settings.authz_policy_file)
     try:
         prepare_database(settings.dsn, settings.retention)  # once, before the processes start
     except StopDuringStartUp:
