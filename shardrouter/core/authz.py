@@ -290,6 +290,10 @@ def parse_policy_text(data: bytes | str) -> AuthzPolicy:
         raise AuthzPolicyError(f"the policy is not JSON: {exc}") from None
     except RecursionError:
         raise AuthzPolicyError("the policy is nested too deeply to be one") from None
+    except AuthzPolicyError:
+        raise  # a key twice in one object
+    except ValueError as exc:  # a number of more digits than Python converts
+        raise AuthzPolicyError(f"the policy cannot be read: {exc}") from None
     return parse_policy(document, digest)
 
 

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import grpc
 from google.protobuf.message import DecodeError
 
-from shardrouter.core.authz import AuthzPolicy, AuthzPolicyError, Decision, load_policy_file
+from shardrouter.core.authz import MAX_POLICY_BYTES, AuthzPolicy, AuthzPolicyError, Decision, load_policy_file
 from shardrouter.core.errors import InvalidArgument, PermissionDenied, Reason, ShardRouterError
 from shardrouter.core.interceptors import MethodHandler, UnaryInterceptor
 from shardrouter.core.rpcs import RPCS_BY_PATH, RpcDeclaration
@@ -125,7 +125,8 @@ class PolicyFile:
 
     def _raw(self) -> bytes | None:
         try:
-            return self._path.read_bytes()[: 2 * 1024 * 1024]
+            with self._path.open("rb") as f:  # no more than the loader reads: a huge file is refused
+                return f.read(MAX_POLICY_BYTES + 1)
         except OSError:
             return None  # gone for a moment (a ConfigMap's swap) or unreadable: the load says why
 

@@ -234,6 +234,8 @@ def test_the_place_names_the_index_in_long_lists() -> None:
             "expected an object",
         ),
         (b'{"name":"p","allow_policies":NaN}', "expected a list, got float"),
+        (b'{"name": 1' + b"0" * 5000 + b', "allow_policies": []}', "cannot be read: Exceeds the limit"),
+        (b'{"name": 1e999999, "allow_policies": []}', "name: expected a string, got float"),
     ],
 )
 def test_hostile_text(text: bytes, message: str) -> None:
