@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from shardrouter.core.callers import CALLER_METADATA, CallerRule, peer_common_name
+from shardrouter.core.callers import CALLER_METADATA, MAX_CALLER_LENGTH, CallerRule, peer_identity
 from shardrouter.core.errors import Reason, ResourceExhausted, ShardRouterError, Unavailable
 from shardrouter.core.interceptors import MethodHandler, UnaryInterceptor, with_behaviour
 from shardrouter.core.status import abort_with_error
@@ -164,7 +164,7 @@ def caller_bucket(
     rule = CallerRule(dev_mode, trusted)
     # Never refused here: a malformed entry is refused by the key's scope check, a read is not scoped.
     claimed = next(
-        (v[:128] for k, v in context.invocation_metadata() if k == CALLER_METADATA and isinstance(v, str)),
+        (v[:MAX_CALLER_LENGTH] for k, v in context.invocation_metadata() if k == CALLER_METADATA and isinstance(v, str)),
         None,
     )
-    return rule.caller(peer_common_name(context), claimed or None) or context.peer().rsplit(":", 1)[0]
+    return rule.caller(peer_identity(context), claimed or None) or context.peer().rsplit(":", 1)[0]

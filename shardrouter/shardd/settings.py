@@ -99,7 +99,8 @@ class ShardSettings:
     tls_key: str = ""
     #: mTLS: the CA that signs callers' client certificates (PEM file); callers must present one.
     tls_ca: str = ""
-    #: Client certificate common names allowed to speak for a caller via `x-caller-id`.
+    #: Client certificate identities (a SPIFFE ID, else the common name) allowed to speak for a caller
+    #: via `x-caller-id`.
     trusted_proxies: tuple[str, ...] = ("router",)
     #: Dev mode believes `x-caller-id` without TLS. Never in production.
     dev_mode: bool = False

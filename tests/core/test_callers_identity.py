@@ -200,7 +200,6 @@ class _Context:
         return "ipv4:10.0.0.7:51234"
 
 
-@pytest.mark.xfail(strict=True, reason="shardd reads peer_common_name until its identity switches to peer_identity")
 def test_the_shard_takes_the_uri_over_the_common_name() -> None:
     from shardrouter.shardd.admission import caller_bucket
     from shardrouter.shardd.identity import IdentityPolicy
