@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from shardrouter.core.lifecycle import Poller
 from shardrouter.core.shardmap import ShardMap, ShardMapError, load_shard_map
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ MapListener = Callable[[ShardMap, ShardMap], None]
 RECHECK_INTERVAL_S = 0.02
 
 
-class ShardMapFile:
+class ShardMapFile(Poller):
     """The current shard map, reloaded from its file without a restart.
 
     Each check re-opens the file by path and hashes its bytes, so a Kubernetes ConfigMap update (an
@@ -48,12 +49,10 @@ class ShardMapFile:
         interval_s: float = 1.0,
         on_change: MapListener | None = None,
     ) -> None:
+        super().__init__(interval_s, "shard-map-reload")
         self._path = Path(path)
-        self._interval_s = interval_s
         self._on_change = on_change
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         # Raises ShardMapError: at start-up a bad file is fatal, there is no last good map.
         self._map = load_shard_map(self._path)
         self._seen_hash = self._content_hash()
@@ -75,17 +74,6 @@ class ShardMapFile:
     def version(self) -> int:
         """The version of the map in force."""
         return self._map.version
-
-    def start(self) -> None:
-        """Poll the file in a daemon thread until `stop`."""
-        self._thread = threading.Thread(target=self._run, name="shard-map-reload", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop polling."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(self._interval_s + 1)
 
     def check(self) -> bool:
         """Reload if the file's content changed; True when a new map took effect."""
@@ -150,12 +138,6 @@ class ShardMapFile:
         except OSError:
             return None  # gone for a moment (mid-swap) or unreadable: load_shard_map says why
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            try:
-                self.check()
-            except Exception:  # keep polling whatever happens; the last good map stays
-                log.exception("shard map check failed")
 
 
 def _refusal(current: ShardMap, new: ShardMap) -> str | None:

@@ -30,6 +30,7 @@ from google.protobuf.message import DecodeError
 from shardrouter.core.authz import MAX_POLICY_BYTES, AuthzPolicy, AuthzPolicyError, Decision, load_policy_file
 from shardrouter.core.errors import InvalidArgument, PermissionDenied, Reason, ShardRouterError
 from shardrouter.core.interceptors import MethodHandler, UnaryInterceptor
+from shardrouter.core.lifecycle import Poller
 from shardrouter.core.rpcs import RPCS_BY_PATH, RpcDeclaration
 from shardrouter.core.status import abort_with_error
 from shardrouter.shardd.identity import IdentityPolicy
@@ -49,18 +50,16 @@ class AuthzObserver(Protocol):
         """One load of the policy file (`result`: loaded | refused); `policy` is the one in force."""
 
 
-class PolicyFile:
+class PolicyFile(Poller):
     """The authorization policy in force, followed in its file without a restart."""
 
     def __init__(
         self, path: str | Path, *, interval_s: float = 1.0, observer: AuthzObserver | None = None
     ) -> None:
+        super().__init__(interval_s, "authz-policy-reload")
         self._path = Path(path)
-        self._interval_s = interval_s
         self._observer = observer
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         # Raises AuthzPolicyError: at start-up a bad file is fatal, there is no last good policy.
         self._policy = load_policy_file(self._path)
         self._seen = self._raw()
@@ -76,17 +75,6 @@ class PolicyFile:
     def current(self) -> AuthzPolicy:
         """The policy in force (replaced as a whole)."""
         return self._policy
-
-    def start(self) -> None:
-        """Poll the file in a daemon thread until `stop`."""
-        self._thread = threading.Thread(target=self._run, name="authz-policy-reload", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop polling."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(self._interval_s + 1)
 
     def check(self) -> bool:
         """Reload if the file's content changed; True when a new policy took effect."""
@@ -130,12 +118,6 @@ class PolicyFile:
         except OSError:
             return None  # gone for a moment (a ConfigMap's swap) or unreadable: the load says why
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            try:
-                self.check()
-            except Exception:  # keep polling whatever happens; the last good policy stays
-                log.exception("authorization policy check failed")
 
 
 def _short(method: str) -> str:
