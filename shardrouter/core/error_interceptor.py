@@ -41,7 +41,7 @@ class DomainErrorInterceptor(UnaryInterceptor):
         def mapped(raw: Any, context: grpc.ServicerContext) -> Any:
             try:
                 # Decoding here, not in grpc, so garbage bytes are INVALID_ARGUMENT rather than INTERNAL.
-                request = _decode(deserialize, raw, method)
+                request = decode_request(deserialize, raw, method)
                 return behaviour(request, context)
             except ShardRouterError as error:
                 abort_with_error(context, error)
@@ -56,7 +56,8 @@ class DomainErrorInterceptor(UnaryInterceptor):
         return grpc.unary_unary_rpc_method_handler(mapped, response_serializer=handler.response_serializer)
 
 
-def _decode(deserialize: Callable[[bytes], Any] | None, raw: Any, method: str) -> Any:
+def decode_request(deserialize: Callable[[bytes], Any] | None, raw: Any, method: str) -> Any:
+    """`raw` decoded by `deserialize` (as is without one); INVALID_ARGUMENT when it is no such message."""
     if deserialize is None:
         return raw
     try:
@@ -70,4 +71,5 @@ def _decode(deserialize: Callable[[bytes], Any] | None, raw: Any, method: str) -
 
 __all__ = [
     "DomainErrorInterceptor",
+    "decode_request",
 ]

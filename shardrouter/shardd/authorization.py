@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from shardrouter.core.authz import MAX_POLICY_BYTES, AuthzPolicy, AuthzPolicyError, Decision, load_policy_file
-from shardrouter.core.errors import InvalidArgument, PermissionDenied, Reason, ShardRouterError
+from shardrouter.core.error_interceptor import decode_request
+from shardrouter.core.errors import PermissionDenied, Reason, ShardRouterError
 from shardrouter.core.interceptors import MethodHandler, UnaryInterceptor
 from shardrouter.core.lifecycle import Poller
 from shardrouter.core.rpcs import RPCS_BY_PATH, RpcDeclaration
@@ -162,7 +162,7 @@ class AuthorizationInterceptor(UnaryInterceptor):
                 policy = self._policy()
                 caller = self._identity.caller_of(context, context.invocation_metadata())
                 if below is not None or policy.uses_accounts:
-                    request = _decoded(decode, raw, method)
+                    request = decode_request(decode, raw, method)
                 decision = policy.decide(
                     caller, declaration.full_name, None if request is None else account_of(request)
                 )
@@ -170,7 +170,7 @@ class AuthorizationInterceptor(UnaryInterceptor):
                     self._observer.observe_authz(declaration.name, decision.allowed)
                 if not decision.allowed:
                     # The refusal names the account even when the policy did not need it.
-                    shown = account_of(request if request is not None else _decoded(decode, raw, method))
+                    shown = account_of(request if request is not None else decode_request(decode, raw, method))
                     raise _denial(policy, decision, caller, declaration, shown)
             except ShardRouterError as error:
                 abort_with_error(context, error)
@@ -218,13 +218,3 @@ def _shown(account: str) -> str:
     if not account.isprintable():
         account = account.encode("unicode_escape").decode("ascii")
     return account if len(account) <= _SHOWN_ACCOUNT else account[:_SHOWN_ACCOUNT] + "..."
-
-
-def _decoded(decode: Callable[[bytes], Any], raw: Any, method: str) -> Any:
-    try:
-        return decode(raw)
-    except DecodeError as exc:
-        raise InvalidArgument(
-            f"the request body is not a valid {method} request message (protobuf)",
-            reason=Reason.INVALID_REQUEST,
-        ) from exc

@@ -58,7 +58,8 @@ class ShardSettings:
     retention_days: int = 30
     #: Keys dated this far in the future are still accepted.
     max_clock_skew_s: int = 300
-    #: Bounded lock wait when claiming a key (ms); also how long a duplicate waits for its twin's read.
+    #: How long a duplicate in this process waits for its twin's claim (ms); the claim itself never
+    #: waits (it only tries the key's advisory lock).
     claim_lock_timeout_ms: int = 50
     #: Lock wait allowed to handlers on hot account rows (ms).
     handler_lock_timeout_ms: int = 2000

@@ -14,7 +14,8 @@ class IdempotencyConfig:
     retention: timedelta = timedelta(days=30)
     #: Keys dated further in the future than this are refused (caller clock skew).
     max_clock_skew: timedelta = timedelta(minutes=5)
-    #: Longest wait for a duplicate's row lock while claiming (backstop to the advisory lock).
+    #: How long a duplicate in this process waits for its twin's claim (ms). The claim itself never
+    #: waits: it only tries the key's advisory lock.
     claim_lock_timeout_ms: int = 50
     #: Lock wait allowed to the handler after the claim (hot account rows).
     handler_lock_timeout_ms: int = 2000

@@ -24,12 +24,13 @@ from typing import Any
 
 import grpc
 import psycopg
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from psycopg import errors
 from psycopg.pq import TransactionStatus
 
+from shardrouter.core.error_interceptor import decode_request
 from shardrouter.core.errors import (
     Aborted,
     FailedPrecondition,
@@ -181,17 +182,10 @@ class DecodeAndValidate:
         return GuardedCall(context, span, scope, key, request, request_hash, account_id)
 
     def _decode(self, raw: bytes) -> Message:
-        deserialize = self._deserialize
-        try:
-            if deserialize is None:
-                raise Internal(f"{self._method.full_name} has no request deserializer")
-            message: Message = deserialize(raw)
-            return message
-        except DecodeError as exc:
-            raise InvalidArgument(
-                f"the request body is not a valid {self._method.full_name} request message (protobuf)",
-                reason=Reason.INVALID_REQUEST,
-            ) from exc
+        if self._deserialize is None:
+            raise Internal(f"{self._method.full_name} has no request deserializer")
+        message: Message = decode_request(self._deserialize, raw, self._method.full_name)
+        return message
 
 
 # --- the steps given the call ----------------------------------------------------------------
@@ -518,7 +512,7 @@ class DatabaseKeys:
 
 def _twin_holds_the_key(exc: BaseException) -> bool:
     """Whether the completed record's insert met a twin's record of the same key (committed, or not
-    yet and waited for past the claim's bound): the primary key's backstop, never expected while the
+    yet and waited for past the handler's lock timeout): the primary key's backstop, never expected while the
     key's lock is held."""
     if isinstance(exc, errors.UniqueViolation):
         return (exc.diag.table_name or "").startswith("idempotency_record")
