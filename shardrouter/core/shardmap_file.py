@@ -59,6 +59,9 @@ class ShardMapFile(Poller):
         # Serialises `recheck`: a caller arriving while another's read runs waits for its result.
         self._recheck_lock = threading.Lock()
         self._last_recheck = float("-inf")
+        #: Maps refused for an older version (or a changed one that kept its version): a stale copy
+        #: of the map was offered (exported as a metric).
+        self.refused_total = 0
 
     @property
     def path(self) -> Path:
@@ -92,22 +95,47 @@ class ShardMapFile(Poller):
                     extra={"path": str(self._path)},
                 )
                 return False
-            refusal = _refusal(self._map, new)
-            if refusal is not None:
-                log.warning(
-                    "shard map reload refused, keeping version %d: %s",
-                    self._map.version,
-                    refusal,
-                    extra={"path": str(self._path)},
-                )
+            if self._refused(new, str(self._path)):
                 return False
             old, self._map = self._map, new
+        self._announce(old, new, str(self._path))
+        return True
+
+    def offer(self, new: ShardMap, source: str) -> bool:
+        """Take a map from another source than the file (a watched ConfigMap), under the file's rule:
+        only a higher version replaces the map in force. True when it took effect.
+
+        The file stays the fallback: whichever of the two shows a newer map first wins, and neither
+        can turn the other back.
+        """
+        with self._lock:
+            if new == self._map or self._refused(new, source):
+                return False
+            old, self._map = self._map, new
+        self._announce(old, new, source)
+        return True
+
+    def _refused(self, new: ShardMap, source: str) -> bool:
+        """Whether `new` may not replace the map in force (logged and counted); call with the lock held."""
+        refusal = _refusal(self._map, new)
+        if refusal is None:
+            return False
+        self.refused_total += 1
+        log.warning(
+            "shard map reload refused, keeping version %d: %s",
+            self._map.version,
+            refusal,
+            extra={"path": source},
+        )
+        return True
+
+    def _announce(self, old: ShardMap, new: ShardMap, source: str) -> None:
         log.info(
             "shard map reloaded: version %d, %d shards",
             new.version,
             len(new.shards),
             extra={
-                "path": str(self._path),
+                "path": source,
                 "shards": ",".join(f"{s.id}={'|'.join(s.addresses)}" for s in new.shards),
             },
         )
@@ -116,7 +144,6 @@ class ShardMapFile(Poller):
                 self._on_change(old, new)
             except Exception:  # a failing listener must not stop the reloads
                 log.exception("shard map change listener failed")
-        return True
 
     def recheck(self, min_interval_s: float = RECHECK_INTERVAL_S) -> ShardMap:
         """Check the file now, unless a recheck ran less than `min_interval_s` ago; the map in force.

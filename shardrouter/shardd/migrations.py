@@ -480,6 +480,29 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
         END $migration$;
         """,
     ),
+    (
+        14,
+        "slot ownership recorded by the moves that changed it",
+        """
+        -- Who owns a slot range, as each move's commit recorded it: the old owner's row is written in
+        -- the commit's own transaction (with the journal's phase and the committed map), the new
+        -- owner's in the transaction that lowers its fence. A shard daemon reads these before its
+        -- shard map: for a range, a row whose map_version is at least the map's overrules the map, so
+        -- the new owner serves the range the moment it is handed over and a stale map file cannot
+        -- hand it back. The same row (one per move) is written on both shards.
+        CREATE TABLE slot_ownership (
+            move_id         text        PRIMARY KEY,
+            slots           integer     NOT NULL CHECK (slots > 0),
+            first_slot      integer     NOT NULL CHECK (first_slot >= 0),
+            last_slot       integer     NOT NULL CHECK (last_slot >= first_slot AND last_slot < slots),
+            owner_shard_id  text        NOT NULL,
+            map_version     bigint      NOT NULL CHECK (map_version > 0),
+            recorded_at     timestamptz NOT NULL DEFAULT now()
+        );
+        -- The map a move committed, so it can always be rebuilt (`shard-router reshard show-map`).
+        ALTER TABLE slot_moves ADD COLUMN committed_map jsonb;
+        """,
+    ),
 )
 
 
