@@ -134,6 +134,19 @@ def test_the_availability_certificate_and_replication_alerts_exist() -> None:
     assert "cnpg_pg_replication_streaming_replicas" in rules["PostgresStandbyLost"]
 
 
+def test_the_shard_map_alerts_compare_every_process_and_the_databases() -> None:
+    rules = {r["alert"]: r for g in rule_groups() for r in g["rules"]}
+    skew = rules["ShardMapVersionSkew"]
+    # routers and daemons together, per namespace: the newest map in force minus the oldest
+    both = '{__name__=~"router_shard_map_version|shardd_shard_map_version"}'
+    assert f"max by (namespace) ({both})" in skew["expr"] and f"min by (namespace) ({both})" in skew["expr"]
+    assert skew["for"] == "5m"
+    behind = rules["ShardMapBehindDatabases"]
+    assert "shardd_ownership_overrides" in behind["expr"] and "> 0" in behind["expr"]
+    assert behind["for"] == "10m"
+    assert (UNIT_TESTS / "shard-map.yaml") in unit_test_files()
+
+
 def test_alerts_use_the_jobs_and_labels_the_monitors_make() -> None:
     rendered = objects("prod")
     monitors = {

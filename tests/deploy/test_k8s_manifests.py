@@ -8,8 +8,9 @@ per-shard wiring (a Deployment, Service and PodDisruptionBudget per shard, each 
 database Secret), serving processes and their metrics ports, autoscaling, security contexts, the
 databases' replication and backups, alerts and certificates, and what moves of slot ranges need
 (logical WAL, the DSN user's rights, NetworkPolicies, the reshard Job of examples/reshard, whose
-script runs here against the real command line with the database work stubbed). The alert rules'
-behaviour is tested with promtool in test_alert_rules.py.
+script runs here with a stand-in `shard-router`, its image, which must be the overlay's), and who may
+read or publish the shard map through the Kubernetes API (RBAC, tokens, egress to the API server).
+The alert rules' behaviour is tested with promtool in test_alert_rules.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import functools
 import importlib.util
 import itertools
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -77,6 +79,9 @@ SHARDD_ENV = frozenset(
         "SHARDD_METRICS_PORT",
         "SHARDD_PROCESSES",
         "SHARDD_SHARD_MAP",
+        # The ConfigMap the shard map is watched in through the API (NAMESPACE/NAME), the file
+        # above being the fallback.
+        "SHARDD_SHARD_MAP_CONFIGMAP",
         "SHARDD_RETENTION_DAYS",
         "SHARDD_TLS_CERT",
         "SHARDD_TLS_KEY",
@@ -94,6 +99,7 @@ ROUTER_ENV = frozenset(
         "ROUTER_LISTEN",
         "ROUTER_METRICS_PORT",
         "ROUTER_SHARD_MAP",
+        "ROUTER_SHARD_MAP_CONFIGMAP",
         "ROUTER_TLS_CERT",
         "ROUTER_TLS_KEY",
         "ROUTER_TLS_CA",
@@ -134,10 +140,22 @@ SHARDD_METRICS_NAMES = frozenset(
         "shardd_slot_move_lag_bytes",
         "shardd_slot_move_write_pause_seconds",
         "shardd_slot_fences",
+        # the shard map in force in the process, older maps it refused, and the slot ranges whose
+        # owner in the database is newer than the map says
+        "shardd_shard_map_version",
+        "shardd_shard_map_refused_total",
+        "shardd_ownership_overrides",
     }
 )
 #: What shardrouter/core/metrics.py `RouterMetrics` exports.
-ROUTER_METRICS_NAMES = frozenset({"router_requests_total", "router_request_duration_seconds"})
+ROUTER_METRICS_NAMES = frozenset(
+    {
+        "router_requests_total",
+        "router_request_duration_seconds",
+        "router_shard_map_version",
+        "router_shard_map_refused_total",
+    }
+)
 #: The shard daemons trust this client certificate common name to speak for callers
 #: (shardrouter/shardd/settings.py trusted_proxies default).
 ROUTER_IDENTITY = "router"
@@ -151,6 +169,10 @@ APPROVER_POLICY = K8S / "approver-policy"
 AUTHZ_POLICY_FILE = "/etc/shardd/authz/policy.json"
 AUTHZ_CONFIGMAP = "shardd-authz-policy"
 IMAGE = "shard-router"
+#: The pods that talk to the Kubernetes API (by their `app.kubernetes.io/name`): the router and shardd
+#: watch the ConfigMap `shard-map`, the reshard Job publishes it. Only they mount a token.
+API_CLIENTS = frozenset({"router", "shardd", RESHARD_POD})
+SHARD_MAP_CONFIGMAP = "shard-map"
 IMAGE_UID = 10001
 SLOTS = 16384
 
@@ -1122,6 +1144,137 @@ def test_shard_map_is_mounted_so_that_updates_reach_the_pods(target: str) -> Non
 
 
 @pytest.mark.parametrize("target", ["base", *OVERLAYS])
+def test_routers_and_daemons_watch_the_shard_map_configmap(target: str) -> None:
+    seen = set()
+    for daemon, spec, c in app_containers(target):
+        seen.add(daemon)
+        prefix = "ROUTER_" if daemon == "router" else "SHARDD_"
+        # NAMESPACE/shard-map, the namespace from the downward API, defined before it (kubelet expands
+        # $(POD_NAMESPACE) only then)
+        assert env_value(c, prefix + "SHARD_MAP_CONFIGMAP") == f"$(POD_NAMESPACE)/{SHARD_MAP_CONFIGMAP}"
+        assert resolved_env(c, "x")[prefix + "SHARD_MAP_CONFIGMAP"] == f"ns/{SHARD_MAP_CONFIGMAP}"
+        assert env_of(c)["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+        # the token for the watch, under the account the reader Role is bound to
+        assert spec["automountServiceAccountToken"] is True
+        assert spec["serviceAccountName"] == daemon
+    assert seen == {"router", "shardd"}
+
+
+def role_grants(target: str, account: str) -> set[tuple[str, str, str, str]]:
+    """(API group, resource, resource name or '*', verb) the Roles bound to a service account grant."""
+    rendered = objects(target)
+    roles = {o["metadata"]["name"]: o for o in rendered if o["kind"] == "Role"}
+    out: set[tuple[str, str, str, str]] = set()
+    for binding in (o for o in rendered if o["kind"] == "RoleBinding"):
+        subjects = binding.get("subjects", [])
+        if not any(s["kind"] == "ServiceAccount" and s["name"] == account for s in subjects):
+            continue
+        assert binding["roleRef"]["kind"] == "Role", "no ClusterRole for the shard map"
+        for rule in roles[binding["roleRef"]["name"]]["rules"]:
+            for group, resource, name, verb in itertools.product(
+                rule["apiGroups"], rule["resources"], rule.get("resourceNames", ["*"]), rule["verbs"]
+            ):
+                out.add((group, resource, name, verb))
+    return out
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])
+def test_rbac_gives_each_account_exactly_what_it_needs_on_the_shard_map(target: str) -> None:
+    def on_the_map(*verbs: str) -> set[tuple[str, str, str, str]]:
+        return {("", "configmaps", SHARD_MAP_CONFIGMAP, verb) for verb in verbs}
+
+    assert role_grants(target, "router") == on_the_map("get", "list", "watch")
+    assert role_grants(target, "shardd") == on_the_map("get", "list", "watch")
+    assert role_grants(target, RESHARD_POD) == on_the_map("get", "update", "patch")
+    # no one else holds a Role here; every account is in the rendering and mounts no token by default
+    accounts = {o["metadata"]["name"]: o for o in objects(target) if o["kind"] == "ServiceAccount"}
+    assert {"router", "shardd", RESHARD_POD} <= set(accounts)
+    for name in set(accounts) - {"router", "shardd", RESHARD_POD}:
+        assert role_grants(target, name) == set(), name
+    for name, account in accounts.items():
+        assert account.get("automountServiceAccountToken") is False, name
+    for binding in of_kind(target, "RoleBinding"):
+        for subject in binding["subjects"]:
+            assert subject["kind"] == "ServiceAccount" and subject["name"] in accounts, subject
+            if target in NAMESPACES:
+                assert subject["namespace"] == NAMESPACES[target], subject
+    # the reshard Job runs as the publisher
+    for example in RESHARD_EXAMPLES:
+        assert pod_spec(reshard_job(example))["serviceAccountName"] == RESHARD_POD  # type: ignore[index]
+
+
+def test_rbac_check_can_fail() -> None:
+    assert role_grants("dev", "otel-collector") == set()
+    assert ("", "configmaps", SHARD_MAP_CONFIGMAP, "update") not in role_grants("dev", "router")
+
+
+def egress_ports_to_anywhere_outside(target: str, pod: str) -> set[int]:
+    """TCP ports the pod's egress rules open to addresses outside the namespace's pods (ipBlocks, or
+    any destination)."""
+    labels = dict(pods(target))[pod]
+    out: set[int] = set()
+    for policy in of_kind(target, "NetworkPolicy"):
+        if "Egress" not in policy["spec"]["policyTypes"] or not selects(
+            policy["spec"]["podSelector"], labels
+        ):
+            continue
+        for rule in policy["spec"].get("egress", []):
+            peers = rule.get("to")
+            if peers and not any("ipBlock" in peer for peer in peers):
+                continue
+            out |= {p["port"] for p in rule.get("ports", []) if p.get("protocol", "TCP") == "TCP"}
+    return out
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_only_the_api_clients_reach_the_kubernetes_api_server(target: str) -> None:
+    for name, labels in pods(target):
+        if "cnpg.io/cluster" in labels:
+            continue  # CloudNativePG's instance manager talks to the API: the operator's business
+        ports = egress_ports_to_anywhere_outside(target, name)
+        api_client = labels.get("app.kubernetes.io/name") in API_CLIENTS
+        assert ({443, 6443} <= ports) == api_client, (name, ports)
+        if not api_client:
+            assert not ports & {443, 6443}, (name, ports)
+    (policy,) = [
+        p for p in of_kind(target, "NetworkPolicy") if p["metadata"]["name"] == "kubernetes-api-egress"
+    ]
+    assert policy["spec"]["policyTypes"] == ["Egress"]
+    (rule,) = policy["spec"]["egress"]
+    assert {p["port"] for p in rule["ports"]} == {443, 6443}
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_the_reshard_job_runs_the_overlays_image(target: str) -> None:
+    images = {
+        c["image"]
+        for obj in of_kind(target, "Deployment")
+        if obj["metadata"]["labels"].get("app.kubernetes.io/name") in ("shardd", "router")
+        for c in containers(pod_spec(obj))  # type: ignore[arg-type]
+    }
+    (daemon_image,) = images
+    (job_container,) = pod_spec(reshard_job(target))["containers"]  # type: ignore[index]
+    assert job_container["image"] == daemon_image, "the reshard Job and the shard daemons run one build"
+
+
+def test_the_image_check_can_fail(tmp_path: Path) -> None:
+    # An overlay whose image component says another tag than the Job's render gets: they differ.
+    overlay = tmp_path / "overlay"
+    _write(
+        overlay / "kustomization.yaml",
+        f"resources: [{os.path.relpath(K8S / 'overlays' / 'dev', overlay)}]\n"
+        "images:\n  - name: shard-router\n    newTag: 9.9.9\n",
+    )
+    (shardd,) = [
+        o
+        for o in kustomize(overlay)
+        if o["kind"] == "Deployment" and o["metadata"]["name"] == "shardd-shard-0"
+    ]
+    (job_container,) = pod_spec(reshard_job("dev"))["containers"]  # type: ignore[index]
+    assert daemon_container(shardd)["image"] != job_container["image"]
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])
 def test_graceful_shutdown_fits_the_grace_period(target: str) -> None:
     for daemon, spec, c in app_containers(target):
         pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
@@ -1313,7 +1466,8 @@ def test_containers_are_locked_down_and_bounded(target: str) -> None:
 
 
 def check_locked_down(obj: dict[str, Any], spec: dict[str, Any], c: dict[str, Any]) -> None:
-    """A container runs unprivileged, read-only, with limits and a pinned image; its pod mounts no token."""
+    """A container runs unprivileged, read-only, with limits and a pinned image; its pod mounts a
+    service account token only if it talks to the Kubernetes API (API_CLIENTS)."""
     where = f"{obj['kind']}/{obj['metadata']['name']}/{c['name']}"
     assert effective(spec, c, "runAsNonRoot") is True, where
     assert isinstance(effective(spec, c, "runAsUser"), int) and effective(spec, c, "runAsUser") > 0, where
@@ -1329,7 +1483,10 @@ def check_locked_down(obj: dict[str, Any], spec: dict[str, Any], c: dict[str, An
     assert ":" in c["image"] and not c["image"].endswith(":latest"), where
     if c["image"].split(":")[0] == IMAGE:
         assert effective(spec, c, "runAsUser") == IMAGE_UID, where
-    assert spec.get("automountServiceAccountToken") is False, where
+    template = pod_template(obj)
+    assert template is not None
+    api_client = template["metadata"]["labels"].get("app.kubernetes.io/name") in API_CLIENTS
+    assert spec.get("automountServiceAccountToken") is api_client, where
     assert not spec.get("hostNetwork") and not spec.get("hostPID"), where
 
 
@@ -1922,7 +2079,6 @@ def test_prod_database_pods_are_monitored_and_reachable_by_the_operator() -> Non
 
 #: What the deploy README tells the operator to run on the reshard Job's log: the map the move wrote,
 #: and the move's id (from the command's own "stopped after committed; go on with: ..." line).
-MAP_FROM_LOG = "awk '/^----- END shard map -----$/ {p = 0} p; /^----- BEGIN shard map -----$/ {p = 1}'"
 MOVE_ID_FROM_LOG = r"sed -n 's/.*go on with: shard-router reshard resume \([^ ]*\)$/\1/p'"
 #: How the Job's script runs `shard-router reshard` (see test_reshard_job_script_*).
 RESHARD_COMMAND = "shard-router reshard"
@@ -2022,7 +2178,7 @@ def test_reshard_job_validates_against_kubernetes_schemas(target: str, version: 
 
 
 @pytest.mark.parametrize("target", RESHARD_EXAMPLES)
-def test_reshard_job_runs_reshard_and_stops_after_the_commit(target: str) -> None:
+def test_reshard_job_runs_a_whole_move_and_publishes_the_map_in_the_configmap(target: str) -> None:
     job = reshard_job(target)
     assert job["metadata"]["name"] == RESHARD_POD
     assert job["metadata"].get("namespace") == NAMESPACES.get(target)
@@ -2034,21 +2190,24 @@ def test_reshard_job_runs_reshard_and_stops_after_the_commit(target: str) -> Non
     assert c["command"] == ["/bin/sh", "-c"]
     (script,) = c["args"]
     assert script.count(RESHARD_COMMAND) == 1
-    assert "$RESHARD_ARGS --map /work/shard-map.yaml --databases /work/databases.yaml" in script
-    # the default: a new move that stops once committed, so the map is published before the clean-up
+    assert '$RESHARD_ARGS --map "$RESHARD_MAP" --databases /work/databases.yaml' in script
+    # the map: the ConfigMap of the Job's own namespace, through the API (no copy, no mounted map)
+    env = resolved_env(c, RESHARD_POD)
+    assert env["RESHARD_MAP"] == f"configmap:ns/{SHARD_MAP_CONFIGMAP}"
+    assert env_of(c)["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert not [v for v in spec["volumes"] if "configMap" in v], "the Job reads the map through the API"
+    assert "shard-map.yaml" not in script and "cp " not in script
+    # the default: a whole move (it publishes the map itself), not one stopped at its commit
     args = env_value(c, "RESHARD_ARGS")
-    assert args is not None and args.split()[-2:] == ["--stop-after", "committed"]
+    assert args is not None and "--stop-after" not in args.split()
     assert args.split()[0] == "--slots" and "--to" in args.split()
     # a failed move is resumed or aborted by a person, not started again
     assert job["spec"]["backoffLimit"] == 0 and spec["restartPolicy"] == "Never"
-    # the map: the ConfigMap, mounted as a directory (copied when the Job starts); the copy in an emptyDir
-    volumes = {v["name"]: v for v in spec["volumes"]}
+    # its identity: the service account that may publish the map, with the token mounted
+    assert spec["serviceAccountName"] == RESHARD_POD and spec["automountServiceAccountToken"] is True
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
-    assert "subPath" not in mounts["/etc/shard-router"]
-    assert volumes[mounts["/etc/shard-router"]["name"]]["configMap"]["name"] == "shard-map"
+    volumes = {v["name"]: v for v in spec["volumes"]}
     assert "emptyDir" in volumes[mounts["/work"]["name"]]
-    assert "cp /etc/shard-router/shard-map.yaml /work/shard-map.yaml" in script
-    assert "shard-map.yaml" in one("base", "ConfigMap", "shard-map")["data"]
 
 
 @pytest.mark.parametrize("target", RESHARD_EXAMPLES)
@@ -2110,77 +2269,53 @@ def _run_without_embedded_postgres(code: str) -> subprocess.CompletedProcess[str
     )
 
 
-#: Stands in for the command line's database work (start_move, find_move, Move): the real
-#: `shardrouter.reshard.cli.main` parses the Job's arguments, reads its --databases and --map files and
-#: prints what it prints; a move "commits" by rewriting the map with the real update_shard_map and
-#: moved_map. It keeps what it was given in $FAKE_STATE for the test.
-FAKE_RESHARD = """
-import dataclasses, json, os, sys
-from pathlib import Path
-from shardrouter.core.shardmap import load_shard_map, update_shard_map
-from shardrouter.reshard import cli
-from shardrouter.reshard.journal import MoveRecord
-from shardrouter.reshard.plan import MovePlan, Phase, moved_map, plan_move
-
-STATE = Path(os.environ["FAKE_STATE"])
-
-def start_move(map_path, databases, first_slot, last_slot, target):
-    return MoveRecord(plan_move(load_shard_map(map_path), first_slot, last_slot, target), Phase.PLANNED)
-
-def find_move(databases, move_id):
-    saved = json.loads(STATE.read_text())
-    assert saved["plan"]["move_id"] == move_id, (saved, move_id)
-    return MoveRecord(MovePlan(**saved["plan"]), Phase(saved["phase"]))
-
-class Move:
-    def __init__(self, record, *, map_path, databases, settings, progress):
-        self.record, self.map_path, self.databases = record, map_path, databases
-    def __enter__(self):
-        return self
-    def __exit__(self, *exc):
-        return None
-    def run(self, until):
-        plan = self.record.plan
-        if self.record.phase.rank < Phase.COMMITTED.rank <= until.rank:
-            update_shard_map(self.map_path, lambda current: moved_map(current, plan))
-        STATE.write_text(json.dumps({
-            "plan": dataclasses.asdict(plan), "phase": until.value, "dsns": self.databases.dsns,
-            "map": str(self.map_path), "args": sys.argv[1:],
-        }))
-        return MoveRecord(plan, until)
-
-cli.start_move, cli.find_move, cli.Move = start_move, find_move, Move
-sys.exit(cli.main(sys.argv[1:]))
+#: Stands in for `shard-router` in the Job's script: records its arguments and the --databases file it
+#: was given in $FAKE_STATE, prints the line the command line prints when a move stops before its end,
+#: and exits with $FAKE_EXIT.
+FAKE_SHARD_ROUTER = """#!/usr/bin/env python3
+import json, os, sys
+args = sys.argv[1:]
+databases = args[args.index("--databases") + 1]
+with open(databases, encoding="utf-8") as f:
+    dsns = json.load(f)
+with open(os.environ["FAKE_STATE"], "w", encoding="utf-8") as f:
+    json.dump({"args": args, "dsns": dsns}, f)
+print("stopped after committed; go on with: shard-router reshard resume 0191c3a2-m1")
+sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
 """
 
 
 def run_reshard_job_script(
-    tmp_path: Path, reshard_args: str, dsns: dict[str, str], shard_map_text: str
+    tmp_path: Path, reshard_args: str, dsns: dict[str, str], *, exit_status: int = 0
 ) -> subprocess.CompletedProcess[str]:
-    """The reshard Job's script, run by /bin/sh with the Job's mounts as folders of tmp_path."""
+    """The reshard Job's script, run by /bin/sh with the Job's mounts as folders of tmp_path, its
+    environment as the kubelet makes it (namespace `ns`) and a fake `shard-router` first on PATH."""
     job = reshard_job("dev")
     (c,) = pod_spec(job)["containers"]  # type: ignore[index]
     (script,) = c["args"]
-    fake = tmp_path / "fake_reshard.py"
-    fake.write_text(FAKE_RESHARD, encoding="utf-8")
-    script = script.replace(RESHARD_COMMAND, f"python {fake}")
     folders = {m["mountPath"]: tmp_path / m["name"] for m in c["volumeMounts"] if m["mountPath"] != "/tmp"}
     # one pass, so a folder's name is never replaced again
     paths = "|".join(re.escape(p) for p in sorted(folders, key=len, reverse=True))
     script = re.sub(paths, lambda m: str(folders[m[0]]), script)
     for folder in folders.values():
         folder.mkdir(exist_ok=True)
-    _write(folders["/etc/shard-router"] / "shard-map.yaml", shard_map_text)
     databases = folders["/etc/shard-databases"]
     (databases / "..data").mkdir(exist_ok=True)  # as in a projected volume: hidden entries beside the files
     for sid, dsn in dsns.items():
         (databases / sid).write_text(dsn + "\n", encoding="utf-8")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "shard-router"
+    fake.write_text(FAKE_SHARD_ROUTER.replace("/usr/bin/env python3", sys.executable), encoding="utf-8")
+    fake.chmod(0o755)
+    env = {**resolved_env(c, RESHARD_POD), "RESHARD_ARGS": reshard_args}
     return subprocess.run(
         ["/bin/sh", "-c", script],
         env={
-            "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
-            "RESHARD_ARGS": reshard_args,
+            **env,
+            "PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin",
             "FAKE_STATE": str(tmp_path / "state.json"),
+            "FAKE_EXIT": str(exit_status),
             "HOME": str(tmp_path),
         },
         cwd=tmp_path,
@@ -2196,10 +2331,7 @@ def _from_log(command: str, log: str) -> str:
     return result.stdout
 
 
-def test_reshard_job_script_commits_prints_the_map_then_cleans_up(tmp_path: Path) -> None:
-    from shardrouter.core.shardmap import load_shard_map
-
-    base_map = one("base", "ConfigMap", "shard-map")["data"]["shard-map.yaml"]
+def test_reshard_job_script_passes_the_arguments_the_configmap_and_every_dsn(tmp_path: Path) -> None:
     # DSNs as Secrets may hold them: quotes, a '#', a ': ', a trailing newline
     dsns = {
         "shard-0": "postgresql://shardd:p'a\"s#s: w@postgres-shard-0:5432/shardd",
@@ -2207,43 +2339,63 @@ def test_reshard_job_script_commits_prints_the_map_then_cleans_up(tmp_path: Path
     }
     job = reshard_job("dev")
     (c,) = pod_spec(job)["containers"]  # type: ignore[index]
-    first = run_reshard_job_script(tmp_path, env_value(c, "RESHARD_ARGS") or "", dsns, base_map)
+    default_args = env_value(c, "RESHARD_ARGS") or ""
+    first = run_reshard_job_script(tmp_path, default_args, dsns)
     assert first.returncode == 0, first.stdout + first.stderr
     state = json.loads((tmp_path / "state.json").read_text())
-    assert state["dsns"] == dsns, "the --databases file, read by the command line, has every DSN as it is"
-    assert state["phase"] == "committed"
-    log = first.stdout + first.stderr
-    # the README's commands find the written map and the move's id in the log
-    written = tmp_path / "published.yaml"
-    written.write_text(_from_log(MAP_FROM_LOG, log), encoding="utf-8")
-    new_map, old_map = load_shard_map(written), load_shard_map(tmp_path / "shard-map" / "shard-map.yaml")
-    assert new_map.version == old_map.version + 1
-    assert written.read_text() == (tmp_path / "work" / "shard-map.yaml").read_text()
-    assert next((s, e) for s, e, i in new_map.ranges if new_map.shards[i].id == "shard-1") == (0, 1023)
-    move_id = _from_log(MOVE_ID_FROM_LOG, log).strip()
-    assert move_id == state["plan"]["move_id"]
-    # the clean-up: the published map (the ConfigMap's new content), resume; no map to publish
-    again = run_reshard_job_script(tmp_path, f"resume {move_id}", dsns, written.read_text())
+    assert state["dsns"] == dsns, "the --databases file has every DSN as it is"
+    assert state["args"] == [
+        "reshard",
+        *default_args.split(),
+        "--map",
+        f"configmap:ns/{SHARD_MAP_CONFIGMAP}",
+        "--databases",
+        str(tmp_path / "work" / "databases.yaml"),
+    ]
+    # the README finds the move's id in the log of a move that stopped
+    assert _from_log(MOVE_ID_FROM_LOG, first.stdout).strip() == "0191c3a2-m1"
+    # resume, abort: word-split, no globbing
+    again = run_reshard_job_script(tmp_path, "resume 0191c3a2-m1 *", dsns)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert json.loads((tmp_path / "state.json").read_text())["phase"] == "done"
-    assert "BEGIN shard map" not in again.stdout and _from_log(MAP_FROM_LOG, again.stdout) == ""
+    assert json.loads((tmp_path / "state.json").read_text())["args"][:4] == ["reshard", "resume", "0191c3a2-m1", "*"]
 
 
-def test_reshard_job_script_fails_with_the_commands_message_and_no_map(tmp_path: Path) -> None:
-    base_map = one("base", "ConfigMap", "shard-map")["data"]["shard-map.yaml"]
+def test_reshard_job_script_fails_with_the_commands_status(tmp_path: Path) -> None:
     dsns = {"shard-0": "postgresql://a@b/c", "shard-1": "postgresql://a@d/c"}
-    result = run_reshard_job_script(
-        tmp_path, "--slots 0-1023 --to shard-9 --stop-after committed", dsns, base_map
-    )
+    result = run_reshard_job_script(tmp_path, "--slots 0-1023 --to shard-9", dsns, exit_status=2)
     assert result.returncode == 2
-    assert "shard 'shard-9' is not in the shard map" in result.stderr
-    assert "BEGIN shard map" not in result.stdout
-    unset = run_reshard_job_script(tmp_path, "", dsns, base_map)
-    assert unset.returncode != 0  # no arguments: the command's own usage error
 
 
-def test_readme_publishes_the_map_with_the_tested_commands() -> None:
+def test_readme_moves_with_one_command() -> None:
     text = README.read_text(encoding="utf-8")
-    assert MAP_FROM_LOG in text and MOVE_ID_FROM_LOG in text
-    assert "examples/reshard" in text and "--stop-after committed" in text
-    assert "These manifests do not prepare for moves yet" not in text
+    assert MOVE_ID_FROM_LOG in text
+    assert "examples/reshard" in text
+    for gone in ("never writes the ConfigMap", "BEGIN shard map", "--from-file=shard-map.yaml"):
+        assert gone not in text, gone
+    section = _readme_section("Adding a shard and moving slots to it")
+    # the move: render with its arguments and create, in one pipeline; then wait for it
+    assert re.search(
+        r"kubectl kustomize deploy/k8s/examples/reshard/dev \\\n\s+\| kubectl set env --local -f - -o yaml "
+        r'RESHARD_ARGS="--slots 0-1023 --to shard-2" \\\n\s+\| kubectl -n \$NS create -f -',
+        section,
+    ), "one command renders the Job with its arguments and creates it"
+    assert "kubectl -n $NS wait --for=condition=complete" in section
+    assert 'RESHARD_ARGS="resume $MOVE_ID"' in section and 'RESHARD_ARGS="abort $MOVE_ID"' in section
+    # how to check that every process has the map
+    for word in ("router_shard_map_version", "shardd_shard_map_version", "ShardMapVersionSkew"):
+        assert word in section, word
+
+
+def test_readme_tells_gitops_to_leave_the_published_map_alone() -> None:
+    section = _readme_section("GitOps: keep the published shard map")
+    assert "kustomize.toolkit.fluxcd.io/ssa: IfNotPresent" in section
+    assert "ignoreDifferences" in section and "RespectIgnoreDifferences=true" in section
+    shard_map = one("base", "ConfigMap", "shard-map")
+    assert shard_map["metadata"]["annotations"]["kustomize.toolkit.fluxcd.io/ssa"] == "IfNotPresent"
+    # the Application example parses and ignores the ConfigMap's data only
+    (block,) = re.findall(r"```yaml\n(apiVersion: argoproj\.io/v1alpha1\n.*?)```", section, re.S)
+    application = yaml.safe_load(block)
+    assert application["kind"] == "Application"
+    (ignored,) = application["spec"]["ignoreDifferences"]
+    assert ignored == {"kind": "ConfigMap", "name": SHARD_MAP_CONFIGMAP, "jsonPointers": ["/data"]}
+    assert "RespectIgnoreDifferences=true" in application["spec"]["syncPolicy"]["syncOptions"]
