@@ -1160,6 +1160,32 @@ def test_routers_and_daemons_watch_the_shard_map_configmap(target: str) -> None:
     assert seen == {"router", "shardd"}
 
 
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_the_code_reads_the_configmap_the_manifests_name(target: str) -> None:
+    """The daemons' NAMESPACE/shard-map and the Job's configmap:NAMESPACE/shard-map, with the overlay's
+    namespace, name the ConfigMap of the rendering and its key, as the code parses them."""
+    from shardrouter.core.shardmap_watch import parse_configmap_spec
+    from shardrouter.reshard.map_store import CONFIGMAP_PREFIX
+
+    namespace = NAMESPACES[target]
+    configmap = one(target, "ConfigMap", SHARD_MAP_CONFIGMAP)
+    specs = []
+    for daemon, _spec, c in app_containers(target):
+        prefix = "ROUTER_" if daemon == "router" else "SHARDD_"
+        value = env_value(c, prefix + "SHARD_MAP_CONFIGMAP")
+        assert value is not None
+        specs.append(value.replace("$(POD_NAMESPACE)", namespace))
+    (job_container,) = pod_spec(reshard_job(target))["containers"]  # type: ignore[index]
+    job_map = (env_value(job_container, "RESHARD_MAP") or "").replace("$(POD_NAMESPACE)", namespace)
+    assert job_map.startswith(CONFIGMAP_PREFIX)
+    specs.append(job_map.removeprefix(CONFIGMAP_PREFIX))
+    assert configmap["metadata"]["namespace"] == namespace
+    for text in specs:
+        spec = parse_configmap_spec(text)
+        assert (spec.namespace, spec.name) == (namespace, SHARD_MAP_CONFIGMAP), text
+        assert spec.key in configmap["data"], text
+
+
 def role_grants(target: str, account: str) -> set[tuple[str, str, str, str]]:
     """(API group, resource, resource name or '*', verb) the Roles bound to a service account grant."""
     rendered = objects(target)
@@ -2357,7 +2383,8 @@ def test_reshard_job_script_passes_the_arguments_the_configmap_and_every_dsn(tmp
     # resume, abort: word-split, no globbing
     again = run_reshard_job_script(tmp_path, "resume 0191c3a2-m1 *", dsns)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert json.loads((tmp_path / "state.json").read_text())["args"][:4] == ["reshard", "resume", "0191c3a2-m1", "*"]
+    resumed = json.loads((tmp_path / "state.json").read_text())["args"]
+    assert resumed[:4] == ["reshard", "resume", "0191c3a2-m1", "*"]
 
 
 def test_reshard_job_script_fails_with_the_commands_status(tmp_path: Path) -> None:
