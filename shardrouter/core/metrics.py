@@ -10,7 +10,8 @@ exactly the instruments: a counter named `router_requests` is `router_requests_t
 `router_request_duration_seconds` keeps its name (its unit "s" maps to the suffix it already has).
 
 `RouterMetrics` holds the router's instruments: `router_requests_total{method,code}`,
-`router_request_duration_seconds{method,code}` and `router_redirects_total{reason}`.
+`router_request_duration_seconds{method,code}`, `router_redirects_total{reason}`, and the shard map
+in force: `router_shard_map_version` and `router_shard_map_refused_total`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from threading import Thread
@@ -26,13 +27,15 @@ from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
-from opentelemetry.metrics import Meter
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
 from prometheus_client import CollectorRegistry, start_http_server
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
+
+    from shardrouter.core.shardmap_file import ShardMapFile
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +126,7 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.pipeline = new_metrics_pipeline(registry)
         self.registry = self.pipeline.registry
-        meter = self.pipeline.meter(__name__)
+        meter = self._meter = self.pipeline.meter(__name__)
         self.requests = meter.create_counter(
             "router_requests",
             unit="{call}",
@@ -139,6 +142,30 @@ class RouterMetrics:
             "router_redirects",
             unit="{redirect}",
             description="Calls sent on to another shard after the shard tried said the account moved.",
+        )
+
+    def follow_shard_map(self, shard_maps: ShardMapFile) -> None:
+        """Export the map in force: `router_shard_map_version` and `router_shard_map_refused_total`
+        (maps refused as older than it, from the file or the ConfigMap), both read at each scrape."""
+
+        def version(_options: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(shard_maps.version)]
+
+        def refused(_options: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(shard_maps.refused_total)]
+
+        self._meter.create_observable_gauge(
+            "router_shard_map_version",
+            callbacks=[version],
+            unit="{version}",
+            description="Version of the shard map in force.",
+        )
+        # A counter read from the follower: it only grows, so Prometheus may rate() it.
+        self._meter.create_observable_counter(
+            "router_shard_map_refused",
+            callbacks=[refused],
+            unit="{map}",
+            description="Shard maps refused for a version older than (or equal to, changed) the map in force.",
         )
 
     def redirected(self, reason: str) -> None:

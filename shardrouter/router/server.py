@@ -1,4 +1,5 @@
-"""Assembles the router: shard map holder, channel pool, forwarder, health, reflection, TLS.
+"""Assembles the router: shard map holder (the file, and the ConfigMap's watch when one is named),
+channel pool, forwarder, health, reflection, TLS.
 
 The router is a `grpc.aio` server forwarding over `grpc.aio` channels, because asyncio forwards faster
 than a sync server here, measured: `python -m bench.forwarding 5 3`
@@ -30,6 +31,7 @@ from shardrouter.core.channels import CertificateRotation, retire_after_s
 from shardrouter.core.metrics import MetricsServer, RouterMetrics, start_metrics_server
 from shardrouter.core.shardmap import ShardMap
 from shardrouter.core.shardmap_file import ShardMapFile
+from shardrouter.core.shardmap_watch import ConfigMapMapWatch, watch_shard_map_configmap
 from shardrouter.router.channels import ChannelPool
 from shardrouter.router.forwarding import Forwarder
 from shardrouter.router.http_front import HttpFront, HttpServer, start_http_server
@@ -57,6 +59,8 @@ class Router:
     background: list[asyncio.Task[None]] = field(default_factory=list)
     #: The HTTP/JSON front (None when `http_listen` is empty).
     http: HttpServer | None = None
+    #: The watch of the shard map's ConfigMap (None when `shard_map_configmap` is empty).
+    map_watch: ConfigMapMapWatch | None = None
 
     @property
     def http_port(self) -> int:
@@ -79,6 +83,8 @@ class Router:
         await asyncio.gather(
             self.server.stop(grace), *([self.http.stop(grace)] if self.http is not None else [])
         )
+        if self.map_watch is not None:
+            await asyncio.to_thread(self.map_watch.stop)
         await asyncio.to_thread(self.shard_maps.stop)
         await self.pool.close()
         if self.metrics_server is not None:
@@ -119,6 +125,8 @@ async def start_router(
         loop.call_soon_threadsafe(pool.retain, addresses)
 
     shard_maps = ShardMapFile(settings.shard_map, interval_s=settings.reload_interval_s, on_change=on_change)
+    if metrics is not None:
+        metrics.follow_shard_map(shard_maps)
     forwarder = Forwarder(
         shard_maps=shard_maps,
         pool=pool,
@@ -151,16 +159,23 @@ async def start_router(
     port = grpcserver.bind(server, settings.listen, credentials)
     await server.start()
     shard_maps.start()
+    map_watch: ConfigMapMapWatch | None = None
     http: HttpServer | None = None
-    if settings.http_listen:  # serving before health says SERVING, like the gRPC port
-        try:
+    try:
+        # Off the loop: loading the Kubernetes credentials reads files.
+        map_watch = await asyncio.to_thread(
+            watch_shard_map_configmap, settings.shard_map_configmap, shard_maps
+        )
+        if settings.http_listen:  # serving before health says SERVING, like the gRPC port
             front = HttpFront(forwarder, settings, tracer_provider=tracer_provider, traced=traced)
             http = await start_http_server(front, settings)
-        except BaseException:
-            await server.stop(0)
-            await asyncio.to_thread(shard_maps.stop)
-            await pool.close()
-            raise
+    except BaseException:
+        await server.stop(0)
+        if map_watch is not None:
+            await asyncio.to_thread(map_watch.stop)
+        await asyncio.to_thread(shard_maps.stop)
+        await pool.close()
+        raise
     await grpcserver.aio_mark_serving(health_servicer, [SERVICE])
     if not settings.verifies_callers and not settings.dev_mode:
         log.warning(
@@ -180,7 +195,16 @@ async def start_router(
         else None
     )
     router = Router(
-        settings, server, port, health_servicer, shard_maps, pool, metrics, metrics_server, http=http
+        settings,
+        server,
+        port,
+        health_servicer,
+        shard_maps,
+        pool,
+        metrics,
+        metrics_server,
+        http=http,
+        map_watch=map_watch,
     )
     if shard_certificates is not None:
         router.background.append(

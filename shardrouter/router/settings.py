@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shardrouter.core.settings_source import env_names, settings_values
+from shardrouter.core.shardmap_watch import parse_configmap_spec
 
 ENV_PREFIX = "ROUTER_"
 MAX_FORWARD_RETRIES = 5
@@ -27,6 +28,12 @@ class RouterSettings:
     shard_map: str = "shard-map.yaml"
     #: Seconds between checks of the shard map file.
     reload_interval_s: float = 1.0
+    #: The shard map's ConfigMap, watched through the Kubernetes API (`NAMESPACE/NAME[:KEY]`, key
+    #: `shard-map.yaml` by default): a move's new map arrives at once instead of when the kubelet
+    #: refreshes the mounted file (60-90 s later). The file stays the start-up map and the fallback;
+    #: only a higher version replaces the map in force. Needs get and watch on that ConfigMap.
+    #: Empty: follow the file alone.
+    shard_map_configmap: str = ""
     #: Calls forwarded at once (asyncio: no thread each), and the HTTP/2 streams one client connection
     #: may open. Past it grpc answers RESOURCE_EXHAUSTED; below it a client's parallel calls on one
     #: channel are never refused (a small stream cap made grpc reset streams with REFUSED_STREAM).
@@ -124,6 +131,11 @@ class RouterSettings:
             out.append("shard_map must name the shard map file")
         if self.reload_interval_s <= 0:
             out.append("reload_interval_s must be positive")
+        if self.shard_map_configmap:
+            try:
+                parse_configmap_spec(self.shard_map_configmap)
+            except ValueError as exc:
+                out.append(f"shard_map_configmap: {exc}")
         if self.max_calls < 1:
             out.append("max_calls must be at least 1")
         if not 1 <= self.shard_connections <= 64:

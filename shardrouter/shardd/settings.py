@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from shardrouter.core.settings_source import env_names, settings_values
+from shardrouter.core.shardmap_watch import parse_configmap_spec
 
 ENV_PREFIX = "SHARDD_"
 
@@ -30,6 +31,12 @@ class ShardSettings:
     shard_map: str = ""
     #: Seconds between checks of the shard map file (followed without a restart, as the router does).
     shard_map_reload_s: float = 1.0
+    #: The shard map's ConfigMap, watched through the Kubernetes API (`NAMESPACE/NAME[:KEY]`, key
+    #: `shard-map.yaml` by default): a move's new map arrives at once instead of when the kubelet
+    #: refreshes the mounted file (60-90 s later). Needs shard_map, which stays the start-up map and
+    #: the fallback; only a higher version replaces the map in force. Needs get and watch on that
+    #: ConfigMap. Empty: follow the file alone.
+    shard_map_configmap: str = ""
     #: gRPC worker threads. Keep more than `max_in_flight + max_waiting`: the spare threads answer shed
     #: calls at once instead of letting them queue behind busy ones.
     workers: int = 64
@@ -171,6 +178,15 @@ class ShardSettings:
             out.append("max_connection_age_s and max_connection_age_grace_s must not be negative")
         if self.shard_map_reload_s <= 0:
             out.append("shard_map_reload_s must be positive")
+        if self.shard_map_configmap:
+            try:
+                parse_configmap_spec(self.shard_map_configmap)
+            except ValueError as exc:
+                out.append(f"shard_map_configmap: {exc}")
+            if not self.shard_map:
+                out.append(
+                    "shard_map_configmap needs shard_map: the file is the start-up map and the fallback"
+                )
         if not 0 < self.authz_policy_reload_s <= 60:
             out.append("authz_policy_reload_s must be positive and at most 60")
         if self.max_in_flight < 1 or self.max_waiting < 0:
