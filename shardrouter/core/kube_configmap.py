@@ -173,8 +173,6 @@ class KubeConfigMaps:
         """The changes of one ConfigMap after `resource_version`, until the server ends the watch
         (after `watch_timeout_s`), the stream breaks (ConfigMapError), the version is too old
         (ConfigMapGone), or `interrupt` is called (the iterator just ends)."""
-        with self._lock:
-            self._interrupted = False
         what = f"watch configmap {namespace}/{name}"
         stream: urllib3.BaseHTTPResponse = self._call(
             what,
@@ -191,6 +189,7 @@ class KubeConfigMaps:
         )
         with self._lock:
             if self._interrupted:
+                stream.shutdown()
                 stream.release_conn()
                 return
             self._stream = stream
@@ -212,7 +211,9 @@ class KubeConfigMaps:
             stream.release_conn()
 
     def interrupt(self) -> None:
-        """End the watch that is open (from any thread): its iterator stops at once."""
+        """End the watch that is open (from any thread), and every later one at its start: its
+        iterator stops at once. For a client being closed: sticky, so a watch opened just after the
+        interrupt cannot slip past it and hold its thread until the server's timeout."""
         with self._lock:
             self._interrupted = True
             stream = self._stream

@@ -223,3 +223,13 @@ def test_no_credentials_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
     with pytest.raises(ConfigMapError, match="no Kubernetes credentials"):
         ConfigMapMapWatch(ConfigMapSpec(NS, NAME), lambda _m: None)
+
+
+def test_stop_ends_an_open_watch_at_once(kube: FakeKube, map_file: Path) -> None:
+    offered: queue.Queue[tuple[int, bool]] = queue.Queue()
+    watch = _watch(offered, ShardMapFile(map_file))
+    kube.wait_watches(1)  # blocked reading a stream the server keeps open for minutes
+    started = time.monotonic()
+    watch.stop()
+    assert time.monotonic() - started < 1.0
+    assert watch._thread is not None and not watch._thread.is_alive()
