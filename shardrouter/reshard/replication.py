@@ -22,7 +22,8 @@ from shardrouter.shardd.migrations import FENCED_TABLES
 from shardrouter.shardd.partitions import PARENT as PARTITIONED_TABLE
 from shardrouter.shardd.partitions import run_ddl
 
-#: How long one attempt to change a table's replica identity may queue the table's traffic.
+#: How long one attempt to give a table the replica identity may queue the table's traffic (only a
+#: table that lacks it: a database not yet at schema 15, or a partition an older daemon made).
 _IDENTITY_LOCK_TIMEOUT_MS = 100
 _IDENTITY_ATTEMPTS = 100
 
@@ -42,8 +43,9 @@ class CopyState:
 
 
 def replicated_relations(conn: psycopg.Connection[Any]) -> list[str]:
-    """The tables whose replica identity a move changes: the moved tables, and the partitions of
-    the partitioned one (an UPDATE is checked against its partition's identity)."""
+    """The tables a move publishes and whose replica identity must hold account_hash: the moved
+    tables, and the partitions of the partitioned one (an UPDATE is checked against its
+    partition's identity)."""
     rows = conn.execute(
         "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
         " JOIN pg_class p ON p.oid = i.inhparent WHERE p.relname = %s ORDER BY 1",
@@ -52,19 +54,45 @@ def replicated_relations(conn: psycopg.Connection[Any]) -> list[str]:
     return [*FENCED_TABLES, *(str(r[0]) for r in rows)]
 
 
-def set_replica_identity(conn: psycopg.Connection[Any], *, full: bool) -> None:
-    """FULL while a move runs, so an UPDATE or DELETE can be checked against the row filter
-    (which reads account_hash, not in a primary key); DEFAULT (the primary key) again after."""
-    identity = sql.SQL("FULL" if full else "DEFAULT")
-    for table in replicated_relations(conn):
-        # ALTER TABLE takes the table's strongest lock; queued behind a long transaction it would
-        # stall every call behind it, so it waits at most a moment at a time and tries again.
+def lacking_replica_identity(conn: psycopg.Connection[Any]) -> list[str]:
+    """The replicated relations whose replica identity is not FULL (none, normally: migration 15
+    sets it on every moved table and `partitions.create_partition` on every new partition)."""
+    rows = conn.execute(
+        "SELECT relname FROM pg_class WHERE relname = ANY(%s) AND relkind IN ('r', 'p')"
+        " AND relnamespace = current_schema()::regnamespace AND relreplident <> 'f'",
+        (replicated_relations(conn),),
+    ).fetchall()
+    return sorted(str(r[0]) for r in rows)
+
+
+def ensure_replica_identity(conn: psycopg.Connection[Any]) -> list[str]:
+    """Give REPLICA IDENTITY FULL to the replicated relations that lack it; returns those changed.
+
+    A move's row filter reads account_hash, which no primary key holds, and PostgreSQL refuses an
+    UPDATE or DELETE of a published table whose identity does not cover the filter. The identity
+    is permanent since migration 15, so this only reads the catalog and takes no lock; only a
+    table that lacks it (a database not migrated yet, a partition made by an older daemon) is
+    altered, and that ALTER takes the table's strongest lock: queued behind a long transaction it
+    would stall every call behind it, so it waits at most a moment at a time and tries again.
+    """
+    lacking = lacking_replica_identity(conn)
+    for table in lacking:
         run_ddl(
             conn,
-            sql.SQL("ALTER TABLE {} REPLICA IDENTITY {}").format(sql.Identifier(table), identity),
+            sql.SQL("ALTER TABLE {} REPLICA IDENTITY FULL").format(sql.Identifier(table)),
             lock_timeout_ms=_IDENTITY_LOCK_TIMEOUT_MS,
             attempts=_IDENTITY_ATTEMPTS,
         )
+    return lacking
+
+
+def set_replica_identity(conn: psycopg.Connection[Any], *, full: bool) -> None:
+    """The pre-migration-15 call, kept until its last caller is gone: FULL is now permanent, so
+    `full=False` leaves it (a DEFAULT identity would refuse UPDATEs under the next move's filter,
+    and setting it would take the very lock moves no longer take); `full=True` is
+    `ensure_replica_identity`."""
+    if full:
+        ensure_replica_identity(conn)
 
 
 def create_publication(conn: psycopg.Connection[Any], name: str, plan: MovePlan) -> None:
@@ -218,6 +246,8 @@ __all__ = [
     "drop_publication",
     "drop_slot",
     "drop_subscription",
+    "ensure_replica_identity",
+    "lacking_replica_identity",
     "point_subscription",
     "replicated_relations",
     "set_replica_identity",

@@ -8,7 +8,9 @@ row" and callers get INTERNAL. The keeper removes that dependency: each daemon e
 then every `interval_s`, that the months a live key may need exist.
 
 It reuses `partitions.ensure_partitions`, so the DDL, its short lock waits and the advisory lock that
-serializes concurrent creators (other replicas, the retention job) are the same as everywhere else.
+serializes concurrent creators (other replicas, the retention job) are the same as everywhere else,
+and so is the replica identity: each month gets REPLICA IDENTITY FULL before it is attached (as
+migration 15 gave the months that existed), so a slot range move never has to alter a partition.
 It uses its own short-lived autocommit connection rather than the request pool: DDL needs autocommit,
 and an hourly connect is cheaper than holding a pooled connection away from calls.
 

@@ -159,6 +159,10 @@ def _create_and_attach(conn: Connection, month: Month) -> None:
             t=table, p=sql.Identifier(PARENT)
         ),
     )
+    # A move's publication filters rows by account_hash, which the primary key lacks, so every
+    # partition needs REPLICA IDENTITY FULL (migration 15 gave it to the partitions it found; LIKE
+    # does not copy it). Set while the table stands alone: its lock then stops no one.
+    run_ddl(conn, sql.SQL("ALTER TABLE {t} REPLICA IDENTITY FULL").format(t=table))
     bounds = sql.Identifier(f"{month.table}_bounds")
     run_ddl(
         conn,
@@ -175,14 +179,6 @@ def _create_and_attach(conn: Connection, month: Month) -> None:
     )
     # The bounds CHECK only served to skip the attach scan; the partition constraint replaces it.
     run_ddl(conn, sql.SQL("ALTER TABLE {t} DROP CONSTRAINT IF EXISTS {c}").format(t=table, c=bounds))
-    # While a slot range moves out (shardrouter.reshard), its publication filters rows by
-    # account_hash, and an UPDATE of a partition whose replica identity lacks that column fails.
-    moving = conn.execute(
-        "SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname LIKE %s)", ("shardrouter\\_move\\_%",)
-    )
-    row = moving.fetchone()
-    if row is not None and row[0]:
-        run_ddl(conn, sql.SQL("ALTER TABLE {t} REPLICA IDENTITY FULL").format(t=table))
 
 
 @contextmanager

@@ -22,6 +22,7 @@ from grpc_status import rpc_status
 from shardrouter.core.keys import new_key
 from shardrouter.core.shardmap import ShardMap, even_shard_map, load_shard_map, write_shard_map
 from shardrouter.localcluster.postgres import LocalPostgres, free_port
+from shardrouter.reshard import replication
 from shardrouter.reshard.move import ShardDatabases
 from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
@@ -362,8 +363,16 @@ def leftovers(pair: Pair) -> dict[str, object]:
             "SELECT subname FROM pg_subscription"
             " WHERE subdbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
         )
-        found[f"{sid} full identities"] = pair.sql(
-            sid, "SELECT relname FROM pg_class WHERE relreplident = 'f' AND relkind IN ('r', 'p')"
+        # The identity a move's row filter needs is permanent (migration 15, and each partition
+        # when it is made): a move neither takes it away nor spreads it to other tables.
+        with psycopg.connect(pair.dsns[sid], autocommit=True) as conn:
+            moved = replication.replicated_relations(conn)
+            found[f"{sid} moved tables not FULL"] = replication.lacking_replica_identity(conn)
+        found[f"{sid} other tables FULL"] = pair.sql(
+            sid,
+            "SELECT relname FROM pg_class WHERE relreplident = 'f' AND relkind IN ('r', 'p')"
+            " AND relnamespace = current_schema()::regnamespace AND NOT relname = ANY(%s)",
+            (moved,),
         )
         found[f"{sid} slots"] = pair.sql(
             sid, "SELECT slot_name FROM pg_replication_slots WHERE database = current_database()"
