@@ -90,6 +90,11 @@ class ShardMap:
         i = bisect.bisect_right(self._starts, slot) - 1
         return self.shards[self.ranges[i][2]]
 
+    def range_of_slot(self, slot: int) -> tuple[int, int, Shard]:
+        """The map range a slot is in: its first and last slot, and the shard that owns it."""
+        start, end, index = self.ranges[bisect.bisect_right(self._starts, slot) - 1]
+        return start, end, self.shards[index]
+
     def addresses(self) -> frozenset[str]:
         """Every daemon address of every shard."""
         return frozenset(a for shard in self.shards for a in shard.addresses)

@@ -5,9 +5,11 @@
     shard-router reshard status --watch [MOVE]           # a line per active move every 2 s, until done
     shard-router reshard resume MOVE                     # after a crash or a stop: go on from the journal
     shard-router reshard abort MOVE                      # roll back a move that has not committed
+    shard-router reshard show-map [MOVE]                 # the map to follow (or the one MOVE committed)
 
-It needs the shard map file (the one routers and shard daemons follow: the move commits by
-replacing it) and each shard's database DSN, from a YAML file of `shard-id: DSN` (`--databases`)
+It needs where the shard map that routers and shard daemons follow is published (`--map`: a file,
+or `configmap:NAMESPACE/NAME` on Kubernetes; the move publishes its change there after recording
+its commit in the shards' databases) and each shard's database DSN, from a YAML file of `shard-id: DSN` (`--databases`)
 or `--dsn shard-id=DSN`. The local cluster (`shard-router dev up`) writes both into its data
 directory, which is the default.
 
@@ -31,14 +33,23 @@ import psycopg
 import yaml
 
 from shardrouter.core import failpoints
-from shardrouter.core.shardmap import ShardMapError, load_shard_map
+from shardrouter.core.shardmap import ShardMapError, shard_map_document
 from shardrouter.reshard import replication
 from shardrouter.reshard.journal import MoveRecord
-from shardrouter.reshard.move import Move, MoveSettings, ShardDatabases, find_move, list_moves, start_move
+from shardrouter.reshard.map_store import MapStore, map_store_from
+from shardrouter.reshard.move import (
+    Move,
+    MoveSettings,
+    ShardDatabases,
+    current_map,
+    find_move,
+    list_moves,
+    start_move,
+)
 from shardrouter.reshard.plan import ACTIVE_PHASES, MoveError, Phase, parse_slot_range
 from shardrouter.shardd.fences import DrainTimeout
 
-_COMMANDS = ("status", "resume", "abort")
+_COMMANDS = ("status", "resume", "abort", "show-map")
 WATCH_INTERVAL_S = 2.0
 #: What a move is doing while its journal says it reached a phase: the next step.
 _STEP_AFTER = {
@@ -59,13 +70,18 @@ def _parser(default_dir: Path | None) -> argparse.ArgumentParser:
         description="Move a slot range, its accounts' rows and idempotency records, to another shard.",
     )
     parser.add_argument(
-        "command", nargs="?", choices=_COMMANDS, help="status, resume or abort (default: a new move)"
+        "command",
+        nargs="?",
+        choices=_COMMANDS,
+        help="status, resume, abort or show-map (default: a new move)",
     )
-    parser.add_argument("move_id", nargs="?", help="the move, for status, resume and abort")
+    parser.add_argument("move_id", nargs="?", help="the move, for status, resume, abort and show-map")
     parser.add_argument("--slots", help="the range to move, FIRST-LAST (inclusive), e.g. 0-1023")
     parser.add_argument("--to", dest="target", help="the shard that takes the range")
     parser.add_argument(
-        "--map", type=Path, help="the shard map file" + (where % "shard-map.yaml" if where else "")
+        "--map",
+        help="where the shard map is published: a file, or configmap:NAMESPACE/NAME[:KEY]"
+        + (where % "shard-map.yaml" if where else ""),
     )
     parser.add_argument(
         "--databases", type=Path, help="YAML of shard-id: DSN" + (where % "databases.yaml" if where else "")
@@ -141,11 +157,25 @@ def _pairs(flag: str, items: list[str]) -> dict[str, str]:
     return out
 
 
-def _map_path(args: argparse.Namespace, default_dir: Path | None) -> Path:
-    path: Path | None = args.map or (default_dir / "shard-map.yaml" if default_dir else None)
-    if path is None:
-        raise MoveError("no shard map given: --map FILE")
-    return path
+def _map_store(args: argparse.Namespace, default_dir: Path | None) -> MapStore:
+    where: str | Path | None = args.map or (default_dir / "shard-map.yaml" if default_dir else None)
+    if where is None:
+        raise MoveError("no shard map given: --map FILE or --map configmap:NAMESPACE/NAME")
+    return map_store_from(where)
+
+
+def _show_map(store: MapStore, databases: ShardDatabases, move_id: str | None) -> int:
+    """`show-map`: the map every process should follow (the published one with the databases'
+    newer facts), or with MOVE the map that move committed (from its journal); YAML on stdout."""
+    if move_id:
+        record = find_move(databases, move_id)
+        if record.committed_map is None:
+            raise MoveError(f"move {move_id} is {record.phase.value}: it has not committed a map")
+        document = record.committed_map
+    else:
+        document = shard_map_document(current_map(store, databases))
+    print(yaml.safe_dump(document, sort_keys=False), end="")
+    return 0
 
 
 def _print_progress(message: str) -> None:
@@ -314,13 +344,15 @@ def main(argv: Sequence[str] | None = None, *, default_dir: Path | None = None) 
             else:
                 print("\n".join(_describe(m) for m in moves) or "no moves")
             return 0
-        map_path = _map_path(args, default_dir)
+        store = _map_store(args, default_dir)
+        if args.command == "show-map":
+            return _show_map(store, databases, args.move_id)
         if args.command in ("resume", "abort"):
             if not args.move_id:
                 raise MoveError(f"reshard {args.command} needs the move's id (see reshard status)")
             record = find_move(databases, args.move_id)
             with Move(
-                record, map_path=map_path, databases=databases, settings=settings, progress=_print_progress
+                record, map_store=store, databases=databases, settings=settings, progress=_print_progress
             ) as mv:
                 if args.command == "abort":
                     print(_describe(mv.abort()))
@@ -328,14 +360,14 @@ def main(argv: Sequence[str] | None = None, *, default_dir: Path | None = None) 
                 return _run(mv, args.stop_after)
         if not args.slots or not args.target:
             raise MoveError("a move needs --slots FIRST-LAST and --to SHARD")
-        first, last = parse_slot_range(args.slots, load_shard_map(map_path).slots)
-        record = start_move(map_path, databases, first, last, args.target)
+        first, last = parse_slot_range(args.slots, store.load().slots)
+        record = start_move(store, databases, first, last, args.target)
         _print_progress(
             f"move {record.plan.move_id}: slots {first}-{last} from {record.plan.source} to {record.plan.target}"
         )
         failpoints.reached("reshard.planned")  # journaled, nothing made yet
         with Move(
-            record, map_path=map_path, databases=databases, settings=settings, progress=_print_progress
+            record, map_store=store, databases=databases, settings=settings, progress=_print_progress
         ) as mv:
             return _run(mv, args.stop_after)
     except (MoveError, ShardMapError, DrainTimeout) as exc:

@@ -14,7 +14,9 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
+from shardrouter.core.ownership import RangeOwner
 from shardrouter.reshard.plan import ACTIVE_PHASES, MovePlan, Phase
+from shardrouter.shardd.ownership import record_owner
 
 
 @dataclass(frozen=True)
@@ -38,13 +40,26 @@ class MoveRecord:
     phase: Phase
     objects: list[MoveObject] = field(default_factory=list)
     figures: dict[str, Any] = field(default_factory=dict)
+    #: The shard map the move committed (None before its commit): `reshard show-map MOVE` prints it.
+    committed_map: dict[str, Any] | None = None
+
+    @property
+    def committed_fact(self) -> RangeOwner | None:
+        """The ownership fact the commit recorded (None before the commit)."""
+        version = self.figures.get("map_version")
+        if self.phase not in (Phase.COMMITTED, Phase.DONE) or not isinstance(version, int):
+            return None
+        return self.plan.ownership(version)
 
     def has(self, kind: str, shard: str) -> list[MoveObject]:
         """The recorded objects of one kind on one shard."""
         return [o for o in self.objects if o.kind == kind and o.shard == shard]
 
 
-_COLUMNS = "move_id, slots, first_slot, last_slot, source_shard_id, target_shard_id, phase, objects, figures"
+_COLUMNS = (
+    "move_id, slots, first_slot, last_slot, source_shard_id, target_shard_id, phase, objects, figures,"
+    " committed_map"
+)
 
 
 def create_move(conn: psycopg.Connection[Any], plan: MovePlan) -> MoveRecord:
@@ -96,6 +111,29 @@ def set_phase(conn: psycopg.Connection[Any], record: MoveRecord, phase: Phase, *
     record.phase = phase
 
 
+def commit_move(
+    conn: psycopg.Connection[Any],
+    record: MoveRecord,
+    fact: RangeOwner,
+    committed_map: dict[str, Any],
+    **figures: Any,
+) -> None:
+    """The commit point, in one transaction of the old owner's database: the ownership fact (the
+    range belongs to the target as of the fact's version), the journal's phase `committed`, and the
+    map the move committed. Either all of it is there after a crash, or none of it."""
+    figures = {**figures, "map_version": fact.map_version}
+    with conn.transaction():
+        record_owner(conn, record.plan.move_id, fact)
+        conn.execute(
+            "UPDATE slot_moves SET phase = %s, figures = figures || %s, committed_map = %s,"
+            " updated_at = now() WHERE move_id = %s",
+            (Phase.COMMITTED, Jsonb(figures), Jsonb(committed_map), record.plan.move_id),
+        )
+    record.figures.update(figures)
+    record.committed_map = committed_map
+    record.phase = Phase.COMMITTED
+
+
 def add_figures(conn: psycopg.Connection[Any], record: MoveRecord, **figures: Any) -> None:
     """Merge figures (progress: rows copied, lag) into the journal without changing the phase."""
     record.figures.update(figures)
@@ -119,7 +157,7 @@ def record_object(conn: psycopg.Connection[Any], record: MoveRecord, obj: MoveOb
 
 
 def _record(row: tuple[Any, ...]) -> MoveRecord:
-    move_id, slots, first, last, source, target, phase, objects, figures = row
+    move_id, slots, first, last, source, target, phase, objects, figures, committed_map = row
     plan = MovePlan(str(move_id), int(slots), int(first), int(last), str(source), str(target))
     parsed = objects if isinstance(objects, list) else json.loads(objects)
     return MoveRecord(
@@ -127,6 +165,7 @@ def _record(row: tuple[Any, ...]) -> MoveRecord:
         Phase(phase),
         [MoveObject(o["kind"], o["name"], o["shard"]) for o in parsed],
         dict(figures or {}),
+        committed_map if isinstance(committed_map, dict) else None,
     )
 
 
@@ -136,6 +175,7 @@ __all__ = [
     "active_moves",
     "add_figures",
     "all_moves",
+    "commit_move",
     "create_move",
     "load_move",
     "record_object",

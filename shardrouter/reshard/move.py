@@ -2,13 +2,17 @@
 
 Each phase is safe to repeat, and the journal (`journal.py`, in the old owner's database) says
 which phase was reached and which objects exist, so `run` resumes a move after a crash at any
-step and `abort` removes everything an unfinished move made. Ownership changes in one place, at
-one moment: the shard map file, replaced atomically with the range given to the new owner and a
-higher version. Before that the old owner is fenced by its database (no write to the range can
-commit there) and the new owner is fenced too (until the map names it, it takes only the
-replicated rows); after it, the old owner stays fenced for that range for good. A crash between
-the two fences and the map can leave the range unavailable for a moment, never with two owners
-taking writes.
+step and `abort` removes everything an unfinished move made.
+
+Ownership changes at one moment, in the old owner's database: one transaction records the fact
+(the range belongs to the new owner as of map version V), the journal's phase `committed` and the
+map the move committed. Before it the old owner's fence keeps every write off the range there and
+the new owner is fenced too (it takes only the replicated rows); the hand-over then records the same
+fact in the new owner's database and lowers its fence, and the map is published (a file, or a
+ConfigMap: `map_store.py`) so every process learns it fast. Shard daemons decide from their
+database's facts before their map, so neither a map published late nor a stale one re-applied can
+give the range two owners; a crash between the commit and the hand-over leaves the range fenced on
+both sides (unavailable, retryable) until the move is resumed.
 """
 
 from __future__ import annotations
@@ -23,15 +27,16 @@ import psycopg
 from psycopg import sql
 
 from shardrouter.core import failpoints
-from shardrouter.core.shardmap import ShardMap, load_shard_map, update_shard_map
+from shardrouter.core.ownership import RangeOwner, with_facts, with_owner
+from shardrouter.core.shardmap import ShardMap, ShardMapError, shard_map_document
 from shardrouter.reshard import journal, replication
 from shardrouter.reshard.journal import MoveObject, MoveRecord
+from shardrouter.reshard.map_store import MapStore, map_store_from
 from shardrouter.reshard.plan import (
     ACTIVE_PHASES,
     MoveError,
     MovePlan,
     Phase,
-    moved_map,
     owns_range,
     plan_move,
 )
@@ -39,6 +44,7 @@ from shardrouter.reshard.verify import rows_in_range, verify
 from shardrouter.shardd import fences, partitions
 from shardrouter.shardd.fences import SlotFence
 from shardrouter.shardd.migrations import schema_version
+from shardrouter.shardd.ownership import record_owner, recorded_owners
 
 Progress = Callable[[str], None]
 
@@ -56,7 +62,7 @@ _DELETE_ORDER = (
 _SEQUENCES = (("outbox", "id"), ("delivery_attempts", "id"))
 #: Each database's block of ids is 2^40 wide (migration 9 starts its sequences in a random one).
 _ID_BLOCK_BITS = 40
-_MIN_SCHEMA = 9
+_MIN_SCHEMA = 14  # the ownership facts
 
 
 @dataclass(frozen=True)
@@ -99,11 +105,32 @@ def _connect(dsn: str) -> psycopg.Connection[Any]:
     return psycopg.connect(dsn, autocommit=True, connect_timeout=10)
 
 
+def _store(where: MapStore | Path | str) -> MapStore:
+    return map_store_from(where) if isinstance(where, (Path, str)) else where
+
+
+def recorded_facts(databases: ShardDatabases, *, shards: list[str] | None = None) -> list[RangeOwner]:
+    """Every ownership fact recorded in the shards' databases (all known ones, or `shards`)."""
+    facts: list[RangeOwner] = []
+    for shard in shards if shards is not None else sorted(databases.dsns):
+        with _connect(databases.dsn(shard)) as conn:
+            facts.extend(recorded_owners(conn))
+    return facts
+
+
+def current_map(map_store: MapStore | Path | str, databases: ShardDatabases) -> ShardMap:
+    """The map every process should follow: the published one, with every newer ownership fact the
+    databases recorded applied (a move committed, its map not yet published, or a stale map
+    re-applied over it)."""
+    published = _store(map_store).load()
+    return with_facts(published, recorded_facts(databases))
+
+
 def start_move(
-    map_path: Path, databases: ShardDatabases, first_slot: int, last_slot: int, target: str
+    map_store: MapStore | Path | str, databases: ShardDatabases, first_slot: int, last_slot: int, target: str
 ) -> MoveRecord:
     """Check and journal a new move (nothing is created yet)."""
-    shard_map = load_shard_map(map_path)
+    shard_map = current_map(map_store, databases)
     plan = plan_move(shard_map, first_slot, last_slot, target)
     with _connect(databases.dsn(plan.source)) as source, _connect(databases.dsn(plan.target)) as dest:
         for shard, conn in ((plan.source, source), (plan.target, dest)):
@@ -144,14 +171,14 @@ class Move:
         self,
         record: MoveRecord,
         *,
-        map_path: Path,
+        map_store: MapStore | Path | str,
         databases: ShardDatabases,
         settings: MoveSettings | None = None,
         progress: Progress | None = None,
     ) -> None:
         self.record = record
         self.plan: MovePlan = record.plan
-        self._map_path = map_path
+        self._store = _store(map_store)
         self._databases = databases
         self._settings = settings or MoveSettings()
         self._progress = progress or (lambda _: None)
@@ -217,12 +244,12 @@ class Move:
                 self._record("partition", month.table, p.target)
                 partitions.create_partition(self._target, month)
         id_spans = self._check_id_spaces()
-        self._record("replica_identity", "full", p.source)
-        replication.set_replica_identity(self._source, full=True)
+        # The row filter needs REPLICA IDENTITY FULL, permanent since migration 15 (partitions get
+        # it before they are attached): normally a catalog read and no lock. Only a table that
+        # lacks it (a database not migrated yet) is altered; a move leaves it as it is.
+        replication.ensure_replica_identity(self._source)
         self._record("publication", name, p.source)
         replication.create_publication(self._source, name, p)
-        # Again: a partition attached meanwhile must be FULL too (the keeper checks for moves).
-        replication.set_replica_identity(self._source, full=True)
         self._record("slot", name, p.source)
         replication.create_slot(self._source, name)
         self._phase(Phase.PREPARED, prepare_s=round(time.monotonic() - started, 3), id_spans=id_spans)
@@ -322,53 +349,87 @@ class Move:
 
     def _commit(self) -> None:
         started = time.monotonic()
-        replication.drop_subscription(self._target, self.plan.object_name)
-        written: list[ShardMap] = []
-
-        def give_range(current: ShardMap) -> ShardMap | None:
-            p = self.plan
-            if owns_range(current, p.target, p.first_slot, p.last_slot):
-                return None  # committed before a crash: the journal had not caught up
-            if not owns_range(current, p.source, p.first_slot, p.last_slot):
-                raise MoveError(
-                    f"the shard map {self._map_path} no longer gives slots {p.first_slot}-"
-                    f"{p.last_slot} to {p.source}; someone changed it during the move"
-                )
-            written.append(moved_map(current, p))
-            return written[-1]
-
-        update_shard_map(self._map_path, give_range)  # the commit point
-        if written:
-            self._progress(
-                f"committed: shard map version {written[0].version} gives the range to {self.plan.target}"
+        p = self.plan
+        replication.drop_subscription(self._target, p.object_name)
+        facts = self._facts()
+        try:
+            current = with_facts(self._store.load(), facts)
+        except ShardMapError as exc:
+            raise MoveError(f"cannot read the shard map to commit the move (resume to try again): {exc}") from exc
+        if not owns_range(current, p.source, p.first_slot, p.last_slot):
+            raise MoveError(
+                f"the shard map ({self._store.where}, with the databases' facts) no longer gives slots "
+                f"{p.first_slot}-{p.last_slot} to {p.source}; someone changed it during the move"
             )
-            failpoints.reached("reshard.map_written")  # the commit point passed, not yet journaled
-        fences.lower_fence(self._target, self.plan.move_id)
-        pause = time.time() - float(self.record.figures.get("fenced_at_unix", time.time()))
-        self._phase(
-            Phase.COMMITTED, commit_s=round(time.monotonic() - started, 3), write_pause_s=round(pause, 3)
+        # Above every version any process may hold, so every daemon's database fact overrules its map.
+        version = max([current.version, *(f.map_version for f in facts)]) + 1
+        fact = p.ownership(version)
+        committed = with_owner(current, fact, version=version)
+        journal.commit_move(self._source, self.record, fact, shard_map_document(committed))  # the commit point
+        self._progress(
+            f"committed: shard map version {version} gives slots {p.first_slot}-{p.last_slot} to {p.target} "
+            f"(recorded in {p.source}'s database)"
         )
+        failpoints.reached("reshard.committed")  # committed, not yet handed over
+        self._hand_over(fact)
+        pause = time.time() - float(self.record.figures.get("fenced_at_unix", time.time()))
+        journal.add_figures(self._source, self.record, write_pause_s=round(pause, 3))
+        self._publish(fact)
+        journal.add_figures(self._source, self.record, commit_s=round(time.monotonic() - started, 3))
+        self._progress(f"handed over to {p.target} and published to {self._store.where}")
+        failpoints.reached("reshard.published")
+
+    def _hand_over(self, fact: RangeOwner) -> None:
+        """Record the commit's fact in the new owner's database and lower its fence, in one
+        transaction: from its commit the new owner's daemons serve the range, whatever map they have."""
+        with self._target.transaction():
+            record_owner(self._target, self.plan.move_id, fact)
+            self._target.execute("DELETE FROM slot_fences WHERE move_id = %s", (self.plan.move_id,))
+
+    def _publish(self, fact: RangeOwner) -> ShardMap:
+        """Publish the committed change to the map store (compare-and-swap), unless the published map
+        says it already or a later move has the range since."""
+        p = self.plan
+
+        def give_range(published: ShardMap) -> ShardMap | None:
+            if published.version >= fact.map_version and owns_range(
+                published, p.target, p.first_slot, p.last_slot
+            ):
+                return None
+            if any(f.overlaps(fact) and f.map_version > fact.map_version for f in self._facts()):
+                return None  # moved again since: that move publishes its own change
+            return with_owner(published, fact, version=max(published.version + 1, fact.map_version))
+
+        try:
+            return self._store.publish(give_range)
+        except (ShardMapError, OSError, ValueError) as exc:
+            raise MoveError(
+                f"the move committed (every shard daemon follows its database), but publishing the map to "
+                f"{self._store.where} failed: {exc}; resume the move to publish it"
+            ) from exc
 
     def _clean_up(self) -> None:
         started = time.monotonic()
         name = self.plan.object_name
-        # The old rows go only once the map this move is given says the range has gone: where the
-        # map is published by hand (a ConfigMap), a resume with a copy from before the publication
-        # would otherwise delete the rows that copy still routes to.
-        p = self.plan
-        if not owns_range(load_shard_map(self._map_path), p.target, p.first_slot, p.last_slot):
-            raise MoveError(
-                f"the shard map {self._map_path} does not give slots {p.first_slot}-{p.last_slot} to "
-                f"{p.target} yet: publish the map the move committed, then resume to clean up"
-            )
+        fact = self.record.committed_fact
+        if fact is None:
+            raise MoveError(f"move {self.plan.move_id}'s journal has no committed map version; resume cannot go on")
+        # Again, for a move resumed after a crash between its commit and these steps.
+        self._hand_over(fact)
+        self._publish(fact)
+        # The old rows can go: the old owner's database says the range moved, so its daemons refuse
+        # it whatever map they hold, and the new owner has every row.
         replication.drop_slot(self._source, name)
         replication.drop_publication(self._source, name)
-        replication.set_replica_identity(self._source, full=False)
         deleted = self._delete_range(self._source)
         # The source's fence stays: it marks the range as moved out, refusing any stray write.
         self._phase(
             Phase.DONE, clean_up_s=round(time.monotonic() - started, 3), rows_deleted_at_source=deleted
         )
+
+    def _facts(self) -> list[RangeOwner]:
+        """Every ownership fact of the known shards' databases."""
+        return recorded_facts(self._databases)
 
     # Abort.
 
@@ -376,22 +437,17 @@ class Move:
         """Undo a move that has not committed: every object it made, and the rows it copied."""
         if self.record.phase in (Phase.COMMITTED, Phase.DONE):
             raise MoveError(
-                f"move {self.plan.move_id} has committed (the map gives the range to {self.plan.target}); "
-                f"resume it to finish the clean-up instead"
+                f"move {self.plan.move_id} has committed (the databases give the range to "
+                f"{self.plan.target}); resume it instead to finish the hand-over and the clean-up"
             )
         if self.record.phase is Phase.ABORTED:
             return self.record
-        current = load_shard_map(self._map_path)
-        if owns_range(current, self.plan.target, self.plan.first_slot, self.plan.last_slot):
-            raise MoveError(
-                f"the shard map already gives slots {self.plan.first_slot}-{self.plan.last_slot} to "
-                f"{self.plan.target}: the move committed; resume it instead"
-            )
         name = self.plan.object_name
         replication.drop_subscription(self._target, name)
         replication.drop_slot(self._source, name)
         replication.drop_publication(self._source, name)
-        replication.set_replica_identity(self._source, full=False)
+        # The replica identity stays FULL (migration 15), also where an older version's journal
+        # lists a "replica_identity" object: nothing to undo, and no lock to take.
         removed = self._delete_range(self._target)
         for obj in self.record.has("partition", self.plan.target):
             month = next(

@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from shardrouter.core.moves import ACTIVE_PHASES, Phase
+from shardrouter.core.ownership import RangeOwner, with_owner
 from shardrouter.core.shardmap import ShardMap
 
 
@@ -37,6 +38,10 @@ class MovePlan:
     def row_filter(self, column: str = "account_hash") -> str:
         """SQL that is true for the rows of the moving slots (the publication's row filter)."""
         return f"({column} % {self.slots} BETWEEN {self.first_slot} AND {self.last_slot})"
+
+    def ownership(self, map_version: int) -> RangeOwner:
+        """The fact the move's commit records: the range belongs to the target as of `map_version`."""
+        return RangeOwner(self.slots, self.first_slot, self.last_slot, self.target, map_version)
 
 
 def parse_slot_range(text: str, slots: int) -> tuple[int, int]:
@@ -80,23 +85,7 @@ def plan_move(shard_map: ShardMap, first_slot: int, last_slot: int, target: str)
 
 def moved_map(shard_map: ShardMap, plan: MovePlan) -> ShardMap:
     """The map after the move: the range belongs to the target, the version is one higher."""
-    target_index = next(i for i, s in enumerate(shard_map.shards) if s.id == plan.target)
-    ranges: list[tuple[int, int, int]] = []
-    for start, end, index in shard_map.ranges:
-        if end < plan.first_slot or start > plan.last_slot:
-            ranges.append((start, end, index))
-            continue
-        if start < plan.first_slot:
-            ranges.append((start, plan.first_slot - 1, index))
-        if end > plan.last_slot:
-            ranges.append((plan.last_slot + 1, end, index))
-    ranges.append((plan.first_slot, plan.last_slot, target_index))
-    return ShardMap(
-        slots=shard_map.slots,
-        shards=shard_map.shards,
-        ranges=tuple(_merged(sorted(ranges))),
-        version=shard_map.version + 1,
-    )
+    return with_owner(shard_map, plan.ownership(shard_map.version + 1), version=shard_map.version + 1)
 
 
 def owns_range(shard_map: ShardMap, shard_id: str, first_slot: int, last_slot: int) -> bool:
@@ -106,17 +95,6 @@ def owns_range(shard_map: ShardMap, shard_id: str, first_slot: int, last_slot: i
         for start, end, index in shard_map.ranges
         if start <= last_slot and end >= first_slot
     )
-
-
-def _merged(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """Adjacent ranges of one shard as one."""
-    out: list[tuple[int, int, int]] = []
-    for start, end, index in ranges:
-        if out and out[-1][2] == index and out[-1][1] + 1 == start:
-            out[-1] = (out[-1][0], end, index)
-        else:
-            out.append((start, end, index))
-    return out
 
 
 __all__ = [

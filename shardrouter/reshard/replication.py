@@ -86,15 +86,6 @@ def ensure_replica_identity(conn: psycopg.Connection[Any]) -> list[str]:
     return lacking
 
 
-def set_replica_identity(conn: psycopg.Connection[Any], *, full: bool) -> None:
-    """The pre-migration-15 call, kept until its last caller is gone: FULL is now permanent, so
-    `full=False` leaves it (a DEFAULT identity would refuse UPDATEs under the next move's filter,
-    and setting it would take the very lock moves no longer take); `full=True` is
-    `ensure_replica_identity`."""
-    if full:
-        ensure_replica_identity(conn)
-
-
 def create_publication(conn: psycopg.Connection[Any], name: str, plan: MovePlan) -> None:
     """The publication of the moving slots' rows of every moved table (the partitioned table
     through its root, so the target's partitions may differ)."""
@@ -250,7 +241,6 @@ __all__ = [
     "lacking_replica_identity",
     "point_subscription",
     "replicated_relations",
-    "set_replica_identity",
     "slot_lag_bytes",
     "slot_streaming",
     "wake_stream",

@@ -51,6 +51,7 @@ from shardrouter.core.errors import (
 )
 from shardrouter.core.keys import KEY_METADATA
 from shardrouter.core.metrics import RouterMetrics
+from shardrouter.core.ownership import LearnedOwners, RangeOwner, owner_of_slot
 from shardrouter.core.rpcs import RpcDeclaration
 from shardrouter.core.shardmap import Shard, ShardMap
 from shardrouter.core.shardmap_file import ShardMapFile
@@ -130,6 +131,8 @@ class MoveRefusal:
     reason: str  # ACCOUNT_MOVED or SLOT_RANGE_MOVING
     #: The owner in the refusing daemon's map and that map's version (ACCOUNT_MOVED names them).
     owner: Ownership | None
+    #: The range that owner holds, by the refusing daemon (its database or its map).
+    fact: RangeOwner | None = None
 
 
 @dataclass(frozen=True)
@@ -223,6 +226,8 @@ class Forwarder(_GenericHandler):
     ) -> None:
         self._maps = shard_maps
         self._recheck = MapRecheck(shard_maps)
+        #: Ranges shards named with a newer owner than this router's map (ACCOUNT_MOVED).
+        self._learned = LearnedOwners()
         self._move_wait_s = move_wait_s
         self._metrics = metrics
         # With tracing on, each forwarding attempt is a CLIENT span whose traceparent the shard sees.
@@ -312,8 +317,7 @@ class Forwarder(_GenericHandler):
         account = routing_account(method, raw)
         keyed = any(k == KEY_METADATA for k, _ in metadata)
         shard_map = self._maps.current
-        shard = shard_map.shard_for(account)
-        owner = Ownership(shard.id, shard_map.version)
+        shard, owner = self._first_owner(shard_map, account)
         cut_over = _CutOverWait(self._move_wait_s)
         note: MoveNote | None = None
         redirects = 0
@@ -342,6 +346,19 @@ class Forwarder(_GenericHandler):
             note = MoveNote(refusal.reason, shard.id, redirect, cut_over.waited_s)
             shard = next_shard
 
+    def _first_owner(self, shard_map: ShardMap, account: str) -> tuple[Shard, Ownership]:
+        """Where a call goes first: the owner by the map, or by a newer fact a shard named."""
+        learned = self._learned.snapshot
+        if learned:
+            if min(f.map_version for f in learned) <= shard_map.version:
+                self._learned.forget_upto(shard_map.version)  # the map has caught up with those
+            word = owner_of_slot(shard_map, shard_map.slot_of(account), learned, at_least=False)
+            shard = shard_map.shard_by_id(word.shard_id)
+            if not word.from_map and shard is not None:
+                return shard, Ownership(shard.id, word.map_version)
+        shard = shard_map.shard_for(account)
+        return shard, Ownership(shard.id, shard_map.version)
+
     async def _owner_after(
         self,
         refusal: MoveRefusal,
@@ -354,6 +371,17 @@ class Forwarder(_GenericHandler):
         """The newest ownership known after a refusal, and the shard to resend to (None: answer it)."""
         owner = owner.newer(refusal.owner, on_tie=False)
         shard_map = await self._recheck.current()
+        if refusal.fact is not None and self._learned.learn(refusal.fact, shard_map.version):
+            # Calls on the range now go straight to its owner until this router's map catches up.
+            log.info(
+                "slots %d-%d belong to %s as of map version %d (this router's map: version %d)",
+                refusal.fact.first_slot,
+                refusal.fact.last_slot,
+                refusal.fact.shard_id,
+                refusal.fact.map_version,
+                shard_map.version,
+                extra={"shard_id": refused_by.id},
+            )
         owner = owner.newer(Ownership.in_map(shard_map, account), on_tie=True)
         if owner.shard_id == refused_by.id:
             if refusal.reason != Reason.SLOT_RANGE_MOVING:
@@ -510,7 +538,11 @@ def move_refusal(outcome: Outcome) -> MoveRefusal | None:
     owner_id = info.metadata.get("owner_shard_id", "")
     version = info.metadata.get("map_version", "")
     known = bool(owner_id) and version.isascii() and version.isdigit()
-    return MoveRefusal(info.reason, Ownership(owner_id, int(version)) if known else None)
+    return MoveRefusal(
+        info.reason,
+        Ownership(owner_id, int(version)) if known else None,
+        RangeOwner.from_metadata(info.metadata) if known else None,
+    )
 
 
 __all__ = [

@@ -53,7 +53,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
@@ -82,6 +82,10 @@ MOVE_PHASES = tuple(phase.value for phase in Phase)
 FINISHED_MOVE_PHASES = frozenset(phase.value for phase in FINISHED_PHASES)
 #: What a fence in this database is, by the journal of the move that raised it.
 FENCE_KINDS = ("incoming", "outgoing", "moved_out", "stale")
+
+
+if TYPE_CHECKING:
+    from shardrouter.shardd.ownership import ShardLocator
 
 
 class ShardMetrics:
@@ -157,6 +161,38 @@ class ShardMetrics:
     def _policy_info(self, _options: CallbackOptions) -> Iterable[Observation]:
         labels = self._policy_labels
         return () if labels is None else (Observation(1, labels),)
+
+    def follow_ownership(self, locator: ShardLocator) -> None:
+        """Export which map this process follows, and whether its database says more than that map."""
+
+        def version(_options: CallbackOptions) -> Iterable[Observation]:
+            shard_map = locator.shard_map
+            return () if shard_map is None else (Observation(shard_map.version),)
+
+        def refused(_options: CallbackOptions) -> Iterable[Observation]:
+            return (Observation(locator.maps_refused),)
+
+        def overrides(_options: CallbackOptions) -> Iterable[Observation]:
+            return (Observation(locator.overrides()),)
+
+        self.meter.create_observable_gauge(
+            "shardd_shard_map_version",
+            callbacks=[version],
+            description="Version of the shard map this process follows (processes should agree).",
+        )
+        self.meter.create_observable_counter(
+            "shardd_shard_map_refused",
+            callbacks=[refused],
+            description="Shard maps refused for a version older than the one in force (a stale copy was offered).",
+        )
+        self.meter.create_observable_gauge(
+            "shardd_ownership_overrides",
+            callbacks=[overrides],
+            description=(
+                "Slot ranges this shard's database gives another owner than the process's map does: "
+                "the map is behind the databases (publish the newest map)."
+            ),
+        )
 
     def shutdown(self) -> None:
         """Stop the provider; the registry stops exposing the instruments (idempotent)."""

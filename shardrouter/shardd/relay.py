@@ -62,11 +62,13 @@ from shardrouter.core.channels import (
 )
 from shardrouter.core.errors import ShardRouterError
 from shardrouter.core.keys import KEY_METADATA
+from shardrouter.core.ownership import RangeOwner, moved_to
 from shardrouter.core.shardmap import ShardMap
 from shardrouter.internal.v1 import ledger_pb2
 from shardrouter.shardd.db import Database, mapped_database_errors
 from shardrouter.shardd.ledger import store
 from shardrouter.shardd.ledger.service import refund_key
+from shardrouter.shardd.ownership import OWNERSHIP_CHANNEL, DatabaseOwnership, ShardLocator
 from shardrouter.shardd.settings import ShardSettings
 from shardrouter.shardd.transfer_waits import TRANSFER_CHANNEL, TransferWaits, notify_in_transaction
 
@@ -106,9 +108,16 @@ class ShardClients:
     closed once every call that may still run on them has reached its deadline.
     """
 
-    def __init__(self, settings: ShardSettings, shard_map: Callable[[], ShardMap]) -> None:
+    def __init__(
+        self,
+        settings: ShardSettings,
+        shard_map: Callable[[], ShardMap],
+        on_moved: Callable[[RangeOwner], object] | None = None,
+    ) -> None:
         self._settings = settings
         self._map = shard_map  # the map in force, read at every call (it is followed without restart)
+        #: Told the range, owner and version a shard named when it refused a credit as not its own.
+        self._on_moved = on_moved
         self._channels: dict[str, grpc.Channel] = {}  # by daemon address
         self._turns = itertools.count()
         self._lock = threading.Lock()
@@ -151,8 +160,12 @@ class ShardClients:
             except grpc.RpcError as err:
                 call: grpc.Call = err  # type: ignore[assignment]  # a failed call is both
                 answer = call.code(), call.details() or ""
-                if unreached(answer[0], call.trailing_metadata() or ()):
+                trailers = call.trailing_metadata() or ()
+                if unreached(answer[0], trailers):
                     continue
+                fact = moved_to(answer[0], trailers)
+                if fact is not None and self._on_moved is not None:
+                    self._on_moved(fact)  # the next attempt goes to the owner it names
                 return answer
             return grpc.StatusCode.OK, ""
         return answer
@@ -202,12 +215,21 @@ class OutboxRelay:
         database: Database,
         shard_map: Callable[[], ShardMap],
         waits: TransferWaits | None = None,
+        locator: ShardLocator | None = None,
+        ownership: DatabaseOwnership | None = None,
     ) -> None:
         self._settings = settings
         self._db = database
         #: This process's `GetTransfer` waiters, signalled after each committed state change.
         self._waits = waits if waits is not None else TransferWaits()
-        self._clients = ShardClients(settings, shard_map)
+        #: Who owns a credit's account: the map, overruled by newer facts (this shard's database, and
+        #: what the shards it sends to answer).
+        self._locator = locator
+        #: Read again when a move's commit or hand-over notifies this shard's database.
+        self._ownership = ownership
+        self._clients = ShardClients(
+            settings, shard_map, on_moved=None if locator is None else self._learn
+        )
         self._tracer_provider = database.tracer_provider
         self._stop = threading.Event()
         #: Set when a commit queued a credit (or on stop): idle workers look at once.
@@ -321,6 +343,7 @@ class OutboxRelay:
                 with psycopg.connect(self._settings.dsn, autocommit=True, connect_timeout=5) as conn:
                     conn.execute(f"LISTEN {OUTBOX_CHANNEL}")
                     conn.execute(f"LISTEN {TRANSFER_CHANNEL}")
+                    conn.execute(f"LISTEN {OWNERSHIP_CHANNEL}")
                     self._wake.set()  # anything queued while not listening is due now
                     self._waits.set_listening(True)
                     pause = 0.1
@@ -328,6 +351,10 @@ class OutboxRelay:
                         for note in conn.notifies(timeout=0.5, stop_after=1):
                             if note.channel == TRANSFER_CHANNEL:
                                 self._waits.notify_payload(note.payload)
+                            elif note.channel == OWNERSHIP_CHANNEL:
+                                if self._ownership is not None:
+                                    self._ownership.check()  # a move committed or handed over here
+                                self._wake.set()  # credits held back by the move are due now
                             else:
                                 self._wake.set()
             except psycopg.Error as exc:
@@ -412,7 +439,23 @@ class OutboxRelay:
         """The shard that owns the credit's account now: the one named when the transfer was made,
         unless its slot has moved since (then the map in force names the new owner)."""
         account = ledger_pb2.CreditTransferRequest.FromString(row.payload).destination_account_id
-        return self._clients.owner_of(account) if account else row.destination_shard_id
+        if not account:
+            return row.destination_shard_id
+        return self._locator.shard_of(account) if self._locator else self._clients.owner_of(account)
+
+    def _learn(self, fact: RangeOwner) -> None:
+        if self._locator is None:
+            return
+        shard_map = self._locator.shard_map
+        if shard_map is not None and self._locator.learned.learn(fact, shard_map.version):
+            log.info(
+                "relay: slots %d-%d belong to %s as of map version %d (the map here is version %d)",
+                fact.first_slot,
+                fact.last_slot,
+                fact.shard_id,
+                fact.map_version,
+                shard_map.version,
+            )
 
     def _too_old(self, row: store.OutboxRow) -> bool:
         return (datetime.now(UTC) - row.created_at).total_seconds() > self._settings.relay_max_age_s

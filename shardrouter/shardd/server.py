@@ -38,6 +38,7 @@ from shardrouter.shardd.ledger.service import (
     TransferServicer,
 )
 from shardrouter.shardd.observability import ShardMetrics, ShardStateCollector
+from shardrouter.shardd.ownership import DatabaseOwnership
 from shardrouter.shardd.partition_keeper import PartitionKeeper
 from shardrouter.shardd.settings import ShardSettings
 from shardrouter.shardd.transfer_waits import TransferWaits
@@ -151,6 +152,10 @@ class ShardDaemon:
     metrics_port: int = 0
     #: The `GetTransfer` calls waiting for transfers, woken by the relay (and its listener).
     transfer_waits: TransferWaits = field(default_factory=TransferWaits)
+    #: Who owns an account as this daemon decides it: its map, overruled by its database's facts.
+    locator: ShardLocator | None = None
+    #: The database's ownership facts and fences, read again on a timer and on demand.
+    ownership: DatabaseOwnership | None = None
 
     @property
     def shard_map(self) -> ShardMap | None:
@@ -330,6 +335,9 @@ def start_background(daemon: ShardDaemon, *, metrics_host: str | None = None) ->
         _start(daemon.policies, background)
     if daemon.shard_maps is not None:
         _start(daemon.shard_maps, background)
+    if daemon.ownership is not None:  # every serving process decides ownership, so every one reads it
+        daemon.ownership.check()  # before the first call: a stale map must not decide it
+        _start(daemon.ownership, background)
     if runs_background:
         # Keeps months ahead partitioned while the daemon runs, whether or not the retention CronJob does.
         _start(
@@ -350,9 +358,15 @@ def start_background(daemon: ShardDaemon, *, metrics_host: str | None = None) ->
         from shardrouter.shardd.relay import OutboxRelay
 
         maps = daemon.shard_maps
-        _start(
-            OutboxRelay(settings, daemon.database, lambda: maps.current, daemon.transfer_waits), background
+        relay = OutboxRelay(
+            settings,
+            daemon.database,
+            lambda: maps.current,
+            daemon.transfer_waits,
+            locator=daemon.locator,
+            ownership=daemon.ownership,
         )
+        _start(relay, background)
 
 
 def start_shard(
@@ -372,11 +386,12 @@ def start_shard(
     metrics = ShardMetrics() if settings.metrics_port > 0 else None
     policies = follow_policy(settings, metrics)
     shard_maps = follow_shard_map(settings)
-    locator = ShardLocator(settings.shard_id, shard_maps)
     traced = tracing.tracing_active(tracer_provider)
     database = new_database(settings, tracer_provider=tracer_provider, traced=traced)
+    ownership = DatabaseOwnership(database.connection) if shard_maps is not None else None
+    locator = ShardLocator(settings.shard_id, shard_maps, ownership)
     if shard_maps is not None:
-        database.on_slot_fenced = shard_maps.recheck
+        database.on_slot_fenced = locator.refresh
     admission = admission_from(settings)
     guard = new_idempotency_interceptor(
         settings,
@@ -417,7 +432,11 @@ def start_shard(
         policies,
         metrics=metrics,
         transfer_waits=transfer_waits,
+        locator=locator,
+        ownership=ownership,
     )
+    if metrics is not None:
+        metrics.follow_ownership(locator)
     start_background(daemon, metrics_host=metrics_host)
     grpcserver.mark_serving(health_servicer, [PUBLIC_SERVICE, INTERNAL_SERVICE])
     _warn_about(settings)

@@ -98,7 +98,7 @@ class Shards:
         self.daemons[shard_id].start()
 
     def move(self, record: MoveRecord) -> Move:
-        return Move(record, map_path=self.pair.map_path, databases=self.pair.databases, settings=QUICK)
+        return Move(record, map_store=self.pair.map_path, databases=self.pair.databases, settings=QUICK)
 
 
 def _start_shards(

@@ -43,7 +43,7 @@ class MeteredPair:
         return scrape(daemon.metrics_port)
 
     def move(self, record: MoveRecord) -> Move:
-        return Move(record, map_path=self.pair.map_path, databases=self.pair.databases, settings=QUICK)
+        return Move(record, map_store=self.pair.map_path, databases=self.pair.databases, settings=QUICK)
 
 
 @pytest.fixture

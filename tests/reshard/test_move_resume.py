@@ -8,12 +8,12 @@ import shutil
 from pathlib import Path
 
 import psycopg
-import pytest
 from psycopg import sql
 
+from shardrouter.core.shardmap import load_shard_map
 from shardrouter.reshard import cli
 from shardrouter.reshard.move import Move, MoveSettings, find_move, start_move
-from shardrouter.reshard.plan import MoveError, Phase
+from shardrouter.reshard.plan import Phase
 from tests.reshard.cluster import FIRST, LAST, Pair, accounts, assert_no_leftovers, check_ledger, seed
 
 QUICK = MoveSettings(copy_timeout_s=20, catch_up_timeout_s=20, final_sync_timeout_s=20)
@@ -23,7 +23,7 @@ def test_a_resumed_move_points_its_subscription_at_the_old_owner_where_it_is_now
     moving, staying = accounts(pair, 3)
     seed(pair, moving + staying)
     record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
-    with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+    with Move(record, map_store=pair.map_path, databases=pair.databases, settings=QUICK) as move:
         move.run(until=Phase.COPIED)
     name = record.plan.object_name
     # What the subscription knows is an address where nothing listens any more.
@@ -35,7 +35,7 @@ def test_a_resumed_move_points_its_subscription_at_the_old_owner_where_it_is_now
         )
     seed(pair, moving, 1)  # changes the stream must still carry to the new owner
     resumed = find_move(pair.databases, record.plan.move_id)
-    with Move(resumed, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+    with Move(resumed, map_store=pair.map_path, databases=pair.databases, settings=QUICK) as move:
         move.run()
     assert resumed.phase is Phase.DONE
     assert all(pair.owner(a) == "shard-1" for a in moving)
@@ -58,21 +58,22 @@ def test_the_new_owner_reaches_the_old_one_by_the_replication_dsn_given(pair: Pa
     assert_no_leftovers(pair)
 
 
-def test_the_clean_up_waits_for_a_map_that_shows_the_move(pair: Pair, tmp_path: Path) -> None:
+def test_a_resume_publishes_the_committed_map_where_it_is_told_to(pair: Pair, tmp_path: Path) -> None:
     moving, _ = accounts(pair, 2)
     seed(pair, moving)
     before = tmp_path / "published-before.yaml"
     shutil.copy(pair.map_path, before)
     record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
-    with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+    with Move(record, map_store=pair.map_path, databases=pair.databases, settings=QUICK) as move:
         move.run(until=Phase.COMMITTED)
-    # Resumed with a copy of the map from before the commit was published: the old rows stay.
-    with Move(record, map_path=before, databases=pair.databases, settings=QUICK) as move:
-        with pytest.raises(MoveError, match="publish the map the move committed"):
-            move.run()
-    assert record.phase is Phase.COMMITTED
-    assert pair.sql("shard-0", "SELECT count(*) FROM accounts WHERE id = ANY(%s)", (moving,)) == [(2,)]
-    with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+    # Resumed against a copy of the map from before the commit (a store nobody published to): the
+    # commit recorded in the databases is published there before the old rows go.
+    with Move(record, map_store=before, databases=pair.databases, settings=QUICK) as move:
         move.run()
     assert record.phase is Phase.DONE
+    published = load_shard_map(before)
+    assert published == load_shard_map(pair.map_path)
+    assert published.version == record.figures["map_version"]
+    assert all(pair.owner(a, published) == "shard-1" for a in moving)
+    assert pair.sql("shard-0", "SELECT count(*) FROM accounts WHERE id = ANY(%s)", (moving,)) == [(0,)]
     assert_no_leftovers(pair)

@@ -135,7 +135,7 @@ def _run(routers: Routers, *, accounts_each: int, moves: int, between_s: float) 
             phases: dict[str, float] = {}
             with Move(
                 record,
-                map_path=pair.map_path,
+                map_store=pair.map_path,
                 databases=pair.databases,
                 settings=settings,
                 progress=lambda line, seen=phases: seen.setdefault(line.split(":")[0], time.monotonic()),

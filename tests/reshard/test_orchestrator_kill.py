@@ -21,13 +21,14 @@ import pytest
 import yaml
 
 from shardrouter.core import failpoints
-from shardrouter.core.shardmap import load_shard_map
+from shardrouter.core.shardmap import load_shard_map, parse_shard_map, write_shard_map
 from shardrouter.reshard.move import find_move
 from shardrouter.reshard.plan import Phase
 from tests.reshard.cluster import FIRST, LAST, Load, Pair, accounts, assert_no_leftovers, check_ledger, seed
 
-#: The failpoint of each step: the process stops right after it journaled the phase (or, for
-#: map_written, after it replaced the map file: the commit point passed, not yet journaled).
+#: The failpoint of each step: the process stops right after it journaled the phase (committed: the
+#: commit point, recorded in the old owner's database, not yet handed over nor published; published:
+#: handed over and the map file replaced, not yet cleaned up).
 KILL_POINTS = {
     "planned": "reshard.planned",
     "prepared": "reshard.prepared",
@@ -35,10 +36,10 @@ KILL_POINTS = {
     "caught_up": "reshard.caught_up",
     "fenced": "reshard.fenced",
     "verified": "reshard.verified",
-    "map_written": "reshard.map_written",
     "committed": "reshard.committed",
+    "published": "reshard.published",
 }
-BEFORE_COMMIT = [k for k in KILL_POINTS if k not in ("map_written", "committed")]
+BEFORE_COMMIT = [k for k in KILL_POINTS if k not in ("committed", "published")]
 
 
 def _reshard(pair: Pair, databases: Path, *args: str) -> list[str]:
@@ -77,11 +78,12 @@ def _kill_at(pair: Pair, databases: Path, point: str) -> str:
         process.stdout.close()
     assert process.returncode == -signal.SIGKILL
     assert move_id, "".join(seen)
-    # Killed exactly at the step: the journal shows it, not the next one (the map is the commit point).
+    # Killed exactly at the step: the journal shows it, not the next one; the map file is written
+    # only after the commit (and the hand-over).
     assert find_move(pair.databases, move_id).phase is (
-        Phase.VERIFIED if point == "map_written" else Phase(point)
+        Phase.COMMITTED if point == "published" else Phase(point)
     )
-    assert load_shard_map(pair.map_path).version == version + (point in ("map_written", "committed"))
+    assert load_shard_map(pair.map_path).version == version + (point == "published")
     return move_id
 
 
@@ -128,14 +130,12 @@ def test_an_orchestrator_killed_at_any_step_resumes_or_aborts_cleanly(
     assert_no_leftovers(pair)
 
 
-def test_an_abort_after_the_map_was_written_is_refused_and_resume_finishes(
-    pair: Pair, tmp_path: Path
-) -> None:
+def test_an_abort_after_the_commit_is_refused_and_resume_finishes(pair: Pair, tmp_path: Path) -> None:
     databases = tmp_path / "databases.yaml"
     databases.write_text(yaml.safe_dump(pair.dsns), encoding="utf-8")
     moving, _ = accounts(pair, 3)
     seed(pair, moving)
-    move_id = _kill_at(pair, databases, "map_written")
+    move_id = _kill_at(pair, databases, "committed")
     refused = _finish(pair, databases, "abort", move_id)
     assert refused.returncode == 2
     assert "resume it instead" in refused.stderr
@@ -143,4 +143,39 @@ def test_an_abort_after_the_map_was_written_is_refused_and_resume_finishes(
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert find_move(pair.databases, move_id).phase is Phase.DONE
     assert all(pair.owner(a) == "shard-1" for a in moving)
+    assert_no_leftovers(pair)
+
+
+def test_the_committed_map_is_rebuilt_from_the_journal_after_a_kill_at_the_commit(
+    pair: Pair, tmp_path: Path
+) -> None:
+    databases = tmp_path / "databases.yaml"
+    databases.write_text(yaml.safe_dump(pair.dsns), encoding="utf-8")
+    moving, staying = accounts(pair, 3)
+    seed(pair, moving + staying)
+    before = load_shard_map(pair.map_path)
+    move_id = _kill_at(pair, databases, "committed")
+    # The process that committed is gone, and the map file was never written: the commit lives in
+    # the old owner's database (its journal and its ownership fact).
+    assert load_shard_map(pair.map_path) == before
+    shown = _finish(pair, databases, "show-map", move_id)
+    assert shown.returncode == 0, shown.stderr
+    committed = parse_shard_map(yaml.safe_load(shown.stdout), source="show-map")
+    assert committed.version == before.version + 1
+    assert all(pair.owner(a, committed) == "shard-1" for a in moving)
+    assert all(pair.owner(a, committed) == pair.owner(a, before) for a in staying)
+    # Without a move: the map every process should follow, the published one with the databases'
+    # facts applied, is the same map.
+    current = _finish(pair, databases, "show-map")
+    assert current.returncode == 0, current.stderr
+    assert parse_shard_map(yaml.safe_load(current.stdout), source="show-map") == committed
+    # Published by hand (as an operator would from show-map), then resumed: the move finishes and
+    # publishing again changes nothing.
+    write_shard_map(pair.map_path, committed)
+    resumed = _finish(pair, databases, "resume", move_id)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert load_shard_map(pair.map_path) == committed
+    assert find_move(pair.databases, move_id).phase is Phase.DONE
+    assert all(pair.owner(a) == "shard-1" for a in moving)
+    check_ledger(pair, len(moving + staying), 0)
     assert_no_leftovers(pair)

@@ -60,7 +60,7 @@ def test_a_refund_sent_again_after_the_move_replays_from_its_moved_record(pair: 
     before = _refund(pair, "shard-0", transfer_id, source, str(reason))  # as the relay sent it
     assert before[1] == "true"
     record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
-    with Move(record, map_path=pair.map_path, databases=pair.databases, settings=MoveSettings()) as move:
+    with Move(record, map_store=pair.map_path, databases=pair.databases, settings=MoveSettings()) as move:
         move.run()
     assert record.figures["rows_moved"]["dead_letters"] == 1
     after = _refund(pair, "shard-1", transfer_id, source, str(reason))

@@ -38,7 +38,7 @@ def stopped_move(pair: Pair, at: Phase) -> MoveRecord:
     moving, _ = accounts(pair, 4)
     seed(pair, moving)
     record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
-    with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+    with Move(record, map_store=pair.map_path, databases=pair.databases, settings=QUICK) as move:
         move.run(until=at)
     return record
 
@@ -52,7 +52,7 @@ def meanwhile(pair: Pair, move_id: str, finish: Callable[[Move], object]) -> Ite
         try:
             time.sleep(1.0)
             record = find_move(pair.databases, move_id)
-            with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+            with Move(record, map_store=pair.map_path, databases=pair.databases, settings=QUICK) as move:
                 finish(move)
         except BaseException as exc:  # reported by the test, not lost in the thread
             failures.append(exc)
@@ -107,7 +107,7 @@ def test_watch_ends_at_once_without_an_active_move(pair: Pair, capsys: pytest.Ca
     assert capsys.readouterr().out.splitlines()[-1].endswith(" no active moves")
     # A finished move named on the command line: its last state, once.
     record = stopped_move(pair, Phase.PLANNED)
-    with Move(record, map_path=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+    with Move(record, map_store=pair.map_path, databases=pair.databases, settings=QUICK) as move:
         move.abort()
     capsys.readouterr()
     assert cli.main(["status", "--watch", record.plan.move_id, *dsn_args(pair)]) == 0

@@ -25,6 +25,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from shardrouter.core.errors import Reason, Unavailable, to_grpc_status
+from shardrouter.core.ownership import RangeOwner
 from shardrouter.core.shardmap import (
     DEFAULT_SLOTS,
     ShardMap,
@@ -39,6 +40,7 @@ from shardrouter.router.server import RouterThread, start_router_thread
 from shardrouter.router.settings import RouterSettings
 from shardrouter.shardd import fences
 from shardrouter.shardd.fences import SlotFence
+from shardrouter.shardd.ownership import record_owner
 from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.helpers import error_info, key_metadata, make_settings, money
@@ -238,6 +240,9 @@ def test_the_router_follows_a_daemon_whose_map_is_newer_than_its_own(cluster: Cl
     cluster.start_shard("shard-b", shard_map)
     with psycopg.connect(cluster.dsns["shard-a"], autocommit=True) as conn:
         fences.raise_fence(conn, _fence(account))
+        with conn.transaction():  # what a move's commit records beside the fence
+            fence = _fence(account)
+            record_owner(conn, fence.move_id, RangeOwner(fence.slots, fence.first_slot, fence.last_slot, "shard-b", 2))
     stub = cluster.start_router(router_map, move_wait_s=0.0)  # no waiting: the answer must name the owner
     assert cluster.router is not None
 

@@ -20,11 +20,13 @@ import pytest
 
 from shardrouter.core.errors import Reason
 from shardrouter.core.keys import new_key
+from shardrouter.core.ownership import RangeOwner
 from shardrouter.core.shardmap import DEFAULT_SLOTS, ShardMap, parse_shard_map, write_shard_map
 from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
 from shardrouter.localcluster.postgres import free_port
 from shardrouter.shardd import fences
 from shardrouter.shardd.fences import SlotFence
+from shardrouter.shardd.ownership import record_owner
 from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.helpers import error_info, key_metadata, make_settings, money
@@ -126,7 +128,13 @@ def test_a_daemon_that_lost_the_account_refuses_it_as_moved_with_nothing_applied
     assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
     info, retry = error_info(refused.value)
     assert info.reason == Reason.ACCOUNT_MOVED and retry
-    assert dict(info.metadata) == {"owner_shard_id": "shard-b", "map_version": "2"}
+    # The owner, the version, and the whole map range it holds (a router keeps it for later calls).
+    assert dict(info.metadata) == {
+        "owner_shard_id": "shard-b",
+        "map_version": "2",
+        "slot_range": "0-8191",
+        "slots": "16384",
+    }
     assert "belongs to shard-b" in (refused.value.details() or "")
     with psycopg.connect(database, autocommit=True) as conn:
         key = uuid.UUID(metadata[0][1])
@@ -154,6 +162,8 @@ def test_a_moved_account_is_refused_as_moved_before_its_fenced_slot_is_touched(
     with psycopg.connect(database, autocommit=True) as conn:
         slot = zlib.crc32(ACCOUNT.encode()) % DEFAULT_SLOTS
         fences.raise_fence(conn, SlotFence("move-1", DEFAULT_SLOTS, slot, slot))
+        with conn.transaction():  # what the move's commit records beside the fence
+            record_owner(conn, "move-1", RangeOwner(DEFAULT_SLOTS, slot, slot, "shard-b", 2))
     write_shard_map(map_path, _map(2, "shard-b", ports))
     deadline = time.monotonic() + 5
     while daemon.shard_map is not None and daemon.shard_map.version != 2 and time.monotonic() < deadline:

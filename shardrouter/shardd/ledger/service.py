@@ -24,10 +24,8 @@ from shardrouter.core.errors import (
     Internal,
     NotFound,
     Reason,
-    Unavailable,
 )
 from shardrouter.core.keys import derived_key, new_key
-from shardrouter.core.shardmap_file import ShardMapFile
 from shardrouter.core.validation import (
     account_problems,
     is_uuid,
@@ -42,6 +40,7 @@ from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
 from shardrouter.shardd.db import Database, current_transaction
 from shardrouter.shardd.ledger import store
 from shardrouter.shardd.ledger.store import AccountRow, TransferRow
+from shardrouter.shardd.ownership import ACCOUNT_MOVED_RETRY_MS, ShardLocator, slot_moving
 from shardrouter.shardd.transfer_waits import TransferWaits
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 
@@ -56,55 +55,6 @@ _TRANSFER_STATES = {
 _POLL_INTERVAL_S = 0.25
 #: The same step while nothing in this process hears them (no relay here, or its listener is down).
 _UNHEARD_POLL_INTERVAL_S = 0.05
-#: RetryInfo delay of an ACCOUNT_MOVED refusal: the router redirects at once; a direct caller (or a
-#: router that cannot name the new owner yet) retries after it.
-ACCOUNT_MOVED_RETRY_MS = 500
-
-
-class ShardLocator:
-    """Answers which shard owns an account, as seen from one shard (by its followed shard map)."""
-
-    def __init__(self, own_shard_id: str, shard_maps: ShardMapFile | None = None) -> None:
-        self.own_shard_id = own_shard_id
-        self._maps = shard_maps
-
-    def shard_of(self, account_id: str) -> str:
-        """The owning shard's id in the map in force (this shard when no shard map is configured)."""
-        return self._maps.current.shard_for(account_id).id if self._maps else self.own_shard_id
-
-    def is_local(self, account_id: str) -> bool:
-        """Whether this shard owns the account in the map in force."""
-        return self.shard_of(account_id) == self.own_shard_id
-
-    def owner_now(self, account_id: str) -> str:
-        """The owning shard's id after reading the map file again (rate-limited like
-        `require_local`): for a decision the last poll may have got wrong."""
-        if self._maps is None:
-            return self.own_shard_id
-        return self._maps.recheck().shard_for(account_id).id
-
-    def require_local(self, account_id: str) -> None:
-        """Refuse (UNAVAILABLE, ACCOUNT_MOVED) an account that another shard owns.
-
-        The map in force may be up to a poll interval behind the file: a move's commit may already
-        have made this shard the owner, and the router that read it first sends the account here.
-        So before refusing, the file is read again (at most once per `RECHECK_INTERVAL_S` for the
-        whole daemon, so a burst of such calls reads it once).
-        """
-        if self._maps is None or self.is_local(account_id):
-            return
-        shard_map = self._maps.recheck()
-        owner = shard_map.shard_for(account_id).id
-        if owner == self.own_shard_id:
-            return
-        raise Unavailable(
-            f"account {account_id} belongs to {owner}, not to {self.own_shard_id} (shard map version "
-            f"{shard_map.version}): nothing was applied; the caller's shard map is out of date, retry "
-            "with the same idempotency key through the router",
-            reason=Reason.ACCOUNT_MOVED,
-            retry_after_ms=ACCOUNT_MOVED_RETRY_MS,
-            metadata={"owner_shard_id": owner, "map_version": str(shard_map.version)},
-        )
 
 
 def credit_key(transfer_id: uuid.UUID) -> uuid.UUID:
@@ -142,7 +92,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
             dst_shard = self._locator.owner_now(dst)
             local = dst_shard == self._locator.own_shard_id
             if local and store.slot_fenced(conn, dst):
-                raise _slot_moving(dst)
+                raise slot_moving(dst)  # routed by the source: the caller waits, not redirected
         source = _usable_account(accounts.get(src), src, request.amount.currency)
         if source.balance < request.amount.amount_minor:
             raise FailedPrecondition(
@@ -251,7 +201,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
             account = store.read_account(conn, request.account_id)
             # A fenced range is moving or has moved: what is here may no longer be the truth.
             if store.slot_fenced(conn, request.account_id):
-                raise _slot_moving(request.account_id)
+                raise self._locator.fenced_refusal(request.account_id)
         if account is None:
             raise _account_not_found(request.account_id)
         return transfer_pb2.GetBalanceResponse(
@@ -300,7 +250,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
             transfer = store.read_transfer(conn, transfer_id)
             attempts = store.attempts_of(conn, transfer_id) if transfer else []
             if store.slot_fenced(conn, request.source_account_id):
-                raise _slot_moving(request.source_account_id)
+                raise self._locator.fenced_refusal(request.source_account_id)
         if transfer is None or transfer.source_account_id != request.source_account_id:
             raise NotFound(
                 f"no transfer {request.transfer_id} from account {request.source_account_id} on this shard",
@@ -442,16 +392,6 @@ def _check_limit(account: AccountRow, credit: int) -> None:
             reason=Reason.BALANCE_LIMIT_EXCEEDED,
             metadata={"account_id": account.id},
         )
-
-
-def _slot_moving(account_id: str) -> Unavailable:
-    return Unavailable(
-        f"account {account_id} is in a slot range that is moving, or has moved, to another shard; "
-        "nothing was applied, retry (with the same idempotency key) and the owner will answer",
-        reason=Reason.SLOT_RANGE_MOVING,
-        retry_after_ms=ACCOUNT_MOVED_RETRY_MS,
-        metadata={"account_id": account_id},
-    )
 
 
 def _account_not_found(account_id: str) -> NotFound:
