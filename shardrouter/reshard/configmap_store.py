@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 20
 
 
-class MapPublishError(ConfigMapError):
+class MapPublishError(ShardMapError):
     """The map could not be published (the ConfigMap kept changing under every attempt)."""
 
 
@@ -44,9 +44,16 @@ class ConfigMapStore:
 
     @classmethod
     def from_spec(cls, spec: str) -> ConfigMapStore:
-        """The store `NAMESPACE/NAME[:KEY]` names (ValueError for a bad spec, ConfigMapError without
-        Kubernetes credentials)."""
-        return cls(parse_configmap_spec(spec))
+        """The store `NAMESPACE/NAME[:KEY]` names; ShardMapError (a ValueError) for a bad spec or
+        without Kubernetes credentials, the error a move's callers already report."""
+        try:
+            parsed = parse_configmap_spec(spec)
+        except ValueError as exc:
+            raise ShardMapError(str(exc)) from exc
+        try:
+            return cls(parsed)
+        except ConfigMapError as exc:
+            raise ShardMapError(f"shard map {parsed.where}: {exc}") from exc
 
     @property
     def where(self) -> str:
@@ -63,7 +70,9 @@ class ConfigMapStore:
 
     def publish(self, change: MapChange) -> ShardMap:
         """Read, `change`, replace if unchanged meanwhile, else again (at most `max_attempts` times);
-        the map published afterwards. MapPublishError when every attempt met another writer."""
+        the map published afterwards. MapPublishError when every attempt met another writer,
+        ShardMapError for any other failure (a replace that timed out may still have landed: the next
+        `publish` calls `change` on it, which then answers None)."""
         for attempt in range(1, self._max_attempts + 1):
             try:
                 found = self._client.get(self.spec.namespace, self.spec.name)
@@ -90,6 +99,8 @@ class ConfigMapStore:
                     extra={"path": self.where},
                 )
                 continue
+            except ConfigMapError as exc:  # refused (RBAC), unreachable: the error moves report
+                raise ShardMapError(f"shard map {self.where}: not published: {exc}") from exc
             return new
         raise MapPublishError(
             f"shard map {self.where}: not published: the ConfigMap changed under each of "

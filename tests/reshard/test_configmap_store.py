@@ -108,7 +108,14 @@ def test_a_missing_key_or_configmap_is_a_shard_map_error(kube: FakeKube) -> None
         ConfigMapStore.from_spec(f"{NS}/absent").load()
 
 
+def test_no_credentials_is_the_error_moves_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    with pytest.raises(ShardMapError, match="no Kubernetes credentials"):
+        map_store_from(f"configmap:{NS}/{NAME}")
+
+
 @pytest.mark.parametrize("spec", ["configmap:", "configmap:shard-map", "configmap:ns/Bad", "configmap:ns/x:"])
 def test_bad_specs_say_what_is_wrong(spec: str) -> None:
-    with pytest.raises(ValueError, match=r"expected NAMESPACE/NAME|not a lower-case|key ''|empty"):
+    with pytest.raises(ShardMapError, match=r"expected NAMESPACE/NAME|not a lower-case|key ''|empty"):
         map_store_from(spec)
