@@ -204,6 +204,7 @@ class Call:
     seconds: float
     route: str
     answer: Answer
+    key: uuid.UUID | None = None
 
 
 @dataclass
@@ -284,7 +285,7 @@ class Load:
             retried: Counter[str] = Counter()
             started = time.monotonic()
             first = self.final(method, request, key, route, 0, retried)
-            call = Call(started, time.monotonic() - started, route, first)
+            call = Call(started, time.monotonic() - started, route, first, key)
             with self._lock:
                 self.answers[key] = (method, request, route, first)
                 if self.timed:
