@@ -35,6 +35,7 @@ import yaml
 from shardrouter.core import failpoints
 from shardrouter.core.shardmap import ShardMapError, shard_map_document
 from shardrouter.reshard import replication
+from shardrouter.reshard.agreement import wait_for_agreement
 from shardrouter.reshard.journal import MoveRecord
 from shardrouter.reshard.map_store import MapStore, map_store_from
 from shardrouter.reshard.move import (
@@ -112,6 +113,20 @@ def _parser(default_dir: Path | None) -> argparse.ArgumentParser:
         type=float,
         default=MoveSettings.drain_timeout_s,
         help="seconds the fence waits for older transactions before ending them (default %(default)s)",
+    )
+    parser.add_argument(
+        "--agreement",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a router's or shard daemon's /metrics URL (repeatable): after the move, wait until each "
+        "follows the published map and report the ones that do not",
+    )
+    parser.add_argument(
+        "--agreement-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to wait for --agreement (default %(default)s)",
     )
     parser.add_argument("--json", action="store_true", help="status as JSON")
     parser.add_argument(
@@ -313,10 +328,14 @@ def watch_moves(
     return 0
 
 
-def _run(move: Move, stop_after: str | None) -> int:
+def _run(move: Move, stop_after: str | None, agreement: Sequence[str] = (), timeout_s: float = 30.0) -> int:
     until = Phase(stop_after) if stop_after else Phase.DONE
     record = move.run(until=until)
     print(_describe(record))
+    fact = record.committed_fact
+    if agreement and fact is not None:
+        _print_progress(f"waiting up to {timeout_s:g} s for every process to follow the published map")
+        print(wait_for_agreement(agreement, fact.map_version, timeout_s=timeout_s).summary())
     if record.phase is not Phase.DONE:
         print(
             f"stopped after {record.phase.value}; go on with: shard-router reshard resume {record.plan.move_id}"
@@ -357,7 +376,7 @@ def main(argv: Sequence[str] | None = None, *, default_dir: Path | None = None) 
                 if args.command == "abort":
                     print(_describe(mv.abort()))
                     return 0
-                return _run(mv, args.stop_after)
+                return _run(mv, args.stop_after, args.agreement, args.agreement_timeout)
         if not args.slots or not args.target:
             raise MoveError("a move needs --slots FIRST-LAST and --to SHARD")
         first, last = parse_slot_range(args.slots, store.load().slots)
@@ -369,7 +388,7 @@ def main(argv: Sequence[str] | None = None, *, default_dir: Path | None = None) 
         with Move(
             record, map_store=store, databases=databases, settings=settings, progress=_print_progress
         ) as mv:
-            return _run(mv, args.stop_after)
+            return _run(mv, args.stop_after, args.agreement, args.agreement_timeout)
     except (MoveError, ShardMapError, DrainTimeout) as exc:
         print(f"shard-router reshard: {exc}", file=sys.stderr)
         return 2

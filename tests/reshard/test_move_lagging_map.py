@@ -35,6 +35,7 @@ import pytest
 
 from shardrouter.core.shardmap import load_shard_map
 from shardrouter.localcluster.postgres import free_port
+from shardrouter.reshard.agreement import wait_for_agreement
 from shardrouter.reshard.move import Move, MoveSettings, start_move
 from shardrouter.reshard.plan import Phase
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
@@ -172,11 +173,13 @@ def _run(lagging: Lagging, *, lag_s: float, accounts_each: int) -> None:
         while time.monotonic() < committed + lag_s:
             time.sleep(0.2)
         measured_until = time.monotonic()
-        shutil.copy(pair.map_path, lagging.mounted)  # the kubelet, at last
         published = load_shard_map(pair.map_path).version
-        deadline = time.monotonic() + 10
-        while set(lagging.versions().values()) != {published} and time.monotonic() < deadline:
-            time.sleep(0.1)
+        urls = [f"http://127.0.0.1:{port}/metrics" for port in lagging.metrics.values()]
+        behind = wait_for_agreement(urls, published, timeout_s=0)  # what `reshard --agreement` reports
+        assert behind.lagging == dict.fromkeys(urls, old_version), behind.summary()
+        shutil.copy(pair.map_path, lagging.mounted)  # the kubelet, at last
+        agreed = wait_for_agreement(urls, published, timeout_s=10, poll_s=0.1)
+        assert agreed.lagging == {}, agreed.summary()
         assert set(lagging.versions().values()) == {published}, lagging.versions()
         assert lagging.gauge("shard-0", "shardd_ownership_overrides") == 0.0
         time.sleep(0.5)
