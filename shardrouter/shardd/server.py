@@ -21,6 +21,7 @@ from shardrouter.core.metrics import start_metrics_server
 from shardrouter.core.rpcs import INTERNAL_SERVICE, PUBLIC_SERVICE, RPCS, RpcDeclaration, RpcDeclarationError
 from shardrouter.core.shardmap import ShardMap, ShardMapError
 from shardrouter.core.shardmap_file import ShardMapFile
+from shardrouter.core.shardmap_watch import watch_shard_map_configmap
 from shardrouter.internal.v1 import ledger_pb2_grpc
 from shardrouter.shardd import migrations, partitions
 from shardrouter.shardd.admission import Admission, AdmissionLimits
@@ -335,6 +336,11 @@ def start_background(daemon: ShardDaemon, *, metrics_host: str | None = None) ->
         _start(daemon.policies, background)
     if daemon.shard_maps is not None:
         _start(daemon.shard_maps, background)
+        # Every serving process decides ownership, so every one follows the ConfigMap too (started
+        # by the call; the mounted file stays the fallback).
+        watch = watch_shard_map_configmap(settings.shard_map_configmap, daemon.shard_maps)
+        if watch is not None:
+            background.append(watch)
     if daemon.ownership is not None:  # every serving process decides ownership, so every one reads it
         daemon.ownership.check()  # before the first call: a stale map must not decide it
         _start(daemon.ownership, background)

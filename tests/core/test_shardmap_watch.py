@@ -233,3 +233,34 @@ def test_stop_ends_an_open_watch_at_once(kube: FakeKube, map_file: Path) -> None
     watch.stop()
     assert time.monotonic() - started < 1.0
     assert watch._thread is not None and not watch._thread.is_alive()
+
+
+def test_a_shard_daemon_follows_the_configmap_while_its_mounted_file_stays_old(
+    kube: FakeKube, map_file: Path, postgres: object
+) -> None:
+    """`SHARDD_SHARD_MAP_CONFIGMAP`: a ConfigMap update reaches a running shard daemon through the API
+    watch, its mounted file untouched (the kubelet a minute behind)."""
+    from shardrouter.shardd.server import start_shard
+    from tests.helpers import make_settings
+
+    name = f"cm{time.monotonic_ns() % 10**9}"
+    postgres.create_database(name)  # type: ignore[attr-defined]
+    daemon = start_shard(
+        make_settings(
+            postgres.dsn_for(name),  # type: ignore[attr-defined]
+            shard_id="shard-0",
+            shard_map=str(map_file),
+            shard_map_reload_s=60.0,
+            shard_map_configmap=f"{NS}/{NAME}",
+        )
+    )
+    try:
+        assert daemon.shard_map is not None and daemon.shard_map.version == 1
+        kube.put_configmap(NS, NAME, _data(2))
+        deadline = time.monotonic() + WAIT_S
+        while daemon.shard_map.version != 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert daemon.shard_map.version == 2
+        assert load_shard_map(map_file).version == 1
+    finally:
+        daemon.stop(0.2)
