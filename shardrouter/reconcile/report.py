@@ -1,0 +1,70 @@
+"""The human-readable report (`--json` prints `Report.as_json()` instead)."""
+
+from __future__ import annotations
+
+from shardrouter.reconcile.check import REVERSIBLE, Report
+
+
+def render(report: Report, *, title: str = "reconcile") -> str:
+    """The report in words: every mismatch with its kind, shards, accounts, amounts, ids and what to
+    do; what is in flight; the money per currency; notes; and the verdict."""
+    lines = [
+        f"{title}: {len(report.shards)} shard(s) ({', '.join(report.shards)}), "
+        f"{report.transfers} transfer(s) checked"
+    ]
+    if report.mismatches:
+        lines.append(f"MISMATCHES ({len(report.mismatches)}):")
+    for n, m in enumerate(report.mismatches, 1):
+        where = []
+        if m.transfer_id:
+            where.append(f"transfer {m.transfer_id}")
+        if m.source_shard or m.destination_shard:
+            where.append(f"{m.source_shard or '?'} -> {m.destination_shard or '?'}")
+        if m.source_account or m.destination_account:
+            where.append(f"{m.source_account or '?'} -> {m.destination_account or '?'}")
+        if m.account and not m.transfer_id:
+            where.append(f"account {m.account} on {m.shard}")
+        money = f"{m.amount_minor} {m.currency}".strip()
+        effect = (
+            f" (money {'created' if m.effect_minor > 0 else 'lost'}: {m.effect_minor:+d})" if m.effect_minor else ""
+        )
+        lines.append(f"  {n}. {m.kind.value}: " + ", ".join(where) + f", {money}{effect}")
+        ids = []
+        if m.outbox_id is not None:
+            ids.append(f"outbox row {m.outbox_id} on {m.source_shard}")
+        if m.key:
+            ids.append(f"key {m.key}")
+        if ids:
+            lines.append("     " + ", ".join(ids))
+        lines.append(f"     {m.detail}")
+        lines.append(f"     what to do: {m.action}")
+    lines.append(
+        f"in flight: {report.pending_credits} credit(s) queued"
+        + (f" (oldest {report.oldest_pending_s:.1f} s)" if report.pending_credits else "")
+        + f", {report.refunds_owed} refund(s) owed (the relays finish these)"
+    )
+    if report.money is None:
+        lines.append("money: not added up (--since reads only some transfers)")
+    for currency, money in sorted((report.money or {}).items()):
+        lines.append(
+            f"money {currency}: balances {money.balances} over {money.accounts} account(s) = deposits "
+            f"{money.deposits} - in flight {money.in_flight} {money.mismatches:+d} (mismatches) "
+            f"{money.off_ledger:+d} (off ledger); unexplained {money.unexplained:+d}"
+        )
+    for note in report.notes:
+        lines.append(f"note: {note}")
+    for repair in report.repairs:
+        lines.append(f"repaired: {repair}")
+    if report.consistent:
+        lines.append("consistent: every shard agrees with every other")
+    else:
+        repairable = sum(1 for m in report.mismatches if m.repair)
+        reversible = sum(1 for m in report.mismatches if m.kind in REVERSIBLE)
+        lines.append(
+            f"{len(report.mismatches)} mismatch(es): {repairable} repairable by --repair"
+            + (f", {reversible} by --repair --reverse-orphan-credits" if reversible else "")
+        )
+    return "\n".join(lines)
+
+
+__all__ = ["render"]
