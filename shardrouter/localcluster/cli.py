@@ -1,5 +1,7 @@
 """`shard-router dev up`: start the local cluster, run the demo, serve until Ctrl-C or SIGTERM;
-`shard-router dev add-shard`: ask that running `dev up` to add a shard (owning no slots yet)."""
+`shard-router dev add-shard`: ask that running `dev up` to add a shard (owning no slots yet);
+`dev backup`, `dev restore-point`, `dev restore`: ask it to back up one shard's database, mark a
+point in its WAL, restore it to a point in time; `dev backups`: list a shard's backups and points."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import os
 import shlex
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +20,15 @@ from shardrouter.core.shardmap import ShardMap, ShardMapError, load_shard_map
 from shardrouter.core.termination import TerminationSignals
 from shardrouter.localcluster import control, tracing_ui
 from shardrouter.localcluster.cluster import LocalCluster, default_data_dir
+from shardrouter.localcluster.pitr import Backup
 
 #: The request `dev add-shard` sends to the running `dev up`.
 _ADD_SHARD = "add-shard"
+#: The requests of `dev backup`, `dev restore-point`, `dev restore`; `dev backups` reads files.
+_BACKUP = "backup"
+_RESTORE_POINT = "restore-point"
+_RESTORE = "restore"
+_BACKUPS = "backups"
 #: Slots `dev add-shard` suggests moving to the new shard first: a small range, quick to try.
 _SUGGESTED_SLOTS = 1024
 
@@ -83,9 +92,12 @@ def main(argv: Sequence[str]) -> int:
     add.add_argument(
         "--timeout", type=float, default=300.0, help="seconds to wait for the cluster's answer (default 300)"
     )
+    _add_restore_commands(sub)
     args = parser.parse_args(list(argv))
     if args.command == _ADD_SHARD:
         return _add_shard(args.data_dir or default_data_dir(), args.timeout)
+    if args.command in _RESTORE_COMMANDS:
+        return _RESTORE_COMMANDS[args.command](args)
     if args.shards < 1 or args.shards > 16:
         parser.error("--shards must be between 1 and 16")
     if args.replicas < 1 or args.replicas > 4:
@@ -227,11 +239,49 @@ def _serve_controls(cluster: LocalCluster) -> control.ControlServer | None:
             "seconds": added.seconds,
         }
 
-    server = control.ControlServer(cluster.data_dir, {_ADD_SHARD: add_shard})
+    def backup(request: Mapping[str, Any]) -> dict[str, Any]:
+        made = cluster.backup_shard(str(request["shard_id"]))
+        print(f"\nBase backup of {made.shard_id}: {made.path}", flush=True)
+        return made.to_json()
+
+    def restore_point(request: Mapping[str, Any]) -> dict[str, Any]:
+        return cluster.restore_point(str(request["shard_id"]), str(request["name"])).to_json()
+
+    def restore(request: Mapping[str, Any]) -> dict[str, Any]:
+        shard_id = str(request["shard_id"])
+        label = request.get("backup")
+        chosen: Backup | None = None
+        if label:
+            chosen = next((b for b in cluster.backups(shard_id) if b.label == label), None)
+            if chosen is None:
+                raise ValueError(
+                    f"{shard_id} has no backup {label!r} (see `shard-router dev backups {shard_id}`)"
+                )
+        when = request.get("target_time")
+        print(f"\nRestoring {shard_id} (its daemons stop meanwhile) ...", flush=True)
+        done = cluster.restore_shard(
+            shard_id,
+            chosen,
+            target_name=request.get("target_name") or None,
+            target_time=datetime.fromisoformat(when) if when else None,
+        )
+        print(f"Restored {shard_id} in {done.seconds} s (timeline {done.timeline})", flush=True)
+        return {
+            "shard_id": done.shard_id,
+            "backup": done.backup.label,
+            "timeline": done.timeline,
+            "lsn": done.lsn,
+            "seconds": done.seconds,
+        }
+
+    server = control.ControlServer(
+        cluster.data_dir,
+        {_ADD_SHARD: add_shard, _BACKUP: backup, _RESTORE_POINT: restore_point, _RESTORE: restore},
+    )
     try:
         server.start()
     except (control.ControlError, OSError) as exc:
-        print(f"  (dev add-shard is not available: {exc})", flush=True)
+        print(f"  (dev add-shard, backup and restore are not available: {exc})", flush=True)
         return None
     return server
 
@@ -261,6 +311,136 @@ def _add_shard(data_dir: Path, timeout_s: float) -> int:
     print("Routers and shard daemons follow the new map without a restart. Give it slots with:")
     print(f"  {_own_command()} reshard --slots {suggestion} --to {shard_id}{files}")
     return 0
+
+
+def _add_restore_commands(sub: Any) -> None:
+    """`dev backup`, `dev restore-point`, `dev restore` (asking the running `dev up`) and `dev
+    backups` (reading the data directory)."""
+    data_dir_help = f"the cluster's data directory (default {default_data_dir()})"
+    backup = sub.add_parser(
+        _BACKUP,
+        help="take a base backup (pg_basebackup) of a shard's database in the running `dev up`",
+        description="Take a base backup of one shard's PostgreSQL into DATA_DIR/backups/SHARD/; with "
+        "the WAL archive (DATA_DIR/wal-archive/SHARD/) it can restore the shard to any later point.",
+    )
+    point = sub.add_parser(
+        _RESTORE_POINT,
+        help="make a named restore point in a shard's WAL (pg_create_restore_point)",
+    )
+    restore = sub.add_parser(
+        _RESTORE,
+        help="restore ONE shard's database to a restore point or a time (its daemons restart)",
+        description="Restore one shard of the running `dev up` to a named restore point or a time: "
+        "its daemons stop, its PostgreSQL is replaced by a base backup and replays the WAL archive up "
+        "to the target, then the daemons serve again. The other shards keep what they have, so "
+        "cross-shard transfers after the target no longer add up: run `shard-router reconcile`.",
+    )
+    listing = sub.add_parser(_BACKUPS, help="list a shard's base backups and restore points")
+    for command in (backup, point, restore, listing):
+        command.add_argument("shard", metavar="SHARD", help="the shard's id, e.g. shard-0")
+        command.add_argument("--data-dir", type=Path, default=None, help=data_dir_help)
+    point.add_argument("name", metavar="NAME", help="the restore point's name (unique per shard)")
+    target = restore.add_mutually_exclusive_group(required=True)
+    target.add_argument(
+        "--to",
+        metavar="TIME",
+        type=_aware_time,
+        help="an ISO 8601 time (2026-12-05T04:30:00Z; without an offset, this machine's local time)",
+    )
+    target.add_argument("--point", metavar="NAME", help="a restore point's name")
+    restore.add_argument(
+        "--backup",
+        metavar="LABEL",
+        default="",
+        help="the base backup to start from (default: the newest before the target)",
+    )
+    for command in (backup, point, restore):
+        command.add_argument(
+            "--timeout",
+            type=float,
+            default=300.0,
+            help="seconds to wait for the cluster's answer (default 300)",
+        )
+
+
+def _aware_time(text: str) -> datetime:
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 time: {text!r}") from None
+    return when if when.tzinfo is not None else when.astimezone()
+
+
+def _ask(args: argparse.Namespace, request: dict[str, Any]) -> dict[str, Any] | None:
+    data_dir = args.data_dir or default_data_dir()
+    try:
+        return control.ask(data_dir, request, timeout_s=args.timeout)
+    except control.ControlError as exc:
+        print(f"shard-router dev {args.command}: {exc}", file=sys.stderr)
+        return None
+
+
+def _backup(args: argparse.Namespace) -> int:
+    answer = _ask(args, {"request": _BACKUP, "shard_id": args.shard})
+    if answer is None:
+        return 1
+    print(
+        f"Base backup {answer['label']} of {answer['shard_id']}: {answer['path']}\n"
+        f"  restorable to any time from {answer['finished_at']} (WAL {answer['end_lsn']} on)"
+    )
+    return 0
+
+
+def _restore_point(args: argparse.Namespace) -> int:
+    answer = _ask(args, {"request": _RESTORE_POINT, "shard_id": args.shard, "name": args.name})
+    if answer is None:
+        return 1
+    print(
+        f"Restore point {answer['name']!r} of {answer['shard_id']} at WAL {answer['lsn']}, {answer['created_at']}"
+    )
+    return 0
+
+
+def _restore(args: argparse.Namespace) -> int:
+    request: dict[str, Any] = {"request": _RESTORE, "shard_id": args.shard, "backup": args.backup}
+    if args.point:
+        request["target_name"] = args.point
+    else:
+        request["target_time"] = args.to.isoformat()
+    target = f"restore point {args.point!r}" if args.point else args.to.isoformat()
+    print(f"Restoring {args.shard} to {target} ...", flush=True)
+    answer = _ask(args, request)
+    if answer is None:
+        return 1
+    print(
+        f"Restored {answer['shard_id']} from backup {answer['backup']} in {answer['seconds']} s: it writes "
+        f"on timeline {answer['timeline']} from WAL {answer['lsn']}, and its daemons serve again.\n"
+        "Other shards still hold what they received from it after the target: compare and repair with "
+        f"`{_own_command()} reconcile`."
+    )
+    return 0
+
+
+def _backups(args: argparse.Namespace) -> int:
+    cluster = LocalCluster(data_dir=args.data_dir or default_data_dir())
+    backups = cluster.backups(args.shard)
+    points = cluster.restore_points(args.shard)
+    if not backups and not points:
+        print(f"{args.shard} has no base backup and no restore point in {cluster.data_dir}")
+        return 0
+    for b in backups:
+        print(f"backup {b.label}: restorable from {b.finished_at.isoformat()} (WAL {b.end_lsn})  {b.path}")
+    for p in points:
+        print(f"restore point {p.name!r}: {p.created_at.isoformat()} (WAL {p.lsn})")
+    return 0
+
+
+_RESTORE_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    _BACKUP: _backup,
+    _RESTORE_POINT: _restore_point,
+    _RESTORE: _restore,
+    _BACKUPS: _backups,
+}
 
 
 def _suggested_slots(shard_map: ShardMap) -> str:

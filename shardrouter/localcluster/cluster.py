@@ -10,6 +10,7 @@ directory gets an even map of `shards` shards, a later start serves the shards o
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -21,6 +22,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
@@ -37,12 +39,16 @@ from shardrouter.core.shardmap import (
     update_shard_map,
     write_shard_map,
 )
+from shardrouter.localcluster import pitr
 from shardrouter.localcluster.datadir import default_data_dir
+from shardrouter.localcluster.pitr import Backup, RestorePoint
 from shardrouter.localcluster.postgres import LocalPostgres, ReplicatedPostgres, free_port
 
 log = logging.getLogger(__name__)
 
 _NUMBERED_SHARD = re.compile(r"shard-(\d+)")
+#: The record of a shard's restore points, in its backups folder.
+_RESTORE_POINTS = "restore-points.json"
 _SHARD_DATABASE_DIR = re.compile(r"pg-shard-(\d+)(-replicated)?")
 #: How long `shardd migrate` may take on a new, empty database.
 _MIGRATE_TIMEOUT_S = 120.0
@@ -109,6 +115,24 @@ class AddedShard:
     seconds: float
 
 
+@dataclass(frozen=True)
+class RestoredShard:
+    """A shard `LocalCluster.restore_shard` put back to a point in time; its daemons serve again."""
+
+    shard_id: str
+    #: The base backup it started from.
+    backup: Backup
+    #: The target: a restore point's name, or a time (UTC); the other is None.
+    target_name: str | None
+    target_time: datetime | None
+    #: The timeline the restored database writes on (one above the history it replayed).
+    timeline: int
+    #: Where its WAL was when it accepted writes again.
+    lsn: str
+    #: From the request to its daemons serving again.
+    seconds: float
+
+
 @dataclass
 class LocalCluster:
     """PostgreSQL servers, shard daemons and a router, started and stopped together."""
@@ -128,6 +152,9 @@ class LocalCluster:
     metrics: bool = False
     #: OTLP/gRPC endpoint every process sends its spans to ("" = tracing off).
     otlp_endpoint: str = ""
+    #: Archive every shard's WAL into `wal-archive/SHARD/` of the data directory (`archive_mode = on`),
+    #: which `restore_shard` replays from a base backup (`backup_shard`).
+    wal_archive: bool = True
     #: Process name -> its /metrics port, filled by `start` when `metrics` is on.
     metrics_ports: dict[str, int] = field(default_factory=dict)
     #: The shards this run serves, in the map's order (filled by `start`, grown by `add_shard`).
@@ -288,9 +315,194 @@ class LocalCluster:
 
     def _database(self, shard_id: str) -> LocalPostgres | ReplicatedPostgres:
         """A shard's PostgreSQL (not started): its folder is named after the shard."""
+        archive = self.archive_dir(shard_id) if self.wal_archive else None
         if self.standby:
-            return ReplicatedPostgres(self.data_dir / f"pg-{shard_id}-replicated")
-        return LocalPostgres(self.data_dir / f"pg-{shard_id}")
+            return ReplicatedPostgres(self.data_dir / f"pg-{shard_id}-replicated", archive_dir=archive)
+        return LocalPostgres(self.data_dir / f"pg-{shard_id}", archive_dir=archive)
+
+    # -- point-in-time restore of one shard ------------------------------------------------------
+
+    def archive_dir(self, shard_id: str) -> Path:
+        """Where a shard's PostgreSQL archives its WAL."""
+        return self.data_dir / "wal-archive" / shard_id
+
+    def backups_dir(self, shard_id: str) -> Path:
+        """Where a shard's base backups (a folder and a `.json` record each) and the record of its
+        restore points (`restore-points.json`) are kept."""
+        return self.data_dir / "backups" / shard_id
+
+    def backup_shard(self, shard_id: str) -> Backup:
+        """Take a base backup of a shard's running PostgreSQL (`pg_basebackup`, plain format, fast
+        checkpoint) into `backups_dir(shard_id)`; the daemons keep serving meanwhile."""
+        with self._changing:
+            server = self._running_server(shard_id)
+            started_at = datetime.now(UTC)
+            label = started_at.strftime("%Y%m%dT%H%M%S.%fZ")
+            path = self.backups_dir(shard_id) / label
+            start_lsn, end_lsn, timeline = pitr.base_backup(server, path, f"shard-router {shard_id} {label}")
+            backup = Backup(
+                shard_id=shard_id,
+                label=label,
+                path=path,
+                started_at=started_at,
+                finished_at=datetime.now(UTC),
+                start_lsn=start_lsn,
+                end_lsn=end_lsn,
+                timeline=timeline,
+            )
+            pitr.write_json(path.with_name(f"{label}.json"), backup.to_json())
+        log.info("base backup of %s: %s", shard_id, path)
+        return backup
+
+    def backups(self, shard_id: str) -> list[Backup]:
+        """A shard's base backups, oldest first (read from the data directory: no cluster needs to
+        run)."""
+        folder = self.backups_dir(shard_id)
+        if not folder.is_dir():
+            return []
+        found = [
+            Backup.from_json(json.loads(record.read_text(encoding="utf-8")))
+            for record in folder.glob("*.json")
+            if record.name != _RESTORE_POINTS
+        ]
+        return sorted((b for b in found if b.path.is_dir()), key=lambda b: b.finished_at)
+
+    def restore_point(self, shard_id: str, name: str) -> RestorePoint:
+        """Make a named restore point in a shard's WAL (`pg_create_restore_point`) and record it.
+
+        A restore to a name stops at the first point of that name in the history it replays:
+        give each point its own name (a second one of the same name is refused here)."""
+        with self._changing:
+            server = self._running_server(shard_id)
+            if any(p.name == name for p in self.restore_points(shard_id)):
+                raise ValueError(f"{shard_id} has a restore point named {name!r} already")
+            lsn, created_at = pitr.create_restore_point(server, name)
+            point = RestorePoint(shard_id=shard_id, name=name, lsn=lsn, created_at=created_at)
+            folder = self.backups_dir(shard_id)
+            folder.mkdir(parents=True, exist_ok=True)
+            pitr.write_json(
+                folder / _RESTORE_POINTS,
+                [p.to_json() for p in [*self.restore_points(shard_id), point]],
+            )
+        return point
+
+    def restore_points(self, shard_id: str) -> list[RestorePoint]:
+        """The restore points `restore_point` made on a shard, oldest first."""
+        record = self.backups_dir(shard_id) / _RESTORE_POINTS
+        if not record.exists():
+            return []
+        return [RestorePoint.from_json(raw) for raw in json.loads(record.read_text(encoding="utf-8"))]
+
+    def restore_shard(
+        self,
+        shard_id: str,
+        backup: Backup | None = None,
+        *,
+        target_name: str | None = None,
+        target_time: datetime | None = None,
+        timeout_s: float = 120.0,
+    ) -> RestoredShard:
+        """Restore one shard's database to a point in time, the other shards untouched.
+
+        Exactly one target: `target_name`, a restore point (`restore_point`), or `target_time`
+        (timezone-aware; every commit up to and including it is kept). `backup` defaults to the
+        newest base backup that ends before the target. The shard's daemons are stopped, its
+        PostgreSQL stopped, its data directory replaced with the backup, the WAL archive replayed
+        to the target (`recovery_target_action = 'promote'`), and the daemons started again once
+        it accepts writes. With `standby` the standby is made afresh from the restored primary.
+
+        The restored shard has forgotten everything after the target: its debits, its outbox, its
+        idempotency records (a retry of a key acknowledged after the target applies again) and the
+        credits it received, while the other shards keep theirs: what `shard-router reconcile`
+        finds and repairs. ValueError (nothing stopped) for a bad target or no fitting backup;
+        pitr.RestoreError when PostgreSQL could not reach the target: the shard then runs again
+        on the data it had.
+        """
+        started = time.monotonic()
+        if (target_name is None) == (target_time is None):
+            raise ValueError("restore to exactly one target: target_name or target_time")
+        if target_time is not None and target_time.tzinfo is None:
+            raise ValueError("target_time needs a time zone (datetime.now(UTC), say)")
+        with self._changing:
+            self._running_server(shard_id)
+            db = self.databases[self.shard_ids.index(shard_id)]
+            if isinstance(db, ReplicatedPostgres) and db.promoted:
+                raise ValueError(
+                    f"{shard_id}'s standby was promoted: restoring after a failover is not supported"
+                )
+            point = next((p for p in self.restore_points(shard_id) if p.name == target_name), None)
+            backup = backup or self._backup_before(shard_id, target_time, point)
+            if backup.shard_id != shard_id:
+                raise ValueError(f"backup {backup.label} is of {backup.shard_id}, not {shard_id}")
+            if target_time is not None and target_time < backup.finished_at:
+                raise ValueError(
+                    f"{target_time.isoformat()} is before backup {backup.label} was complete"
+                    f" ({backup.finished_at.isoformat()})"
+                )
+            if point is not None and pitr.lsn_value(point.lsn) < pitr.lsn_value(backup.end_lsn):
+                raise ValueError(f"restore point {point.name!r} is older than backup {backup.label}")
+            daemons = self.daemons_of(shard_id)
+            for daemon in daemons:
+                daemon.stop()
+            try:
+                if isinstance(db, ReplicatedPostgres):
+                    db.standby.stop("fast")
+                    try:
+                        restored = pitr.restore(
+                            db.primary,
+                            backup.path,
+                            target_name=target_name,
+                            target_time=target_time,
+                            timeout_s=timeout_s,
+                        )
+                    except pitr.RestoreError:
+                        db.standby.start()
+                        raise
+                    db.rebuild_standby()
+                else:
+                    restored = pitr.restore(
+                        db, backup.path, target_name=target_name, target_time=target_time, timeout_s=timeout_s
+                    )
+            finally:
+                for daemon in daemons:
+                    daemon.start()
+        result = RestoredShard(
+            shard_id=shard_id,
+            backup=backup,
+            target_name=target_name,
+            target_time=target_time,
+            timeline=restored.timeline,
+            lsn=restored.lsn,
+            seconds=round(time.monotonic() - started, 1),
+        )
+        log.info("restored %s: %s", shard_id, result)
+        return result
+
+    def _running_server(self, shard_id: str) -> LocalPostgres:
+        """The server of a shard of the running cluster that accepts writes (ValueError: no such
+        shard; RuntimeError: not running)."""
+        if self.router is None or self._stopping:
+            raise RuntimeError("the cluster is not running")
+        if shard_id not in self.shard_ids:
+            raise ValueError(f"no shard {shard_id!r} (shards: {', '.join(self.shard_ids)})")
+        db = self.databases[self.shard_ids.index(shard_id)]
+        return db.current_primary if isinstance(db, ReplicatedPostgres) else db
+
+    def _backup_before(
+        self, shard_id: str, target_time: datetime | None, point: RestorePoint | None
+    ) -> Backup:
+        """The newest base backup a restore to the target can start from."""
+        candidates = self.backups(shard_id)
+        if target_time is not None:
+            candidates = [b for b in candidates if b.finished_at <= target_time]
+        if point is not None:
+            candidates = [b for b in candidates if pitr.lsn_value(b.end_lsn) <= pitr.lsn_value(point.lsn)]
+        if not candidates:
+            raise ValueError(
+                f"{shard_id} has no base backup before the target; take one with backup_shard "
+                "(`shard-router dev backup`) before the point to restore to"
+            )
+        return candidates[-1]
 
     def _migrate(self, daemon: Daemon) -> None:
         """`shardd migrate` on a daemon's database, logged to that daemon's log."""
@@ -438,8 +650,11 @@ def installed_command(name: str) -> list[str]:
 
 __all__ = [
     "AddedShard",
+    "Backup",
     "Daemon",
     "LocalCluster",
+    "RestorePoint",
+    "RestoredShard",
     "default_data_dir",
     "installed_command",
 ]

