@@ -7,11 +7,16 @@ included); the unit tests run on a copy without annotations, so that they compar
 labels. promtool comes with Debian's `prometheus` package, which .ci/run installs; CI sets
 SHARD_ROUTER_REQUIRE_PROMTOOL=1, so there a missing promtool fails these tests. Elsewhere (the
 README's test command on a machine without it) they are skipped with a line saying what to install.
+
+Every alert links a runbook (`runbook_url`): a section of a file in docs/runbooks/, under the one base
+URL set in monitoring/kustomization.yaml; and every monitoring object carries the `release:` label
+that kube-prometheus-stack selects on, set in the same file.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from concurrent import futures
@@ -21,9 +26,13 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.test_k8s_manifests import K8S, objects
+from tests.deploy.test_k8s_manifests import K8S, ROOT, objects
 
 UNIT_TESTS = K8S / "monitoring" / "tests"
+MONITORING = K8S / "monitoring"
+RUNBOOKS = ROOT / "docs" / "runbooks"
+#: What alerts.yaml writes in front of every runbook's file name; kustomize replaces it.
+RUNBOOK_PLACEHOLDER = "RUNBOOK_BASE_URL"
 
 
 _MISSING = (
@@ -190,3 +199,200 @@ def test_missing_promtool_fails_where_it_is_required(monkeypatch: pytest.MonkeyP
     monkeypatch.delenv("SHARD_ROUTER_REQUIRE_PROMTOOL")
     with pytest.raises(pytest.skip.Exception, match="promtool is not installed"):
         promtool()
+
+
+# --- runbooks ---------------------------------------------------------------------------------------
+
+
+def _kustomization() -> dict[str, Any]:
+    document: dict[str, Any] = yaml.safe_load((MONITORING / "kustomization.yaml").read_text(encoding="utf-8"))
+    return document
+
+
+def runbook_base_url() -> str:
+    """The one base URL of the runbooks: the literal `base-url` of the generator `runbook-base-url`."""
+    (generator,) = [g for g in _kustomization()["configMapGenerator"] if g["name"] == "runbook-base-url"]
+    (literal,) = generator["literals"]
+    key, _, url = literal.partition("=")
+    assert key == "base-url" and url and not url.endswith("/"), literal
+    return url
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub (and most Markdown renderers) give a heading: lower case, punctuation but
+    `-` and `_` dropped, spaces as `-`."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def markdown_anchors(path: Path) -> set[str]:
+    anchors: set[str] = set()
+    fenced = False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6}\s+(.+?)\s*#*\s*$", line)):
+            anchors.add(github_anchor(m.group(1)))
+    return anchors
+
+
+def runbook_problems(rules: list[dict[str, Any]], base_url: str, runbooks: Path) -> list[str]:
+    """What is wrong with the rules' runbook links: every alert needs a `runbook_url` under
+    `base_url` naming a Markdown file in `runbooks` and an anchor of one of its headings."""
+    problems: list[str] = []
+    for rule in rules:
+        if "alert" not in rule:
+            continue
+        name = rule["alert"]
+        url = rule.get("annotations", {}).get("runbook_url")
+        if not url:
+            problems.append(f"{name}: no runbook_url")
+            continue
+        if not url.startswith(base_url + "/"):
+            problems.append(f"{name}: {url} is not under {base_url}/")
+            continue
+        page, _, anchor = url[len(base_url) + 1 :].partition("#")
+        path = runbooks / page
+        if "/" in page or not page.endswith(".md") or not path.is_file():
+            problems.append(f"{name}: {page} is not a runbook in {runbooks}")
+        elif not anchor or anchor not in markdown_anchors(path):
+            problems.append(f"{name}: {page} has no heading with the anchor #{anchor}")
+    return problems
+
+
+def _rules() -> list[dict[str, Any]]:
+    return [r for g in rule_groups() for r in g["rules"]]
+
+
+def test_every_alert_links_a_section_of_its_runbook() -> None:
+    assert runbook_problems(_rules(), runbook_base_url(), RUNBOOKS) == []
+    # the prod overlay renders the same links
+    prod = [
+        r
+        for o in objects("prod")
+        if o["kind"] == "PrometheusRule"
+        for g in o["spec"]["groups"]
+        for r in g["rules"]
+    ]
+    assert runbook_problems(prod, runbook_base_url(), RUNBOOKS) == []
+
+
+def test_runbook_links_that_lead_nowhere_are_reported(tmp_path: Path) -> None:
+    (tmp_path / "a.md").write_text("# A\n\n## SomeAlert\n\n```\n# NotAHeading\n```\n", encoding="utf-8")
+    base = "https://example.org/runbooks"
+    rules = [
+        {"alert": "Good", "annotations": {"runbook_url": f"{base}/a.md#somealert"}},
+        {"alert": "NoLink", "annotations": {"summary": "x"}},
+        {"alert": "OtherBase", "annotations": {"runbook_url": "https://elsewhere/a.md#somealert"}},
+        {"alert": "NoFile", "annotations": {"runbook_url": f"{base}/b.md#somealert"}},
+        {"alert": "NoAnchor", "annotations": {"runbook_url": f"{base}/a.md#missing"}},
+        {"alert": "InCode", "annotations": {"runbook_url": f"{base}/a.md#notaheading"}},
+        {"record": "not:an:alert", "expr": "1"},
+    ]
+    problems = runbook_problems(rules, base, tmp_path)
+    assert [p.split(":")[0] for p in problems] == ["NoLink", "OtherBase", "NoFile", "NoAnchor", "InCode"]
+
+
+def test_the_runbook_base_url_is_set_in_one_place() -> None:
+    base = runbook_base_url()
+    raw = (MONITORING / "alerts.yaml").read_text(encoding="utf-8")
+    # alerts.yaml names the placeholder only, once per alert; the URL itself is nowhere but the kustomization
+    raw_links = re.findall(r"^\s*runbook_url:\s*(\S+)\s*$", raw, flags=re.MULTILINE)
+    assert len(raw_links) == len(alert_names())
+    assert all(link.startswith(RUNBOOK_PLACEHOLDER + "/") for link in raw_links), raw_links
+    assert base not in raw
+    for target in ("monitoring", "prod"):
+        rendered = objects(target)
+        assert RUNBOOK_PLACEHOLDER not in yaml.safe_dump(rendered), target
+        # the generator's ConfigMap is kustomize's own (local-config): never applied
+        assert not [o for o in rendered if o["metadata"]["name"] == "runbook-base-url"], target
+
+
+def test_every_runbook_file_is_linked_or_an_index() -> None:
+    linked = {
+        r["annotations"]["runbook_url"].split("#")[0].rsplit("/", 1)[-1] for r in _rules() if "alert" in r
+    }
+    # restore-one-shard.md is a procedure the backup runbooks link to, README.md the index
+    others = {p.name for p in RUNBOOKS.glob("*.md")} - linked - {"README.md", "restore-one-shard.md"}
+    assert others == set(), "runbooks no alert links"
+    index = (RUNBOOKS / "README.md").read_text(encoding="utf-8")
+    assert all(f"({name})" in index for name in linked), "runbooks missing from docs/runbooks/README.md"
+
+
+# --- the label Prometheus selects on -------------------------------------------------------------------
+
+
+def release_label() -> dict[str, str]:
+    """The `labels:` entry of monitoring/kustomization.yaml: the one place the label is set."""
+    (entry,) = _kustomization()["labels"]
+    assert entry["includeSelectors"] is False
+    pairs: dict[str, str] = entry["pairs"]
+    assert "release" in pairs
+    return pairs
+
+
+@pytest.mark.parametrize("target", ["monitoring", "prod"])
+def test_prometheus_objects_carry_the_release_label(target: str) -> None:
+    label = release_label()
+    rendered = [o for o in objects(target) if o["kind"] in ("ServiceMonitor", "PrometheusRule")]
+    assert {o["kind"] for o in rendered} == {"ServiceMonitor", "PrometheusRule"}
+    for o in rendered:
+        assert label.items() <= o["metadata"]["labels"].items(), o["metadata"]["name"]
+        # never in a selector: the Services and pods do not carry it
+        assert "release" not in yaml.safe_dump(o.get("spec", {}).get("selector", {})), o["metadata"]["name"]
+    for name in ("service-monitors.yaml", "alerts.yaml"):
+        assert "release:" not in (MONITORING / name).read_text(encoding="utf-8"), name
+
+
+# --- the alerts issue 28 asked for ---------------------------------------------------------------------
+
+
+def test_latency_backup_disk_and_slot_alerts_exist() -> None:
+    rules = {r["alert"]: r["expr"] for r in _rules() if "alert" in r}
+    assert "histogram_quantile(0.99" in rules["ShardGuardedCallLatencyHigh"]
+    assert "shardd_handler_duration_seconds_bucket" in rules["ShardGuardedCallLatencyHigh"]
+    assert "by (namespace, shard, le)" in rules["ShardGuardedCallLatencyHigh"]
+    assert "router_request_duration_seconds_bucket" in rules["RouterLatencyHigh"]
+    assert 'outcome="shed"' in rules["ShardAdmissionShedding"]
+    assert "cnpg_pg_stat_archiver_failed_count" in rules["PostgresWALArchivingFailing"]
+    assert "cnpg_pg_stat_archiver_seconds_since_last_archival" in rules["PostgresWALArchivingStalled"]
+    for name in ("PostgresBackupTooOld", "PostgresBackupFailed"):
+        assert "barman_cloud_cloudnative_pg_io_last_available_backup_timestamp" in rules[name]
+        assert "cnpg_collector_last_available_backup_timestamp" in rules[name]
+    for name in ("PostgresVolumeFillingUp", "PostgresVolumeAlmostFull"):
+        assert "kubelet_volume_stats_available_bytes" in rules[name]
+        assert "kubelet_volume_stats_capacity_bytes" in rules[name]
+    assert "predict_linear" in rules["PostgresVolumeFillingUp"]
+    for name in ("PostgresReplicationSlotRetainingWAL", "PostgresReplicationSlotNearLimit"):
+        assert "cnpg_pg_replication_slots_pg_wal_lsn_diff" in rules[name]
+
+
+_PG_UNITS = {"kB": 1, "MB": 1024, "GB": 1024**2, "TB": 1024**3}
+
+
+def test_the_slot_alerts_assume_the_clusters_max_slot_wal_keep_size() -> None:
+    rules = {r["alert"]: r["expr"] for r in _rules() if "alert" in r}
+    assumed = {
+        name: re.search(r"> 0\.\d+ \* (\d+) \* 1024 \* 1024 \* 1024", rules[name])
+        for name in ("PostgresReplicationSlotRetainingWAL", "PostgresReplicationSlotNearLimit")
+    }
+    assert all(assumed.values()), rules
+    (gib,) = {int(m.group(1)) for m in assumed.values() if m}
+    settings = {
+        c["metadata"]["name"]: c["spec"]
+        .get("postgresql", {})
+        .get("parameters", {})
+        .get("max_slot_wal_keep_size")
+        for c in objects("prod")
+        if c["kind"] == "Cluster"
+    }
+    for cluster, value in settings.items():
+        if value is None:  # unset: no cap (the alerts still say how much a slot keeps, against 8 GiB)
+            continue
+        m = re.fullmatch(r"(\d+)\s*(kB|MB|GB|TB)", str(value))
+        assert m, f"{cluster}: max_slot_wal_keep_size {value!r}"
+        assert int(m.group(1)) * _PG_UNITS[m.group(2)] == gib * 1024**2, (
+            cluster,
+            value,
+            f"alerts assume {gib} GiB",
+        )
