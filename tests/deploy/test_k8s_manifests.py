@@ -26,6 +26,8 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import urllib.parse
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -54,6 +56,19 @@ TARGETS = {
     "prod": K8S / "overlays" / "prod",
     "monitoring": K8S / "monitoring",
 }
+#: The prod databases (CloudNativePG Clusters, backups, their monitor): a kustomization of their own,
+#: applied before overlays/prod and never deleted with it; each overlay's Namespace, a file applied
+#: by itself. The targets "dev" and "prod" are all of it together, as it runs; APPLICATIONS are what
+#: `kubectl delete -k` of each overlay removes.
+PROD_DATABASES = K8S / "overlays" / "prod" / "databases"
+RENDERED_WITH = {
+    "dev": (K8S / "overlays" / "dev" / "namespace.yaml",),
+    "prod": (K8S / "overlays" / "prod" / "namespace.yaml", PROD_DATABASES),
+}
+APPLICATIONS = {"dev": K8S / "overlays" / "dev", "prod": K8S / "overlays" / "prod"}
+#: Restoring one shard (examples/restore) and the backup credentials for other clouds.
+RESTORE_EXAMPLE = K8S / "examples" / "restore"
+BACKUP_CREDENTIALS = K8S / "examples" / "backup-credentials"
 #: Complete deployments (every selector and reference must resolve inside them).
 OVERLAYS = ("dev", "prod")
 NAMESPACES = {"dev": "shard-router-dev", "prod": "shard-router"}
@@ -92,6 +107,9 @@ SHARDD_ENV = frozenset(
         # x-caller-id is believed (trusted_proxies): overlays/prod/shardd-authz.yaml.
         "SHARDD_AUTHZ_POLICY_FILE",
         "SHARDD_TRUSTED_PROXIES",
+        # How long migrations wait for the schema lock and for DDL's table locks (the migrate
+        # initContainer and `shardd serve`).
+        "SHARDD_MIGRATION_LOCK_TIMEOUT_S",
     }
 )
 ROUTER_ENV = frozenset(
@@ -199,7 +217,40 @@ def kustomize(directory: Path) -> tuple[dict[str, Any], ...]:
 
 @functools.cache
 def _rendered(target: str) -> tuple[dict[str, Any], ...]:
-    return kustomize(TARGETS[target])
+    if target == "prod-restored":
+        return _rendered_prod_restored()
+    parts = (*RENDERED_WITH.get(target, ()), TARGETS[target])
+    return tuple(obj for part in parts for obj in _render_part(part))
+
+
+def _render_part(part: Path) -> tuple[dict[str, Any], ...]:
+    """A kustomization directory as `kubectl kustomize` renders it, or a file applied by itself."""
+    if part.is_file():
+        return tuple(d for d in yaml.safe_load_all(part.read_text(encoding="utf-8")) if d is not None)
+    return kustomize(part)
+
+
+def _rendered_prod_restored() -> tuple[dict[str, Any], ...]:
+    """prod after restoring shard-0 (examples/restore): the databases, the restored cluster, and
+    overlays/prod with the component use-restored in place of database-shard-0, as the README says."""
+    copy_root = Path(tempfile.mkdtemp(prefix="k8s-restored-")) / "k8s"
+    shutil.copytree(K8S, copy_root)
+    overlay = copy_root / "overlays" / "prod" / "kustomization.yaml"
+    text = overlay.read_text(encoding="utf-8")
+    assert "\n  - database-shard-0\n" in text
+    overlay.write_text(
+        text.replace("\n  - database-shard-0\n", "\n  - ../../examples/restore/use-restored\n"),
+        encoding="utf-8",
+    )
+    try:
+        return (
+            *_render_part(K8S / "overlays" / "prod" / "namespace.yaml"),
+            *kustomize(PROD_DATABASES),
+            *kustomize(RESTORE_EXAMPLE),
+            *kustomize(copy_root / "overlays" / "prod"),
+        )
+    finally:
+        shutil.rmtree(copy_root.parent)
 
 
 def objects(target: str) -> list[dict[str, Any]]:
@@ -432,7 +483,12 @@ def check_custom_resource(obj: dict[str, Any]) -> None:
         assert obj["apiVersion"] == "postgresql.cnpg.io/v1"
         assert isinstance(spec["instances"], int) and spec["instances"] >= 1
         assert re.fullmatch(r"\d+[MGT]i", spec["storage"]["size"])
-        assert spec["bootstrap"]["initdb"]["database"] and spec["bootstrap"]["initdb"]["owner"]
+        (method,) = spec["bootstrap"]
+        assert method in ("initdb", "recovery")
+        assert spec["bootstrap"][method]["database"] and spec["bootstrap"][method]["owner"]
+        if method == "recovery":
+            sources = {c["name"]: c for c in spec["externalClusters"]}
+            assert sources[spec["bootstrap"]["recovery"]["source"]]["plugin"]["name"]
     elif kind == "ServiceMonitor":
         assert obj["apiVersion"] == "monitoring.coreos.com/v1"
         assert spec["selector"]["matchLabels"]
@@ -480,7 +536,16 @@ def check_custom_resource(obj: dict[str, Any]) -> None:
         selector = spec["selector"]
         assert selector.get("issuerRef") and selector["namespace"]["matchNames"]
         allowed = spec["allowed"]
-        assert set(allowed) <= {"commonName", "dnsNames", "ipAddresses", "uris", "emailAddresses", "isCA", "usages", "subject"}
+        assert set(allowed) <= {
+            "commonName",
+            "dnsNames",
+            "ipAddresses",
+            "uris",
+            "emailAddresses",
+            "isCA",
+            "usages",
+            "subject",
+        }
         assert set(allowed.get("usages", [])) <= CERT_USAGES
         for field in ("commonName", "dnsNames", "uris"):
             for validation in allowed.get(field, {}).get("validations", []):
@@ -745,6 +810,8 @@ def secrets_provided(target: str) -> set[str]:
         {o["metadata"]["name"] for o in rendered if o["kind"] == "Secret"}
         | {o["spec"]["secretName"] for o in rendered if o["kind"] == "Certificate"}
         | {f"{o['metadata']['name']}-app" for o in rendered if o["kind"] == "Cluster"}
+        # the operator's CA: key ca.crt, what the shards verify their database's certificate with
+        | {f"{o['metadata']['name']}-ca" for o in rendered if o["kind"] == "Cluster"}
     )
 
 
@@ -1062,8 +1129,52 @@ def daemon_container(deployment: dict[str, Any]) -> dict[str, Any]:
 
 
 def db_secret(target: str, sid: str) -> tuple[str, str]:
-    """(Secret, key) of shard `sid`'s DSN."""
+    """(Secret, key) of shard `sid`'s whole DSN: what the reshard Job reads (the daemons: below)."""
     return (f"postgres-{sid}-app", "uri") if target == "prod" else (f"shardd-db-{sid}", "dsn")
+
+
+def db_secrets(target: str, sid: str, cluster: str | None = None) -> set[str]:
+    """The Secrets a shard's pods read for their database: dev, the DSN Secret; prod, the
+    CloudNativePG cluster's `-app` (password) and `-ca` (its CA's certificate)."""
+    if target == "dev" or target == "base":
+        return {f"shardd-db-{sid}"}
+    cluster = cluster or f"postgres-{sid}"
+    return {f"{cluster}-app", f"{cluster}-ca"}
+
+
+#: Where the prod pods find their database cluster's CA certificate.
+DB_CA_FILE = "/etc/shardd/db-ca/ca.crt"
+
+
+def check_database_connection(
+    target: str, sid: str, spec: dict[str, Any], c: dict[str, Any], cluster: str | None = None
+) -> None:
+    """The container's SHARDD_DSN reaches shard `sid`'s own database: dev, the whole DSN from the
+    shard's Secret; prod, a DSN with no secret in it that verifies the CloudNativePG cluster's server
+    certificate (sslmode=verify-full, the `-ca` Secret's ca.crt mounted where sslrootcert points,
+    the `-rw` Service's name in the namespace as host) and the password from the `-app` Secret
+    (libpq's PGPASSWORD)."""
+    env = env_of(c)
+    if target in ("dev", "base"):
+        ref = env["SHARDD_DSN"]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == (f"shardd-db-{sid}", "dsn"), c["name"]
+        return
+    cluster = cluster or f"postgres-{sid}"
+    assert "valueFrom" not in env["SHARDD_DSN"], c["name"]
+    dsn = urllib.parse.urlsplit(env["SHARDD_DSN"]["value"])
+    query = dict(urllib.parse.parse_qsl(dsn.query, strict_parsing=True))
+    assert dsn.scheme == "postgresql" and dsn.password is None, "no password in the pod spec"
+    assert dsn.username == "shardd" and dsn.path == "/shardd"
+    assert dsn.hostname == f"{cluster}-rw.{NAMESPACES['prod']}.svc" and dsn.port == 5432, dsn.hostname
+    assert query == {"sslmode": "verify-full", "sslrootcert": DB_CA_FILE}, query
+    password = env["PGPASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert (password["name"], password["key"]) == (f"{cluster}-app", "password")
+    # the CA file is the cluster's CA certificate, and only it (never ca.key)
+    directory, _, filename = DB_CA_FILE.rpartition("/")
+    (mount,) = [m for m in c.get("volumeMounts", []) if m["mountPath"] == directory]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == f"{cluster}-ca"
+    assert volume["secret"]["items"] == [{"key": "ca.crt", "path": filename}]
 
 
 @pytest.mark.parametrize("target", ["base", *OVERLAYS])
@@ -1072,12 +1183,12 @@ def test_each_shard_runs_its_own_daemons_with_only_its_own_database_secret(targe
         spec = pod_spec(deployment)
         assert spec is not None
         assert deployment["spec"]["template"]["metadata"]["labels"]["shard-router/shard"] == sid
-        # its own database Secret and the shard certificate: no other shard's credentials
-        assert secret_references(spec) == {db_secret(target, sid)[0], "shardd-tls"}, sid
+        # its own database Secret (prod: and its database's CA) and the shard certificate: no other
+        # shard's credentials
+        assert secret_references(spec) == {*db_secrets(target, sid), "shardd-tls"}, sid
         for c in containers(spec):
             assert env_value(c, "SHARDD_SHARD_ID") == sid
-            ref = env_of(c)["SHARDD_DSN"]["valueFrom"]["secretKeyRef"]
-            assert (ref["name"], ref["key"]) == db_secret(target, sid)
+            check_database_connection(target, sid, spec, c)
         init, main = containers(spec)
         assert init["command"] == ["shardd", "migrate"] and main["command"] == ["shardd", "serve"]
         assert "args" not in init and "args" not in main
@@ -1440,9 +1551,7 @@ def test_every_shard_has_a_retention_job_and_a_database(target: str) -> None:
         (job,) = pod_spec(cronjobs[f"shardd-retention-{sid}"])["containers"]  # type: ignore[index]
         assert job["command"] == ["shardd", "retention", "run"]
         assert env_value(job, "SHARDD_SHARD_ID") == sid
-        dsn = env_of(job)["SHARDD_DSN"]["valueFrom"]["secretKeyRef"]
-        expected = (f"postgres-{sid}-app", "uri") if target == "prod" else (f"shardd-db-{sid}", "dsn")
-        assert (dsn["name"], dsn["key"]) == expected
+        check_database_connection(target, sid, pod_spec(cronjobs[f"shardd-retention-{sid}"]), job)  # type: ignore[arg-type]
     assert sorted(shard_deployments(target)) == sorted(shard_ids)
     for sid in shard_ids:
         if target == "prod":
@@ -1531,6 +1640,10 @@ def test_no_secret_values_are_committed(target: str) -> None:
     for _, _, c in all_containers(target):
         for entry in c.get("env", []):
             if re.search(r"PASSWORD|DSN|TOKEN|SECRET", entry["name"]):
+                if entry["name"].endswith("_DSN") and "value" in entry:
+                    # a DSN in the pod spec names no secret: the password comes from a Secret
+                    assert urllib.parse.urlsplit(entry["value"]).password is None, c["name"]
+                    continue
                 assert "value" not in entry, f"{c['name']}: {entry['name']} must come from a Secret"
 
 
@@ -1582,8 +1695,18 @@ def test_alert_rules_use_only_exported_metrics() -> None:
         expr = rule["expr"]
         assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), name
         used = set(re.findall(r"\b((?:shardd|router)_[a-z_]+)\b", expr))
+        # a histogram's series: <name>_bucket, _count and _sum
+        used = {
+            re.sub(r"_(bucket|count|sum)$", "", m)
+            if m.endswith(("_bucket", "_count", "_sum"))
+            and re.sub(r"_(bucket|count|sum)$", "", m) in SHARDD_METRICS_NAMES | ROUTER_METRICS_NAMES
+            else m
+            for m in used
+        }
         # the rest: scrape health, cert-manager's and CloudNativePG's exporters
-        external = set(re.findall(r"\b(up|certmanager_[a-z_]+|cnpg_[a-z_]+)\{", expr))
+        external = set(
+            re.findall(r"\b(up\{|certmanager_[a-z_]+|cnpg_[a-z_]+|kubelet_volume_stats_[a-z_]+)", expr)
+        )
         assert used or external, name
         assert used <= SHARDD_METRICS_NAMES | ROUTER_METRICS_NAMES, f"{name}: {used - SHARDD_METRICS_NAMES}"
 
@@ -1675,7 +1798,9 @@ def test_prod_certificates_carry_their_service_accounts_spiffe_id() -> None:
     for _, spec, _ in all_containers("prod"):
         for volume in spec.get("volumes", []):
             if "secret" in volume:
-                mounted_by.setdefault(volume["secret"]["secretName"], set()).add(spec.get("serviceAccountName"))
+                mounted_by.setdefault(volume["secret"]["secretName"], set()).add(
+                    spec.get("serviceAccountName")
+                )
     for cert in of_kind("prod", "Certificate"):
         spec = cert["spec"]
         if spec.get("isCA"):
@@ -1693,7 +1818,9 @@ def test_the_router_identity_comes_from_the_routers_own_issuer_only() -> None:
     issuers = {i["metadata"]["name"]: i["spec"] for i in of_kind("prod", "Issuer")}
     routers = {name for name, spec in certs.items() if ROUTER_SPIFFE_ID in spec.get("uris", [])}
     assert routers == {"router-tls", "router-shard-client-tls"}
-    by_router_issuer = {name for name, spec in certs.items() if spec["issuerRef"]["name"] == "shard-router-router-ca"}
+    by_router_issuer = {
+        name for name, spec in certs.items() if spec["issuerRef"]["name"] == "shard-router-router-ca"
+    }
     assert by_router_issuer == routers
     # The router's CA Secret: made by its own Certificate, an intermediate under the one root (so every
     # party keeps one ca.crt), and used by no other Issuer.
@@ -1711,9 +1838,15 @@ def test_prod_shards_enforce_the_authorization_policy_in_the_configmap() -> None
 
     configmap = one("prod", "ConfigMap", AUTHZ_CONFIGMAP)
     policy = parse_policy_text(configmap["data"]["policy.json"])
-    assert policy.decide("spiffe://cluster.local/ns/payments/sa/team-a", "/shardrouter.v1.TransferService/Transfer", "team-a-1").allowed
-    assert not policy.decide("spiffe://cluster.local/ns/payments/sa/team-a", "/shardrouter.v1.TransferService/Transfer", "team-b-1").allowed
-    assert policy.decide(SHARDD_SPIFFE_ID, "/shardrouter.internal.v1.ShardLedgerService/CreditTransfer", "x").allowed
+    assert policy.decide(
+        "spiffe://cluster.local/ns/payments/sa/team-a", "/shardrouter.v1.TransferService/Transfer", "team-a-1"
+    ).allowed
+    assert not policy.decide(
+        "spiffe://cluster.local/ns/payments/sa/team-a", "/shardrouter.v1.TransferService/Transfer", "team-b-1"
+    ).allowed
+    assert policy.decide(
+        SHARDD_SPIFFE_ID, "/shardrouter.internal.v1.ShardLedgerService/CreditTransfer", "x"
+    ).allowed
     assert not policy.decide(ROUTER_SPIFFE_ID, "/shardrouter.v1.TransferService/Transfer", "team-a-1").allowed
     directory, _, name = AUTHZ_POLICY_FILE.rpartition("/")
     for sid, deployment in shard_deployments("prod").items():
@@ -1742,7 +1875,9 @@ def test_the_shards_of_every_overlay_have_a_policy_to_serve_with(target: str) ->
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
         volumes = {v["name"]: v for v in pod_spec(deployment)["volumes"]}  # type: ignore[index]
         directory, _, name = settings.authz_policy_file.rpartition("/")
-        assert volumes[mounts[directory]]["configMap"]["name"] == AUTHZ_CONFIGMAP and name in configmap["data"]
+        assert (
+            volumes[mounts[directory]]["configMap"]["name"] == AUTHZ_CONFIGMAP and name in configmap["data"]
+        )
 
 
 # approver-policy, simulated: which CertificateRequests of the prod Certificates (and of someone else's)
@@ -1784,7 +1919,10 @@ def _permits(policy: dict[str, Any], request: dict[str, Any]) -> bool:
     else:
         if rule.get("required") and not cn:
             return False
-        if cn and not (_wildcard(rule.get("value", "*"), cn) and all(_cel(v["rule"], cn, name) for v in rule.get("validations", []))):
+        if cn and not (
+            _wildcard(rule.get("value", "*"), cn)
+            and all(_cel(v["rule"], cn, name) for v in rule.get("validations", []))
+        ):
             return False
     for field in ("dnsNames", "uris"):
         values, rule = request.get(field, []), allowed.get(field)
@@ -1865,7 +2003,10 @@ def test_approver_policies_refuse_the_router_identity_to_anyone_else() -> None:
     }
     assert _approved(policies, caller)
     refused = {
-        "the router's certificate under another name": {**_request(client), "name": "router-shard-client-tls-evil-ab12c"},
+        "the router's certificate under another name": {
+            **_request(client),
+            "name": "router-shard-client-tls-evil-ab12c",
+        },
         "the router's identity from the namespace CA": {**_request(client), "issuer": "shard-router-ca"},
         "CN=router with another SPIFFE ID": {**caller, "commonName": "router"},
         "CN=shardd outside shardd-tls": {**caller, "commonName": "shardd"},
@@ -1873,13 +2014,19 @@ def test_approver_policies_refuse_the_router_identity_to_anyone_else() -> None:
         "no SPIFFE ID (its common name would be its identity)": {**caller, "uris": []},
         "the router's DNS name": {**caller, "dnsNames": ["router.shard-router.svc"]},
         "a CA": {**caller, "isCA": True, "usages": ["cert sign"]},
-        "another intermediate": {**_request(one("prod", "Certificate", "shard-router-router-ca")), "name": "shard-router-router-ca-2-ab12c"},
+        "another intermediate": {
+            **_request(one("prod", "Certificate", "shard-router-router-ca")),
+            "name": "shard-router-router-ca-2-ab12c",
+        },
         "another namespace": {**_request(client), "namespace": "payments"},
     }
     for what, request in refused.items():
         assert not _approved(policies, request), what
     # ... and a caller whose SPIFFE ID is the router's, but whose request came from the router's issuer
-    assert not _approved(policies, {**caller, "issuer": "shard-router-router-ca", "uris": [ROUTER_SPIFFE_ID], "commonName": "router"})
+    assert not _approved(
+        policies,
+        {**caller, "issuer": "shard-router-router-ca", "uris": [ROUTER_SPIFFE_ID], "commonName": "router"},
+    )
     # A policy checks each URI, not how many: two SPIFFE IDs pass it, and name no one to the code.
     from shardrouter.core.callers import certificate_identity
 
@@ -2020,7 +2167,8 @@ def test_dockerfile_is_multi_stage_non_root_and_installs_the_package() -> None:
     final = instructions[max(i for i, line in enumerate(instructions) if line.startswith("FROM ")) :]
     (user,) = [i for i in final if i.startswith("USER ")]
     assert user == f"USER {IMAGE_UID}:{IMAGE_UID}"
-    assert any("pip install ." in i for i in instructions)
+    # the project from this checkout, its dependencies from the lock (tests/deploy/test_image.py)
+    assert any(re.search(r"pip install (--[\w-]+ )*\.(\s|$)", i) for i in instructions)
     assert "COPY --chmod=0755 deploy/grpc_health_check.py /usr/local/bin/grpc-health-check" in final
     assert not re.search(r"FROM \S+:latest", text)
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text(encoding="utf-8")
@@ -2426,3 +2574,321 @@ def test_readme_tells_gitops_to_leave_the_published_map_alone() -> None:
     (ignored,) = application["spec"]["ignoreDifferences"]
     assert ignored == {"kind": "ConfigMap", "name": SHARD_MAP_CONFIGMAP, "jsonPointers": ["/data"]}
     assert "RespectIgnoreDifferences=true" in application["spec"]["syncPolicy"]["syncOptions"]
+
+
+# --- day two: what a delete keeps, backups and restores, WAL, zones, database TLS, migrations ----------
+
+
+def _all_kustomizations() -> list[Path]:
+    return sorted(p.parent for p in K8S.rglob("kustomization.yaml"))
+
+
+@pytest.mark.parametrize("overlay", APPLICATIONS)
+def test_deleting_the_application_keeps_the_namespace_and_the_databases(overlay: str) -> None:
+    # `kubectl delete -k deploy/k8s/overlays/<overlay>` deletes exactly what this renders
+    rendered = kustomize(APPLICATIONS[overlay])
+    kinds = {o["kind"] for o in rendered}
+    assert not kinds & {"Namespace", "Cluster", "PersistentVolumeClaim", "ObjectStore"}, kinds
+    # dev's StatefulSets keep their PVCs when deleted (the default, Retain)
+    for statefulset in (o for o in rendered if o["kind"] == "StatefulSet"):
+        policy = statefulset["spec"].get("persistentVolumeClaimRetentionPolicy", {})
+        assert policy.get("whenDeleted", "Retain") == "Retain", statefulset["metadata"]["name"]
+    # the Namespace is a file of its own, applied by itself and in no kustomization
+    namespace = yaml.safe_load((APPLICATIONS[overlay] / "namespace.yaml").read_text(encoding="utf-8"))
+    assert namespace["kind"] == "Namespace" and namespace["metadata"]["name"] == NAMESPACES[overlay]
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    for directory in _all_kustomizations():
+        text = (directory / "kustomization.yaml").read_text(encoding="utf-8")
+        assert not re.search(r"^\s*-\s*namespace\.yaml\s*$", text, re.M), directory
+    readme = README.read_text(encoding="utf-8")
+    assert f"kubectl apply -f deploy/k8s/overlays/{overlay}/namespace.yaml" in readme
+
+
+def test_the_prod_databases_are_apart_and_protected_from_gitops_pruning() -> None:
+    databases = kustomize(PROD_DATABASES)
+    assert not [o for o in databases if o["kind"] == "Namespace"]
+    clusters = [o for o in databases if o["kind"] == "Cluster"]
+    assert {c["metadata"]["name"] for c in clusters} == {
+        f"postgres-{sid}" for sid in shard_deployments("prod")
+    }
+    for cluster in clusters:
+        annotations = cluster["metadata"]["annotations"]
+        assert set(annotations["argocd.argoproj.io/sync-options"].split(",")) >= {
+            "Delete=false",
+            "Prune=false",
+        }
+        assert annotations["kustomize.toolkit.fluxcd.io/prune"] == "disabled"
+    # the databases keep resolving names (the object store) when the application's policies are gone
+    for policy in (o for o in databases if o["kind"] == "NetworkPolicy"):
+        if "Egress" in policy["spec"]["policyTypes"] and policy["metadata"]["name"] != "postgres-moves":
+            assert any(
+                {"protocol": "UDP", "port": 53} in rule.get("ports", []) for rule in policy["spec"]["egress"]
+            ), policy["metadata"]["name"]
+
+
+def test_delete_check_can_fail() -> None:
+    with_namespace = [*kustomize(APPLICATIONS["prod"]), {"kind": "Namespace", "metadata": {"name": "x"}}]
+    assert "Namespace" in {o["kind"] for o in with_namespace}
+
+
+def readme_day_two() -> str:
+    return _readme_section("Day two")
+
+
+def test_readme_says_what_each_delete_does() -> None:
+    section = readme_day_two()
+    for command in (
+        "kubectl delete -k deploy/k8s/overlays/prod",
+        "kubectl delete -k deploy/k8s/overlays/prod/databases",
+        "kubectl delete -k deploy/k8s/overlays/dev",
+        "kubectl delete namespace",
+    ):
+        assert command in section, command
+    readme = README.read_text(encoding="utf-8")
+    assert "volumes stay" not in readme.replace("\n", " ") or "PVCs" in readme
+
+
+#: Sizes in bytes, Kubernetes quantities (Gi) and PostgreSQL's (GB = 1024^3).
+_UNITS = {"Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+
+
+def size_bytes(value: str) -> int:
+    match = re.fullmatch(r"(\d+)\s*(Mi|Gi|Ti|MB|GB|TB)", value)
+    assert match, value
+    return int(match[1]) * _UNITS[match[2]]
+
+
+def all_clusters() -> list[dict[str, Any]]:
+    """Every CloudNativePG Cluster: prod's and the restore example's."""
+    return [*of_kind("prod", "Cluster"), *(o for o in kustomize(RESTORE_EXAMPLE) if o["kind"] == "Cluster")]
+
+
+def test_wal_has_its_own_volume_and_slots_cannot_fill_it() -> None:
+    for cluster in all_clusters():
+        spec, name = cluster["spec"], cluster["metadata"]["name"]
+        wal = size_bytes(spec["walStorage"]["size"])
+        assert size_bytes(spec["storage"]["size"]) >= wal
+        keep = size_bytes(spec["postgresql"]["parameters"]["max_slot_wal_keep_size"])
+        # slots may hold at most half the WAL volume: the rest is for max_wal_size, wal_keep_size
+        # and WAL waiting to be archived
+        assert 0 < keep <= wal // 2, name
+
+
+def test_databases_routers_and_collectors_spread_over_zones_and_nodes() -> None:
+    for cluster in all_clusters():
+        spec, name = cluster["spec"], cluster["metadata"]["name"]
+        assert spec["affinity"]["podAntiAffinityType"] == "required"
+        assert spec["affinity"]["topologyKey"] == "kubernetes.io/hostname"
+        (zone,) = [
+            c for c in spec["topologySpreadConstraints"] if c["topologyKey"] == "topology.kubernetes.io/zone"
+        ]
+        assert zone["maxSkew"] == 1 and zone["nodeTaintsPolicy"] == "Honor"
+        assert zone["labelSelector"] == {"matchLabels": {"cnpg.io/cluster": name}}
+    for target in OVERLAYS:
+        for name in ("router", "otel-collector"):
+            deployment = one(target, "Deployment", name)
+            labels = deployment["spec"]["template"]["metadata"]["labels"]
+            constraints = {
+                c["topologyKey"]: c
+                for c in deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+            }
+            assert set(constraints) == {"kubernetes.io/hostname", "topology.kubernetes.io/zone"}, name
+            for constraint in constraints.values():
+                assert constraint["maxSkew"] == 1 and selects(constraint["labelSelector"], labels)
+                assert constraint["nodeTaintsPolicy"] == "Honor"
+    assert one("prod", "Deployment", "otel-collector")["spec"]["replicas"] >= 2
+
+
+def test_prod_shards_verify_their_databases_certificate() -> None:
+    shard_ids = sorted(shard_deployments("prod"))
+    for sid in shard_ids:
+        deployment = one("prod", "Deployment", f"shardd-{sid}")
+        spec = pod_spec(deployment)
+        assert spec is not None
+        checked = [c["name"] for c in containers(spec)]
+        for c in containers(spec):
+            check_database_connection("prod", sid, spec, c)
+        cronjob = one("prod", "CronJob", f"shardd-retention-{sid}")
+        (job,) = pod_spec(cronjob)["containers"]  # type: ignore[index]
+        check_database_connection("prod", sid, pod_spec(cronjob), job)  # type: ignore[arg-type]
+        assert checked == ["migrate", "shardd"]
+        # the cluster exists and so will the Secrets named
+        assert one("prod", "Cluster", f"postgres-{sid}")
+        assert db_secrets("prod", sid) <= secrets_provided("prod")
+
+
+def test_database_connection_check_can_fail() -> None:
+    deployment = one("prod", "Deployment", "shardd-shard-0")
+    spec = pod_spec(deployment)
+    assert spec is not None
+    c = daemon_container(deployment)
+    env = env_of(c)["SHARDD_DSN"]
+    for broken in (
+        env["value"].replace("verify-full", "require"),
+        env["value"].replace(".shard-router.svc", ""),
+        env["value"].replace("postgres-shard-0-rw", "postgres-shard-1-rw"),
+        env["value"].replace("shardd@", "shardd:hunter2@"),
+    ):
+        env["value"] = broken
+        with pytest.raises(AssertionError):
+            check_database_connection("prod", "shard-0", spec, c)
+
+
+def test_migrations_wait_for_locks_a_bounded_time() -> None:
+    for target in OVERLAYS:
+        for sid, deployment in shard_deployments(target).items():
+            spec = pod_spec(deployment)
+            assert spec is not None
+            for c in containers(spec):
+                value = env_value(c, "SHARDD_MIGRATION_LOCK_TIMEOUT_S")
+                assert value is not None and 0 < float(value) <= 60, (sid, c["name"])
+                settings = shardd_settings.parse_settings([], env=resolved_env(c, f"shardd-{sid}-x"))
+                assert settings.migration_lock_timeout_s == float(value)
+            # the init container may fail and retry while the running daemons keep serving
+            assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    section = readme_day_two()
+    assert "SHARDD_MIGRATION_LOCK_TIMEOUT_S" in section and "exit" in section
+
+
+def test_backups_use_the_clusters_cloud_identity() -> None:
+    (store,) = of_kind("prod", "ObjectStore")
+    assert store["spec"]["configuration"]["s3Credentials"] == {"inheritFromIAMRole": True}
+    for cluster in all_clusters():
+        annotations = cluster["spec"]["serviceAccountTemplate"]["metadata"]["annotations"]
+        assert re.fullmatch(
+            r"arn:aws:iam::\d{12}:role/[\w+=,.@/-]+", annotations["eks.amazonaws.com/role-arn"]
+        )
+
+
+@pytest.mark.parametrize(
+    ("cloud", "annotation", "credentials"),
+    [
+        ("gke", "iam.gke.io/gcp-service-account", {"googleCredentials": {"gkeEnvironment": True}}),
+        (
+            "azure",
+            "azure.workload.identity/client-id",
+            {"azureCredentials": {"useDefaultAzureCredentials": True}},
+        ),
+    ],
+)
+def test_backup_credentials_for_other_clouds_render(
+    tmp_path: Path, cloud: str, annotation: str, credentials: dict[str, Any]
+) -> None:
+    _write(
+        tmp_path / "kustomization.yaml",
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources:\n  - {os.path.relpath(PROD_DATABASES, tmp_path)}\n"
+        f"components:\n  - {os.path.relpath(BACKUP_CREDENTIALS / cloud, tmp_path)}\n",
+    )
+    rendered = kustomize(tmp_path)
+    (store,) = [o for o in rendered if o["kind"] == "ObjectStore"]
+    check_custom_resource(store)
+    configuration = store["spec"]["configuration"]
+    assert "s3Credentials" not in configuration
+    assert {k: configuration[k] for k in credentials} == credentials
+    for cluster in (o for o in rendered if o["kind"] == "Cluster"):
+        assert set(cluster["spec"]["serviceAccountTemplate"]["metadata"]["annotations"]) == {annotation}
+        if cloud == "azure":
+            assert cluster["spec"]["inheritedMetadata"]["labels"]["azure.workload.identity/use"] == "true"
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_restore_example_renders_and_validates(version: str) -> None:
+    rendered = kustomize(RESTORE_EXAMPLE)
+    for obj in rendered:
+        assert obj["metadata"]["namespace"] == NAMESPACES["prod"]
+        if is_builtin(obj):
+            kubernetes_validate.validate(obj, version, strict=True)
+        else:
+            check_custom_resource(obj)
+
+
+def test_restore_example_recovers_a_shard_to_a_point_in_time_from_its_backups() -> None:
+    (cluster,) = [o for o in kustomize(RESTORE_EXAMPLE) if o["kind"] == "Cluster"]
+    name, spec = cluster["metadata"]["name"], cluster["spec"]
+    stores = {o["metadata"]["name"] for o in of_kind("prod", "ObjectStore")}
+    originals = {o["metadata"]["name"]: o for o in of_kind("prod", "Cluster")}
+    recovery = spec["bootstrap"]["recovery"]
+    (source,) = [c for c in spec["externalClusters"] if c["name"] == recovery["source"]]
+    assert source["plugin"]["name"] == "barman-cloud.cloudnative-pg.io"
+    assert source["plugin"]["parameters"]["barmanObjectName"] in stores
+    original = originals[source["plugin"]["parameters"]["serverName"]]  # an existing shard's backups
+    assert name != original["metadata"]["name"]
+    # to a point in time, with the same database, owner and role rights as the original
+    target = str(recovery["recoveryTarget"]["targetTime"])  # YAML may read it as a timestamp
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(\.\d+)?([+-]\d\d(:?\d\d)?|Z)", target), target
+    assert (recovery["database"], recovery["owner"]) == ("shardd", "shardd")
+    assert spec["managed"] == original["spec"]["managed"]
+    assert spec["postgresql"] == original["spec"]["postgresql"]
+    assert spec["inheritedMetadata"] == original["spec"]["inheritedMetadata"]
+    assert spec["instances"] == original["spec"]["instances"]
+    # its own archive, never into the original's folder of the object store; its own nightly backup
+    (plugin,) = spec["plugins"]
+    assert plugin["isWALArchiver"] is True and plugin["parameters"]["barmanObjectName"] in stores
+    assert plugin["parameters"]["serverName"] == name
+    (backup,) = [o for o in kustomize(RESTORE_EXAMPLE) if o["kind"] == "ScheduledBackup"]
+    assert backup["spec"]["cluster"]["name"] == name and backup["spec"]["method"] == "plugin"
+
+
+def test_a_restored_shard_is_reached_monitored_and_verified() -> None:
+    target = "prod-restored"
+    restored = "postgres-shard-0-restore"
+    # shard-0's daemons and retention job now use the restored cluster, shard-1's their own
+    deployment = one(target, "Deployment", "shardd-shard-0")
+    spec = pod_spec(deployment)
+    assert spec is not None
+    for c in containers(spec):
+        check_database_connection("prod", "shard-0", spec, c, cluster=restored)
+    retention = pod_spec(one(target, "CronJob", "shardd-retention-shard-0"))
+    assert retention is not None
+    (job,) = retention["containers"]
+    check_database_connection("prod", "shard-0", retention, job, cluster=restored)
+    assert secret_references(spec) == {*db_secrets("prod", "shard-0", restored), "shardd-tls"}
+    assert db_secrets("prod", "shard-0", restored) <= secrets_provided(target)
+    other = pod_spec(one(target, "Deployment", "shardd-shard-1"))
+    assert other is not None
+    for c in containers(other):
+        check_database_connection("prod", "shard-1", other, c)
+    # the NetworkPolicies: shard-0's pods reach the restored database, shard-1's do not
+    names = dict(pods(target))
+    restored_pods = [n for n, labels in names.items() if labels.get("cnpg.io/cluster") == restored]
+    assert len(restored_pods) == 3
+    for database in restored_pods:
+        assert allowed(target, "shardd-shard-0-0", database, 5432)
+        assert allowed(target, "shardd-retention-shard-0", database, 5432)
+        assert not allowed(target, "shardd-shard-1-0", database, 5432)
+        assert not allowed(target, "router", database, 5432)
+    # scraped by the PodMonitor every shard's database has, with no second monitor
+    (monitor,) = of_kind(target, "PodMonitor")
+    assert set(restored_pods) <= set(selected_pods(target, monitor["spec"]["selector"]))
+    policy = one(target, "NetworkPolicy", restored)
+    assert ports_open_to_namespace(policy, "monitoring") == {9187}
+    assert ports_open_to_namespace(policy, "cnpg-system") == {8000, 5432}
+
+
+def test_readme_day_two_covers_restores_and_the_must_edit_list() -> None:
+    section = readme_day_two()
+    for needed in (
+        "docs/runbooks/restore-one-shard.md",
+        "shard-router reconcile",
+        "--repair",
+        "examples/restore",
+        "max_slot_wal_keep_size",
+        "walStorage",
+        "topology.kubernetes.io/zone",
+        "sslmode=verify-full",
+        "requirements.lock",
+    ):
+        assert needed in section, needed
+    must_edit = _readme_section("What you must edit before `kubectl apply -k overlays/prod`")
+    for placeholder in (
+        "eks.amazonaws.com/role-arn",
+        "destinationPath",
+        "sha256:",
+        "TRACES_BACKEND",
+        "storageClass",
+        "release",
+        "runbook",
+        "targetTime",
+    ):
+        assert placeholder in must_edit, placeholder
