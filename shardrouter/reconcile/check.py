@@ -20,6 +20,7 @@ reads everything twice and reports only the mismatches both reads show.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections import defaultdict
 from collections.abc import Mapping
@@ -301,7 +302,9 @@ def classify(facts: Mapping[str, ShardFacts], *, with_money: bool = True) -> Rep
     money: dict[str, Money] = defaultdict(Money)
     unknown: set[str] = set()
     for transfer_id, story in sorted(stories.items()):
-        named = {o.destination_shard_id for o in story.outbox} | {t.destination_shard_id for t in story.transfers}
+        named = {o.destination_shard_id for o in story.outbox} | {
+            t.destination_shard_id for t in story.transfers
+        }
         missing = {s for s in named if s not in facts}
         if missing and not story.of("transfer_in"):
             unknown |= missing  # its credit may be on a shard not given: not judged
@@ -382,11 +385,15 @@ def _judge(transfer_id: uuid.UUID, story: _Story) -> Mismatch | _InFlight | None
     d = story.dead_letters[0] if story.dead_letters else None
     outs, ins, refunds = story.of("transfer_out"), story.of("transfer_in"), story.of("refund")
     net = sum(leg.amount_minor for leg in story.legs)
-    first = t or (ins or outs or refunds or story.reversals or [None])[0]
-    if first is None:  # an outbox or dead letter row alone: the transfer row is gone
-        return None if o is None else _mismatch(Kind.DEBIT_MISSING, transfer_id, story, 0, "outbox row without transfer")
-    amount = t.amount_minor if t else abs((ins or outs or refunds or story.reversals)[0].amount_minor)
-    currency = t.currency if t else (ins or outs or refunds or story.reversals)[0].currency
+    any_leg = ins or outs or refunds or story.reversals
+    if t is None and not any_leg:  # an outbox or dead letter row alone: the transfer row is gone
+        return (
+            None
+            if o is None
+            else _mismatch(Kind.DEBIT_MISSING, transfer_id, story, 0, "outbox row without transfer")
+        )
+    amount = t.amount_minor if t else abs(any_leg[0].amount_minor)
+    currency = t.currency if t else any_leg[0].currency
 
     def fits(expected: int) -> bool:
         return net == expected
@@ -397,7 +404,8 @@ def _judge(transfer_id: uuid.UUID, story: _Story) -> Mismatch | _InFlight | None
             transfer_id,
             story,
             net,
-            f"{len(ins)} credits of {amount} {currency} on " + ", ".join(f"{i.shard} ({i.account_id})" for i in ins),
+            f"{len(ins)} credits of {amount} {currency} on "
+            + ", ".join(f"{i.shard} ({i.account_id})" for i in ins),
         )
     if not outs and t is None:
         if ins and not refunds:
@@ -500,7 +508,9 @@ def _mismatch(
     currency = t.currency if t else (legs[0].currency if legs else "")
     amount = t.amount_minor if t else (abs(legs[0].amount_minor) if legs else 0)
     source_shard = t.shard if t else (outs[0].shard if outs else (o.shard if o else None))
-    destination_shard = ins[0].shard if ins else (o.destination_shard_id if o else (t.destination_shard_id if t else None))
+    destination_shard = (
+        ins[0].shard if ins else (o.destination_shard_id if o else (t.destination_shard_id if t else None))
+    )
     key = str(refund_key(transfer_id)) if kind is Kind.REFUND_MISSING else str(credit_key(transfer_id))
     writes_to = ins[0] if ins and kind in REVERSIBLE else None
     return Mismatch(
@@ -517,7 +527,9 @@ def _mismatch(
         currency=currency,
         outbox_id=o.id if o else None,
         key=key,
-        effect_minor=net if kind not in (Kind.CREDIT_MISSING, Kind.CREDIT_NOT_QUEUED, Kind.REFUND_MISSING) else -amount,
+        effect_minor=net
+        if kind not in (Kind.CREDIT_MISSING, Kind.CREDIT_NOT_QUEUED, Kind.REFUND_MISSING)
+        else -amount,
         blocked=blocked,
     )
 
@@ -558,7 +570,8 @@ def _annotate(dsns: Mapping[str, str], report: Report) -> None:
     annotated: list[Mismatch] = []
     restored: dict[str, list[datetime]] = defaultdict(list)
     lost_credits: dict[str, list[datetime]] = defaultdict(list)
-    for m in report.mismatches:
+    for found in report.mismatches:
+        m = found
         if m.transfer_id is None or m.key is None:
             annotated.append(m)
             continue
@@ -567,13 +580,19 @@ def _annotate(dsns: Mapping[str, str], report: Report) -> None:
         if m.kind is Kind.CREDIT_MISSING:
             credits = [r for r in held if r.method.endswith("/CreditTransfer") and r.status_code == 0]
             if credits:
-                m = _replace(m, blocked=f"{credits[0].shard} holds the credit key's stored outcome (OK) without "
-                             "its entry, so a redelivery would replay and apply nothing")
+                m = _replace(
+                    m,
+                    blocked=f"{credits[0].shard} holds the credit key's stored outcome (OK) without "
+                    "its entry, so a redelivery would replay and apply nothing",
+                )
             if made and m.destination_shard:
                 lost_credits[m.destination_shard].append(made)
         elif m.kind is Kind.REFUND_MISSING and held and not m.blocked:
-            m = _replace(m, blocked=f"{held[0].shard} holds the refund key's stored outcome without its entry, "
-                         "so RefundTransfer would replay and apply nothing")
+            m = _replace(
+                m,
+                blocked=f"{held[0].shard} holds the refund key's stored outcome without its entry, "
+                "so RefundTransfer would replay and apply nothing",
+            )
         elif m.kind is Kind.CREDIT_WITHOUT_DEBIT:
             scopes = [r.scope for r in held if r.method.endswith("/CreditTransfer")]
             source = scopes[0].rpartition("|")[2].removeprefix("relay:") if scopes else None
@@ -600,10 +619,8 @@ def _annotate(dsns: Mapping[str, str], report: Report) -> None:
         )
 
 
-def _replace(m: Mismatch, **changes: object) -> Mismatch:
-    from dataclasses import replace
-
-    return replace(m, **changes)  # type: ignore[arg-type]
+def _replace(m: Mismatch, **changes: str) -> Mismatch:
+    return dataclasses.replace(m, **changes)  # type: ignore[arg-type]
 
 
 __all__ = [

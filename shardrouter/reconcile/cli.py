@@ -125,7 +125,9 @@ def parse_since(text: str, now: datetime | None = None) -> datetime:
     try:
         moment = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError:
-        raise UsageError(f"--since {text!r}: give an ISO time (2026-12-05T04:00:00Z) or an age (90m, 6h, 2d)") from None
+        raise UsageError(
+            f"--since {text!r}: give an ISO time (2026-12-05T04:00:00Z) or an age (90m, 6h, 2d)"
+        ) from None
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 

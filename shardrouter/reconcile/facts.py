@@ -175,7 +175,11 @@ def read_shard(conn: Connection, shard: str, transfer_ids: Iterable[uuid.UUID] |
                 "SELECT l.id AS entry_id, l.transfer_id, l.kind, l.account_id, l.amount_minor,"
                 " a.currency::text AS currency, l.idempotency_key, l.created_at"
                 " FROM ledger_entries l JOIN accounts a ON a.id = l.account_id"
-                + (" WHERE l.transfer_id IS NOT NULL" if ids is None else " WHERE l.transfer_id = ANY(%(ids)s)"),
+                + (
+                    " WHERE l.transfer_id IS NOT NULL"
+                    if ids is None
+                    else " WHERE l.transfer_id = ANY(%(ids)s)"
+                ),
                 params,
             ):
                 facts.legs.append(Leg(shard=shard, **r))
@@ -237,9 +241,7 @@ def connect(dsn: str) -> Connection:
     return psycopg.connect(dsn, connect_timeout=10)
 
 
-def read_all(
-    dsns: Mapping[str, str], since: datetime | None = None
-) -> dict[str, ShardFacts]:
+def read_all(dsns: Mapping[str, str], since: datetime | None = None) -> dict[str, ShardFacts]:
     """Every shard's facts (with `since`: of the transfers any shard touched since then)."""
     with contextlib.ExitStack() as stack:
         conns: dict[str, Connection] = {}

@@ -182,14 +182,19 @@ def reverse(conn: Connection, m: Mismatch) -> tuple[bool, str]:
         return False, str(refused)
     except psycopg.errors.CheckViolation as exc:
         return False, f"refused by the database: {exc.diag.message_primary}"
-    return True, f"credit of {amount} {m.currency} to {m.account} reversed under key {reversal_key(m.transfer_id)}"
+    return (
+        True,
+        f"credit of {amount} {m.currency} to {m.account} reversed under key {reversal_key(m.transfer_id)}",
+    )
 
 
 class _Refused(Exception):
     """A reversal that would leave the account below zero: its transaction is rolled back."""
 
 
-def apply(conns: dict[str, Connection], mismatches: list[Mismatch], *, reverse_orphans: bool) -> list[Outcome]:
+def apply(
+    conns: dict[str, Connection], mismatches: list[Mismatch], *, reverse_orphans: bool
+) -> list[Outcome]:
     """Apply every repair the mismatches allow; one outcome per mismatch that has one."""
     outcomes: list[Outcome] = []
     for m in mismatches:
@@ -207,7 +212,11 @@ def apply(conns: dict[str, Connection], mismatches: list[Mismatch], *, reverse_o
         conn = conns[m.source_shard]
         if repair == "requeue":
             done = requeue(conn, m.transfer_id)
-            said = "credit re-queued with its original key" if done else "already re-queued (or no longer delivered)"
+            said = (
+                "credit re-queued with its original key"
+                if done
+                else "already re-queued (or no longer delivered)"
+            )
         elif repair == "queue":
             done = queue(conn, m.source_shard, m.transfer_id)
             said = "credit queued with its original key" if done else "already queued (or settled meanwhile)"

@@ -26,7 +26,9 @@ def render(report: Report, *, title: str = "reconcile") -> str:
             where.append(f"account {m.account} on {m.shard}")
         money = f"{m.amount_minor} {m.currency}".strip()
         effect = (
-            f" (money {'created' if m.effect_minor > 0 else 'lost'}: {m.effect_minor:+d})" if m.effect_minor else ""
+            f" (money {'created' if m.effect_minor > 0 else 'lost'}: {m.effect_minor:+d})"
+            if m.effect_minor
+            else ""
         )
         lines.append(f"  {n}. {m.kind.value}: " + ", ".join(where) + f", {money}{effect}")
         ids = []
@@ -45,11 +47,11 @@ def render(report: Report, *, title: str = "reconcile") -> str:
     )
     if report.money is None:
         lines.append("money: not added up (--since reads only some transfers)")
-    for currency, money in sorted((report.money or {}).items()):
+    for currency, totals in sorted((report.money or {}).items()):
         lines.append(
-            f"money {currency}: balances {money.balances} over {money.accounts} account(s) = deposits "
-            f"{money.deposits} - in flight {money.in_flight} {money.mismatches:+d} (mismatches) "
-            f"{money.off_ledger:+d} (off ledger); unexplained {money.unexplained:+d}"
+            f"money {currency}: balances {totals.balances} over {totals.accounts} account(s) = deposits "
+            f"{totals.deposits} - in flight {totals.in_flight} {totals.mismatches:+d} (mismatches) "
+            f"{totals.off_ledger:+d} (off ledger); unexplained {totals.unexplained:+d}"
         )
     for note in report.notes:
         lines.append(f"note: {note}")

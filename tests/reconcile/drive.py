@@ -38,7 +38,9 @@ SEEDED = 100_000  # what each account gets first
 @contextlib.contextmanager
 def running_cluster(shards: int = 2) -> Iterator[LocalCluster]:
     """A local cluster of `shards` shards on free ports, stopped and deleted afterwards."""
-    cluster = LocalCluster(data_dir=pg_data_dir().parent / "cluster", shards=shards, router_port=free_port(), http_port=0)
+    cluster = LocalCluster(
+        data_dir=pg_data_dir().parent / "cluster", shards=shards, router_port=free_port(), http_port=0
+    )
     cluster.start()
     try:
         yield cluster
@@ -89,7 +91,10 @@ class Bank:
             try:
                 return getattr(self.stub, method)(request, metadata=key_metadata(key), timeout=10)
             except grpc.RpcError as err:
-                if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED) or time.monotonic() > give_up:
+                if (
+                    err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+                    or time.monotonic() > give_up
+                ):
                     raise
                 time.sleep(0.05)
 
@@ -99,16 +104,25 @@ class Bank:
     def transfer(self, src: str, dst: str, amount: int, key: uuid.UUID | None = None) -> uuid.UUID:
         reply = self.call(
             "Transfer",
-            transfer_pb2.TransferRequest(source_account_id=src, destination_account_id=dst, amount=money(amount)),
+            transfer_pb2.TransferRequest(
+                source_account_id=src, destination_account_id=dst, amount=money(amount)
+            ),
             key,
         )
         return uuid.UUID(reply.transfer.transfer_id)
+
+    def nobody_on(self, shard: str) -> str:
+        """An account id the shard owns that no one opened."""
+        shard_map = load_shard_map(self.cluster.shard_map_path)
+        return next(f"nobody-{i}" for i in range(10_000) if shard_map.shard_for(f"nobody-{i}").id == shard)
 
     def shard_of(self, account: str) -> str:
         return load_shard_map(self.cluster.shard_map_path).shard_for(account).id
 
 
-def cross_shard_load(bank: Bank, accounts: dict[str, list[str]], transfers: int, threads: int = 4) -> list[uuid.UUID]:
+def cross_shard_load(
+    bank: Bank, accounts: dict[str, list[str]], transfers: int, threads: int = 4
+) -> list[uuid.UUID]:
     """`transfers` transfers between accounts of different shards, from a few threads; their ids."""
     shards = sorted(accounts)
     made: list[uuid.UUID] = []
@@ -127,7 +141,8 @@ def cross_shard_load(bank: Bank, accounts: dict[str, list[str]], transfers: int,
             errors.append(exc)
 
     workers = [
-        threading.Thread(target=work, args=(i, transfers // threads + (i < transfers % threads))) for i in range(threads)
+        threading.Thread(target=work, args=(i, transfers // threads + (i < transfers % threads)))
+        for i in range(threads)
     ]
     for w in workers:
         w.start()
@@ -159,7 +174,9 @@ class Load:
             a, b = rng.sample(shards, 2)
             try:
                 self.made.append(
-                    self.bank.transfer(rng.choice(self.accounts[a]), rng.choice(self.accounts[b]), rng.randint(1, 50))
+                    self.bank.transfer(
+                        rng.choice(self.accounts[a]), rng.choice(self.accounts[b]), rng.randint(1, 50)
+                    )
                 )
             except grpc.RpcError as err:
                 self.failed.append(f"{err.code().name}: {err.details()}")
@@ -169,7 +186,9 @@ class Load:
         target = len(self.made) + count
         give_up = time.monotonic() + timeout_s
         while len(self.made) < target:
-            assert time.monotonic() < give_up, f"load made {len(self.made)} of {target} transfers; {self.failed[-3:]}"
+            assert time.monotonic() < give_up, (
+                f"load made {len(self.made)} of {target} transfers; {self.failed[-3:]}"
+            )
             time.sleep(0.01)
 
     def stop(self) -> None:
@@ -231,9 +250,7 @@ def reconcile_command(cluster: LocalCluster, *args: str) -> subprocess.Popen[str
 
 def kinds(report: dict[str, Any]) -> dict[str, str]:
     """transfer id (or shard/account) -> kind, of every mismatch."""
-    return {
-        (m["transfer_id"] or f"{m['shard']}/{m['account']}"): m["kind"] for m in report["mismatches"]
-    }
+    return {(m["transfer_id"] or f"{m['shard']}/{m['account']}"): m["kind"] for m in report["mismatches"]}
 
 
 # -- faults, as a restore (or a careless hand) leaves them -----------------------------------------
@@ -294,14 +311,27 @@ def lose_refund(dsn: str, transfer_id: uuid.UUID) -> int:
     return int(amount)
 
 
+def restart_daemons(cluster: LocalCluster) -> None:
+    """Restart every shard daemon, as a restore does: a daemon remembers the outcomes of keys it
+    completed recently and would replay one its database has forgotten."""
+    for daemon in cluster.shard_daemons:
+        daemon.stop()
+        daemon.start()
+
+
 def money_total(cluster: LocalCluster) -> int:
     """The sum of every balance on every shard."""
-    return sum(int(sql(dsn, "SELECT coalesce(sum(balance), 0) FROM accounts")[0][0]) for dsn in dsns(cluster).values())
+    return sum(
+        int(sql(dsn, "SELECT coalesce(sum(balance), 0) FROM accounts")[0][0])
+        for dsn in dsns(cluster).values()
+    )
 
 
 def deposits_total(cluster: LocalCluster) -> int:
     return sum(
-        int(sql(dsn, "SELECT coalesce(sum(amount_minor), 0) FROM ledger_entries WHERE kind = 'deposit'")[0][0])
+        int(
+            sql(dsn, "SELECT coalesce(sum(amount_minor), 0) FROM ledger_entries WHERE kind = 'deposit'")[0][0]
+        )
         for dsn in dsns(cluster).values()
     )
 
@@ -309,6 +339,12 @@ def deposits_total(cluster: LocalCluster) -> int:
 def credits_of(cluster: LocalCluster, transfer_id: uuid.UUID) -> int:
     """How many credit entries of a transfer all shards hold."""
     return sum(
-        int(sql(dsn, "SELECT count(*) FROM ledger_entries WHERE transfer_id = %s AND kind = 'transfer_in'", (transfer_id,))[0][0])
+        int(
+            sql(
+                dsn,
+                "SELECT count(*) FROM ledger_entries WHERE transfer_id = %s AND kind = 'transfer_in'",
+                (transfer_id,),
+            )[0][0]
+        )
         for dsn in dsns(cluster).values()
     )

@@ -75,15 +75,21 @@ def _drill(cluster: LocalCluster, bank: Bank) -> None:
     lost = _ids(databases[b], "SELECT transfer_id FROM outbox WHERE delivered_at IS NOT NULL") - credited_on_a
     assert orphans and lost, "the load made no cross-shard transfer after the restore point"
     assert orphans | lost <= made
-    orphan_amount = sum(int(r[0]) for r in sql(
-        databases[b],
-        "SELECT amount_minor FROM ledger_entries WHERE kind = 'transfer_in' AND transfer_id = ANY(%s)",
-        (list(orphans),),
-    ))
+    orphan_amount = sum(
+        int(r[0])
+        for r in sql(
+            databases[b],
+            "SELECT amount_minor FROM ledger_entries WHERE kind = 'transfer_in' AND transfer_id = ANY(%s)",
+            (list(orphans),),
+        )
+    )
 
     code, report = reconcile(cluster)
     assert code == 1
-    assert kinds(report) == {**{str(t): "credit_without_debit" for t in orphans}, **{str(t): "credit_missing" for t in lost}}
+    assert kinds(report) == {
+        **{str(t): "credit_without_debit" for t in orphans},
+        **{str(t): "credit_missing" for t in lost},
+    }
     eur = _eur(report)
     assert eur["created_or_lost_by_mismatches"] == orphan_amount - _amounts(databases[b], lost)
     assert eur["unexplained"] == 0
@@ -113,5 +119,6 @@ def _eur(report: dict[str, Any]) -> dict[str, int]:
 
 def _amounts(dsn: str, transfer_ids: set[uuid.UUID]) -> int:
     return sum(
-        int(r[0]) for r in sql(dsn, "SELECT amount_minor FROM transfers WHERE id = ANY(%s)", (list(transfer_ids),))
+        int(r[0])
+        for r in sql(dsn, "SELECT amount_minor FROM transfers WHERE id = ANY(%s)", (list(transfer_ids),))
     )
