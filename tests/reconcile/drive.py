@@ -237,6 +237,14 @@ def reconcile(cluster: LocalCluster, *args: str) -> tuple[int, dict[str, Any]]:
     return code, json.loads(out.getvalue())
 
 
+def reconcile_text(cluster: LocalCluster, *args: str) -> tuple[int, str]:
+    """`shard-router reconcile ARGS` in this process, in words: the exit code and what it printed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli.main(["--databases", str(cluster.databases_path), *args])
+    return code, out.getvalue()
+
+
 def reconcile_command(cluster: LocalCluster, *args: str) -> subprocess.Popen[str]:
     """The installed `shard-router reconcile ARGS` as a process of its own (not waited for)."""
     command = Path(sys.executable).with_name("shard-router")

@@ -23,6 +23,7 @@ from tests.reconcile.drive import (
     kinds,
     money_total,
     reconcile,
+    reconcile_text,
     running_cluster,
     settle,
     sql,
@@ -84,6 +85,11 @@ def _drill(cluster: LocalCluster, bank: Bank) -> None:
         )
     )
 
+    code, text = reconcile_text(cluster)  # what the operator reads (pytest -s shows it)
+    print(text)
+    assert (
+        code == 1 and f"{len(orphans) + len(lost)} mismatch(es): {len(lost)} repairable by --repair" in text
+    )
     code, report = reconcile(cluster)
     assert code == 1
     assert kinds(report) == {
@@ -98,6 +104,7 @@ def _drill(cluster: LocalCluster, bank: Bank) -> None:
 
     code, repaired = reconcile(cluster, "--repair")
     after = repaired["after"]
+    print(render_json(after))
     assert code == 1  # money created by the lost debits stays until a person chooses
     assert kinds(after) == {str(t): "credit_without_debit" for t in orphans}
     assert sum(m["amount_minor"] for m in after["mismatches"]) == orphan_amount
@@ -110,6 +117,12 @@ def _drill(cluster: LocalCluster, bank: Bank) -> None:
     code, final = reconcile(cluster)
     assert code == 0 and final["mismatches"] == []
     assert money_total(cluster) == deposits_total(cluster)
+
+
+def render_json(report: dict[str, Any]) -> str:
+    return "after repair: " + ", ".join(
+        f"{m['kind']} {m['transfer_id']} {m['amount_minor']}" for m in report["mismatches"]
+    )
 
 
 def _eur(report: dict[str, Any]) -> dict[str, int]:
