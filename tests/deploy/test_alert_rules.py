@@ -396,3 +396,19 @@ def test_the_slot_alerts_assume_the_clusters_max_slot_wal_keep_size() -> None:
             value,
             f"alerts assume {gib} GiB",
         )
+
+
+def test_links_between_runbooks_resolve() -> None:
+    broken = []
+    for page in sorted(RUNBOOKS.glob("*.md")):
+        text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.DOTALL)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            file, _, anchor = target.partition("#")
+            path = (page.parent / file) if file else page
+            if not path.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and path.suffix == ".md" and anchor not in markdown_anchors(path):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert broken == []
