@@ -16,6 +16,9 @@ running it twice, at once from two places, or after a kill midway changes nothin
   (transfer_id, kind) makes it one per transfer and shard. Refused (nothing written) when the account
   no longer holds the amount.
 
+A kill between two repairs (failpoint `reconcile.repaired`, reached after each one committed) leaves
+the ones done done and the others for the next run.
+
 The first three write no balance: the daemons' own calls (`CreditTransfer`, `RefundTransfer`) do,
 under their keys. Each wakes the shard's relays (`NOTIFY`) on commit.
 """
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 
 import psycopg
 
+from shardrouter.core import failpoints
 from shardrouter.core.keys import new_key
 from shardrouter.internal.v1 import ledger_pb2
 from shardrouter.reconcile.check import Kind, Mismatch
@@ -205,6 +209,7 @@ def apply(
                 continue
             done, said = reverse(conns[m.shard], m)
             outcomes.append(Outcome(m, done, f"{m.kind.value} {m.transfer_id} on {m.shard}: {said}"))
+            failpoints.reached("reconcile.repaired")
             continue
         repair = m.repair
         if repair is None or m.source_shard is None or m.source_shard not in conns:
@@ -224,6 +229,7 @@ def apply(
             done = refund(conn, m.transfer_id)
             said = "handed back to the refund path" if done else "already handed back (or refunded meanwhile)"
         outcomes.append(Outcome(m, done, f"{m.kind.value} {m.transfer_id} on {m.source_shard}: {said}"))
+        failpoints.reached("reconcile.repaired")  # one repair committed, the next not begun
     return outcomes
 
 

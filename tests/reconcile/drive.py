@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -23,6 +25,7 @@ from typing import Any
 import grpc
 import psycopg
 
+from shardrouter.core import failpoints
 from shardrouter.core.keys import new_key
 from shardrouter.core.shardmap import load_shard_map
 from shardrouter.localcluster.cluster import LocalCluster
@@ -254,6 +257,33 @@ def reconcile_command(cluster: LocalCluster, *args: str) -> subprocess.Popen[str
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def reconcile_killed_after_first_repair(cluster: LocalCluster, *args: str) -> None:
+    """`shard-router reconcile --repair ARGS`, SIGKILLed right after its first repair committed
+    (failpoint `reconcile.repaired`)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", failpoints.ENV: "reconcile.repaired=pause"}
+    command = Path(sys.executable).with_name("shard-router")
+    process = subprocess.Popen(
+        [str(command), "reconcile", "--databases", str(cluster.databases_path), "--repair", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert process.stderr is not None
+    try:
+        for line in process.stderr:
+            if line.startswith("failpoint reconcile.repaired: paused"):
+                process.send_signal(signal.SIGKILL)
+                break
+        else:
+            raise AssertionError("reconcile --repair ended before its first repair")
+    finally:
+        process.kill()
+        process.wait(10)
+        process.stderr.close()
+    assert process.returncode == -signal.SIGKILL
 
 
 def kinds(report: dict[str, Any]) -> dict[str, str]:

@@ -30,6 +30,7 @@ from tests.reconcile.drive import (
     money_total,
     reconcile,
     reconcile_command,
+    reconcile_killed_after_first_repair,
     restart_daemons,
     running_cluster,
     settle,
@@ -173,7 +174,16 @@ def test_each_fault_is_reported_precisely(cluster: LocalCluster, bank: Bank, fau
 def test_repair_applies_each_repair_once(cluster: LocalCluster, bank: Bank, faults: Faults) -> None:
     a, b = faults.shards
     balances_before = money_total(cluster)
-    # Two repairs at once, each a process of its own, then a third: each repair lands once.
+    # Killed right after its first repair, then two at once, each a process of its own, then a
+    # fourth: each repair lands once.
+    reconcile_killed_after_first_repair(cluster)
+    _, midway = reconcile(cluster)  # the first repair (the oldest transfer's) done, the others not
+    assert set(kinds(midway).values()) == {
+        "credit_not_queued",
+        "refund_missing",
+        "credit_without_debit",
+        "balance_not_ledger",
+    }
     twins = [reconcile_command(cluster, "--repair", "--json") for _ in range(2)]
     for twin in twins:
         twin.communicate(timeout=90)
