@@ -334,8 +334,11 @@ def release_label() -> dict[str, str]:
 @pytest.mark.parametrize("target", ["monitoring", "prod"])
 def test_prometheus_objects_carry_the_release_label(target: str) -> None:
     label = release_label()
-    rendered = [o for o in objects(target) if o["kind"] in ("ServiceMonitor", "PrometheusRule")]
-    assert {o["kind"] for o in rendered} == {"ServiceMonitor", "PrometheusRule"}
+    kinds = ("ServiceMonitor", "PodMonitor", "PrometheusRule")
+    rendered = [o for o in objects(target) if o["kind"] in kinds]
+    assert {o["kind"] for o in rendered} >= {"ServiceMonitor", "PrometheusRule"}
+    if target == "prod":  # the databases' PodMonitor too, set in its own kustomization
+        assert "PodMonitor" in {o["kind"] for o in rendered}
     for o in rendered:
         assert label.items() <= o["metadata"]["labels"].items(), o["metadata"]["name"]
         # never in a selector: the Services and pods do not carry it
