@@ -25,6 +25,7 @@ under their keys. Each wakes the shard's relays (`NOTIFY`) on commit.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass
 
@@ -199,7 +200,9 @@ class _Refused(Exception):
 def apply(
     conns: dict[str, Connection], mismatches: list[Mismatch], *, reverse_orphans: bool
 ) -> list[Outcome]:
-    """Apply every repair the mismatches allow; one outcome per mismatch that has one."""
+    """Apply every repair the mismatches allow; one outcome per mismatch that has one. A repair the
+    database refuses (a slot range fenced by a move, say) is rolled back and reported, and the
+    others go on."""
     outcomes: list[Outcome] = []
     for m in mismatches:
         if m.transfer_id is None:
@@ -207,30 +210,40 @@ def apply(
         if m.kind in (Kind.CREDIT_WITHOUT_DEBIT, Kind.CREDITED_AND_REFUNDED):
             if not reverse_orphans or m.shard is None or m.account is None or m.shard not in conns:
                 continue
-            done, said = reverse(conns[m.shard], m)
-            outcomes.append(Outcome(m, done, f"{m.kind.value} {m.transfer_id} on {m.shard}: {said}"))
-            failpoints.reached("reconcile.repaired")
-            continue
-        repair = m.repair
-        if repair is None or m.source_shard is None or m.source_shard not in conns:
-            continue
-        conn = conns[m.source_shard]
-        if repair == "requeue":
-            done = requeue(conn, m.transfer_id)
-            said = (
-                "credit re-queued with its original key"
-                if done
-                else "already re-queued (or no longer delivered)"
-            )
-        elif repair == "queue":
-            done = queue(conn, m.source_shard, m.transfer_id)
-            said = "credit queued with its original key" if done else "already queued (or settled meanwhile)"
+            shard = m.shard
+            step = functools.partial(reverse, conns[shard], m)
         else:
-            done = refund(conn, m.transfer_id)
-            said = "handed back to the refund path" if done else "already handed back (or refunded meanwhile)"
-        outcomes.append(Outcome(m, done, f"{m.kind.value} {m.transfer_id} on {m.source_shard}: {said}"))
+            repair = m.repair
+            if repair is None or m.source_shard is None or m.source_shard not in conns:
+                continue
+            shard = m.source_shard
+            step = functools.partial(_source_repair, repair, conns[shard], shard, m.transfer_id)
+        try:
+            done, said = step()
+        except psycopg.Error as exc:
+            done, said = False, f"refused by the database, nothing changed: {exc.diag.message_primary or exc}"
+        outcomes.append(Outcome(m, done, f"{m.kind.value} {m.transfer_id} on {shard}: {said}"))
         failpoints.reached("reconcile.repaired")  # one repair committed, the next not begun
     return outcomes
+
+
+def _source_repair(repair: str, conn: Connection, shard: str, transfer_id: uuid.UUID) -> tuple[bool, str]:
+    if repair == "requeue":
+        done = requeue(conn, transfer_id)
+        return (
+            done,
+            "credit re-queued with its original key"
+            if done
+            else "already re-queued (or no longer delivered)",
+        )
+    if repair == "queue":
+        done = queue(conn, shard, transfer_id)
+        return (
+            done,
+            "credit queued with its original key" if done else "already queued (or settled meanwhile)",
+        )
+    done = refund(conn, transfer_id)
+    return done, "handed back to the refund path" if done else "already handed back (or refunded meanwhile)"
 
 
 __all__ = ["Outcome", "apply", "queue", "refund", "requeue", "reverse"]

@@ -169,6 +169,9 @@ def test_each_fault_is_reported_precisely(cluster: LocalCluster, bank: Bank, fau
     assert eur["off_ledger"] == 5 and eur["unexplained"] == 0
     assert any(f"{a} holds no trace of 1 transfer(s)" in note for note in report["notes"])
     assert any(f"{b} lost 1 credit(s)" in note for note in report["notes"])
+    # --since reads the transfers touched in the window (all of these) and adds no money up.
+    code, recent = reconcile(cluster, "--since", "10m")
+    assert code == 1 and kinds(recent) == kinds(report) and recent["money"] is None
 
 
 def test_repair_applies_each_repair_once(cluster: LocalCluster, bank: Bank, faults: Faults) -> None:
