@@ -376,8 +376,10 @@ class LocalCluster:
             server = self._running_server(shard_id)
             if any(p.name == name for p in self.restore_points(shard_id)):
                 raise ValueError(f"{shard_id} has a restore point named {name!r} already")
-            lsn, created_at = pitr.create_restore_point(server, name)
-            point = RestorePoint(shard_id=shard_id, name=name, lsn=lsn, created_at=created_at)
+            lsn, created_at, timeline = pitr.create_restore_point(server, name)
+            point = RestorePoint(
+                shard_id=shard_id, name=name, lsn=lsn, created_at=created_at, timeline=timeline
+            )
             folder = self.backups_dir(shard_id)
             folder.mkdir(parents=True, exist_ok=True)
             pitr.write_json(
@@ -424,16 +426,28 @@ class LocalCluster:
         if target_time is not None and target_time.tzinfo is None:
             raise ValueError("target_time needs a time zone (datetime.now(UTC), say)")
         with self._changing:
-            self._running_server(shard_id)
+            server = self._running_server(shard_id)
             db = self.databases[self.shard_ids.index(shard_id)]
             if isinstance(db, ReplicatedPostgres) and db.promoted:
                 raise ValueError(
                     f"{shard_id}'s standby was promoted: restoring after a failover is not supported"
                 )
+            # Only what lies on the history the shard lives on now can be restored to: an earlier
+            # restore left the rest on an abandoned branch.
+            timeline = pitr.current_timeline(server)
+            history = pitr.timeline_history(self.archive_dir(shard_id), timeline, server.data_dir / "pg_wal")
             point = next((p for p in self.restore_points(shard_id) if p.name == target_name), None)
-            backup = backup or self._backup_before(shard_id, target_time, point)
+            if point is not None and not pitr.on_history(point.timeline, point.lsn, timeline, history):
+                raise ValueError(
+                    f"restore point {point.name!r} is on a history {shard_id} left when it was restored"
+                )
+            backup = backup or self._backup_before(shard_id, target_time, point, timeline, history)
             if backup.shard_id != shard_id:
                 raise ValueError(f"backup {backup.label} is of {backup.shard_id}, not {shard_id}")
+            if not pitr.on_history(backup.timeline, backup.end_lsn, timeline, history):
+                raise ValueError(
+                    f"backup {backup.label} is on a history {shard_id} left when it was restored"
+                )
             if target_time is not None and target_time < backup.finished_at:
                 raise ValueError(
                     f"{target_time.isoformat()} is before backup {backup.label} was complete"
@@ -478,6 +492,12 @@ class LocalCluster:
         log.info("restored %s: %s", shard_id, result)
         return result
 
+    def shard_dsn(self, shard_id: str, database: str = "shardd") -> str:
+        """The connection string of a shard's database (with `standby`, naming both servers)."""
+        if shard_id not in self.shard_ids:
+            raise ValueError(f"no shard {shard_id!r} (shards: {', '.join(self.shard_ids)})")
+        return self.databases[self.shard_ids.index(shard_id)].dsn_for(database)
+
     def _running_server(self, shard_id: str) -> LocalPostgres:
         """The server of a shard of the running cluster that accepts writes (ValueError: no such
         shard; RuntimeError: not running)."""
@@ -489,10 +509,18 @@ class LocalCluster:
         return db.current_primary if isinstance(db, ReplicatedPostgres) else db
 
     def _backup_before(
-        self, shard_id: str, target_time: datetime | None, point: RestorePoint | None
+        self,
+        shard_id: str,
+        target_time: datetime | None,
+        point: RestorePoint | None,
+        timeline: int,
+        history: dict[int, int],
     ) -> Backup:
-        """The newest base backup a restore to the target can start from."""
-        candidates = self.backups(shard_id)
+        """The newest base backup on the shard's current history a restore to the target can start
+        from."""
+        candidates = [
+            b for b in self.backups(shard_id) if pitr.on_history(b.timeline, b.end_lsn, timeline, history)
+        ]
         if target_time is not None:
             candidates = [b for b in candidates if b.finished_at <= target_time]
         if point is not None:

@@ -116,6 +116,8 @@ class RestorePoint:
     lsn: str
     #: The server's clock when it was made (UTC).
     created_at: datetime
+    #: The timeline it was made on.
+    timeline: int = 1
 
     def to_json(self) -> dict[str, Any]:
         """Its record, as kept in the shard's list of restore points."""
@@ -124,6 +126,7 @@ class RestorePoint:
             "name": self.name,
             "lsn": self.lsn,
             "created_at": self.created_at.isoformat(),
+            "timeline": self.timeline,
         }
 
     @classmethod
@@ -134,6 +137,7 @@ class RestorePoint:
             name=str(raw["name"]),
             lsn=str(raw["lsn"]),
             created_at=datetime.fromisoformat(raw["created_at"]),
+            timeline=int(raw.get("timeline", 1)),
         )
 
 
@@ -191,16 +195,59 @@ def base_backup(server: LocalPostgres, dest: Path, label: str) -> tuple[str, str
     return start[1], end, int(timeline[1])
 
 
-def create_restore_point(server: LocalPostgres, name: str) -> tuple[str, datetime]:
-    """`pg_create_restore_point(name)` on the running server: (its LSN, the server's clock)."""
+def create_restore_point(server: LocalPostgres, name: str) -> tuple[str, datetime, int]:
+    """`pg_create_restore_point(name)` on the running server: (its LSN, the server's clock, the
+    timeline)."""
     import psycopg
 
     if not name or len(name) >= 64:
         raise ValueError("a restore point's name has 1 to 63 characters")
     with psycopg.connect(server.dsn, autocommit=True, connect_timeout=5) as conn:
-        row = conn.execute("SELECT pg_create_restore_point(%s)::text, clock_timestamp()", (name,)).fetchone()
+        row = conn.execute(
+            "SELECT pg_create_restore_point(%s)::text, clock_timestamp(),"
+            " pg_walfile_name(pg_current_wal_lsn())",
+            (name,),
+        ).fetchone()
     assert row is not None
-    return str(row[0]), row[1].astimezone(UTC)
+    return str(row[0]), row[1].astimezone(UTC), int(str(row[2])[:8], 16)
+
+
+def current_timeline(server: LocalPostgres) -> int:
+    """The timeline the running (primary) server writes on."""
+    import psycopg
+
+    with psycopg.connect(server.dsn, autocommit=True, connect_timeout=5) as conn:
+        row = conn.execute("SELECT pg_walfile_name(pg_current_wal_lsn())").fetchone()
+    assert row is not None
+    return int(str(row[0])[:8], 16)
+
+
+def timeline_history(archive_dir: Path, timeline: int, pg_wal: Path | None = None) -> dict[int, int]:
+    """Each ancestor timeline of `timeline` -> the LSN (as a number) where its history left it,
+    read from its `0000000N.history` in the archive, else in the server's `pg_wal` (the archiver
+    may not have copied it yet); none for timeline 1, or when neither has the file."""
+    if timeline <= 1:
+        return {}
+    name = f"{timeline:08X}.history"
+    found = [d / name for d in (archive_dir, pg_wal) if d is not None and (d / name).is_file()]
+    if not found:
+        return {}
+    switches: dict[int, int] = {}
+    for line in found[0].read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 2 and fields[0].isdigit():
+            switches[int(fields[0])] = lsn_value(fields[1])
+    return switches
+
+
+def on_history(timeline: int, lsn: str, current: int, history: dict[int, int]) -> bool:
+    """Whether WAL position `lsn` of `timeline` lies on the history of timeline `current` (whose
+    ancestors' switch points are `history`): a backup or restore point after the place a restore
+    left its timeline is on an abandoned branch, which a restore cannot reach."""
+    if timeline == current:
+        return True
+    switch = history.get(timeline)
+    return switch is not None and lsn_value(lsn) <= switch
 
 
 def restore(
@@ -239,7 +286,7 @@ def restore(
         shutil.copytree(backup_path, data, symlinks=True)
         os.chmod(data, 0o700)
         (data / "backup_manifest").unlink(missing_ok=True)
-        _carry_unarchived_wal(aside / "pg_wal", data / "pg_wal")
+        _carry_unarchived_wal(aside / "pg_wal", data / "pg_wal", archive_dir)
         with contextlib.suppress(FileNotFoundError):  # one log across restores
             os.replace(aside / "server.log", data / "server.log")
         command = f"cp {shlex.quote(str(archive_dir))}/%f %p"
@@ -279,13 +326,13 @@ def restore(
     return restored
 
 
-def _carry_unarchived_wal(old: Path, new: Path) -> None:
-    """Copy the old server's WAL files into the restored `pg_wal`: what it had not archived yet
-    (its current segment at least), for recovery to read after the archive."""
+def _carry_unarchived_wal(old: Path, new: Path, archive: Path) -> None:
+    """Copy the old server's WAL files that the archive lacks into the restored `pg_wal` (its
+    current segment at least), for recovery to read after the archive."""
     if not old.is_dir():
         return
     for entry in old.iterdir():
-        if _WAL_FILE.fullmatch(entry.name) and entry.is_file():
+        if _WAL_FILE.fullmatch(entry.name) and entry.is_file() and not (archive / entry.name).exists():
             shutil.copy2(entry, new / entry.name)
 
 
@@ -345,7 +392,10 @@ __all__ = [
     "RestoredServer",
     "base_backup",
     "create_restore_point",
+    "current_timeline",
     "lsn_value",
+    "on_history",
     "restore",
+    "timeline_history",
     "write_json",
 ]

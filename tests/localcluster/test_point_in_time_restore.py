@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -20,7 +21,7 @@ from shardrouter.core.keys import KEY_METADATA, new_key
 from shardrouter.core.shardmap import load_shard_map
 from shardrouter.localcluster import cli, pitr
 from shardrouter.localcluster.cluster import LocalCluster
-from shardrouter.localcluster.postgres import free_port
+from shardrouter.localcluster.postgres import ReplicatedPostgres, free_port
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.helpers import pg_data_dir
 
@@ -61,7 +62,7 @@ def _accounts_on(cluster: LocalCluster, shard_id: str, prefix: str, count: int) 
 
 
 def _dsn(cluster: LocalCluster, shard_id: str) -> str:
-    return cluster.databases[cluster.shard_ids.index(shard_id)].dsn_for("shardd")
+    return cluster.shard_dsn(shard_id)
 
 
 def _rows(cluster: LocalCluster, shard_id: str) -> dict[str, list[tuple[Any, ...]]]:
@@ -139,10 +140,12 @@ def test_a_shard_restored_to_a_restore_point_has_exactly_what_was_committed_befo
     _deposit(stub, alice, 7)
     _deposit(stub, carol, 5)  # the other shard moves on too
     assert _rows(cluster, "shard-0") != at_point
+    late = cluster.backup_shard("shard-0")  # newer than the point: not one to restore it from
     other_rows, other_started = _rows(cluster, "shard-1"), _server_started(cluster, "shard-1")
 
-    restored = cluster.restore_shard("shard-0", backup, target_name=point.name)
+    restored = cluster.restore_shard("shard-0", target_name=point.name)
     print(f"restored shard-0 in {restored.seconds} s (timeline {restored.timeline})")
+    assert restored.backup == backup, "the newest backup before the point"
 
     assert _rows(cluster, "shard-0") == at_point, "exactly the rows up to the restore point"
     keys = _keys(cluster, "shard-0")
@@ -157,6 +160,9 @@ def test_a_shard_restored_to_a_restore_point_has_exactly_what_was_committed_befo
     _deposit(stub, alice, 1)
     assert _balance(stub, alice) == 10_000 - 300 + 1
     assert _balance(stub, carol) == 505
+    # What the restore abandoned cannot be restored to any more: refused before anything stops.
+    with pytest.raises(ValueError, match="on a history shard-0 left when it was restored"):
+        cluster.restore_shard("shard-0", late, target_time=datetime.now(UTC))
 
 
 def test_a_shard_restored_to_a_time_keeps_the_commits_up_to_it_on_its_new_timeline(
@@ -238,3 +244,55 @@ def test_the_dev_commands_back_up_mark_and_restore_through_the_running_cluster(
         assert "restore point 'cli-point'" in listed and listed.count("backup ") >= 1
     finally:
         controls.stop()
+
+
+def test_with_a_standby_the_standby_is_made_afresh_from_the_restored_primary() -> None:
+    data_dir = pg_data_dir()
+    cluster = LocalCluster(
+        data_dir=data_dir,
+        shards=1,
+        replicas=1,
+        standby=True,
+        router_port=free_port(),
+        http_port=0,
+        metrics=False,
+    )
+    cluster.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{cluster.router_port}") as channel:
+            stub = transfer_pb2_grpc.TransferServiceStub(channel)
+            _deposit(stub, "gus", 5)
+            cluster.backup_shard("shard-0")
+            _deposit(stub, "gus", 10)
+            cluster.restore_point("shard-0", "standby-drill")
+            _deposit(stub, "gus", 100)
+            restored = cluster.restore_shard("shard-0", target_name="standby-drill")
+            print(f"restored shard-0 with its standby in {restored.seconds} s")
+            assert _balance(stub, "gus") == 15
+            _deposit(stub, "gus", 1)  # a synchronous commit: the new standby acknowledges it
+        (db,) = cluster.databases
+        assert isinstance(db, ReplicatedPostgres)
+        (row,) = db.replication()
+        assert row["state"] == "streaming" and row["sync_state"] == "sync"
+        with psycopg.connect(db.standby.dsn_for("shardd"), autocommit=True) as standby:
+            recovery = standby.execute("SELECT pg_is_in_recovery()").fetchone()
+        assert recovery == (True,)
+    finally:
+        cluster.stop()
+        shutil.rmtree(data_dir.parent, ignore_errors=True)
+
+
+def test_what_a_restore_left_behind_is_not_on_the_current_history(tmp_path: Path) -> None:
+    # Timeline 3 branched from 2 at 0/5000000, which had branched from 1 at 0/3000160.
+    (tmp_path / "00000003.history").write_text(
+        "1\t0/3000160\tafter point drill\n2\t0/5000000\tbefore 2026-12-05 04:30:00+00\n"
+    )
+    history = pitr.timeline_history(tmp_path, 3)
+    assert history == {1: pitr.lsn_value("0/3000160"), 2: pitr.lsn_value("0/5000000")}
+    assert pitr.on_history(3, "0/9000000", 3, history)
+    assert pitr.on_history(1, "0/2000120", 3, history)
+    assert not pitr.on_history(1, "0/4000000", 3, history), "timeline 1 after its switch: abandoned"
+    assert pitr.on_history(2, "0/4FFFFFF", 3, history)
+    assert not pitr.on_history(4, "0/1000000", 3, history)
+    assert pitr.timeline_history(tmp_path, 1) == {}
+    assert pitr.lsn_value("1/0") == 1 << 32
