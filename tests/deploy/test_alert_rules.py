@@ -415,3 +415,30 @@ def test_links_between_runbooks_resolve() -> None:
             elif anchor and path.suffix == ".md" and anchor not in markdown_anchors(path):
                 broken.append(f"{page.name}: {target} (no such heading)")
     assert broken == []
+
+
+def runbook_promql() -> list[tuple[str, str]]:
+    """(page, query) of every query in the runbooks' ```promql blocks (queries are separated by a
+    blank line or start on a line of their own)."""
+    found: list[tuple[str, str]] = []
+    for page in sorted(RUNBOOKS.glob("*.md")):
+        for block in re.findall(r"```promql\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.DOTALL):
+            query: list[str] = []
+            for line in [*block.splitlines(), ""]:
+                text = re.sub(r"\s+#.*$", "", line).rstrip()
+                if query and (not text or not line.startswith(" ")):
+                    found.append((page.name, " ".join(query)))
+                    query = []
+                if text:
+                    query.append(text.strip())
+    return found
+
+
+def test_the_runbooks_promql_parses(tmp_path: Path) -> None:
+    queries = runbook_promql()
+    assert len(queries) > 10
+    rules = [{"record": f"runbook:query{i}", "expr": q} for i, (_, q) in enumerate(queries)]
+    path = tmp_path / "runbook-queries.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "runbooks", "rules": rules}]}), encoding="utf-8")
+    result = _run(promtool(), "check", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr + "\n" + "\n".join(map(str, queries))

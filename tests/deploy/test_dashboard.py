@@ -322,16 +322,18 @@ def test_the_dashboard_is_a_configmap_for_the_grafana_sidecar() -> None:
         assert json.loads(content) == load_dashboard()
 
 
-def test_the_alerts_name_only_exported_shardd_and_router_metrics(exported: set[str]) -> None:
-    # The alert rules read the same series: a shardd_*/router_* name there must be exported too
-    # (the others come from Prometheus, the kubelet, cert-manager and CloudNativePG).
-    from tests.deploy.test_alert_rules import rule_groups
+def test_the_alerts_and_runbooks_name_only_exported_shardd_and_router_metrics(exported: set[str]) -> None:
+    # The alert rules and the runbooks' PromQL read the same series: a shardd_*/router_* name there
+    # must be exported too (the others come from Prometheus, the kubelet, cert-manager and CloudNativePG).
+    from tests.deploy.test_alert_rules import rule_groups, runbook_promql
 
+    exprs = [
+        (rule.get("alert") or rule.get("record"), rule["expr"]) for g in rule_groups() for rule in g["rules"]
+    ]
     unknown = {
-        (rule.get("alert") or rule.get("record"), name)
-        for group in rule_groups()
-        for rule in group["rules"]
-        for name in metric_names(rule["expr"])
+        (where, name)
+        for where, expr in [*exprs, *runbook_promql()]
+        for name in metric_names(expr)
         if name.startswith(("shardd_", "router_")) and name not in exported
     }
     assert unknown == set()
