@@ -2460,11 +2460,18 @@ sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
 
 
 def run_reshard_job_script(
-    tmp_path: Path, reshard_args: str, dsns: dict[str, str], *, exit_status: int = 0
+    tmp_path: Path,
+    reshard_args: str,
+    dsns: dict[str, str],
+    *,
+    exit_status: int = 0,
+    job: dict[str, Any] | None = None,
+    args_variable: str = "RESHARD_ARGS",
 ) -> subprocess.CompletedProcess[str]:
-    """The reshard Job's script, run by /bin/sh with the Job's mounts as folders of tmp_path, its
-    environment as the kubelet makes it (namespace `ns`) and a fake `shard-router` first on PATH."""
-    job = reshard_job("dev")
+    """The reshard Job's script (or another `job` made from it, with its arguments in
+    `args_variable`), run by /bin/sh with the Job's mounts as folders of tmp_path, its environment
+    as the kubelet makes it (namespace `ns`) and a fake `shard-router` first on PATH."""
+    job = job or reshard_job("dev")
     (c,) = pod_spec(job)["containers"]  # type: ignore[index]
     (script,) = c["args"]
     folders = {m["mountPath"]: tmp_path / m["name"] for m in c["volumeMounts"] if m["mountPath"] != "/tmp"}
@@ -2482,7 +2489,7 @@ def run_reshard_job_script(
     fake = bin_dir / "shard-router"
     fake.write_text(FAKE_SHARD_ROUTER.replace("/usr/bin/env python3", sys.executable), encoding="utf-8")
     fake.chmod(0o755)
-    env = {**resolved_env(c, RESHARD_POD), "RESHARD_ARGS": reshard_args}
+    env = {**resolved_env(c, RESHARD_POD), args_variable: reshard_args}
     return subprocess.run(
         ["/bin/sh", "-c", script],
         env={
@@ -2892,3 +2899,86 @@ def test_readme_day_two_covers_restores_and_the_must_edit_list() -> None:
         "targetTime",
     ):
         assert placeholder in must_edit, placeholder
+
+
+#: `shard-router reconcile` as a Job: the reshard Job's pod with reconcile's command
+#: (examples/reconcile), and after a restore with the restored cluster's Secret (examples/restore).
+RECONCILE_EXAMPLES = {
+    "dev": K8S / "examples" / "reconcile" / "dev",
+    "prod": K8S / "examples" / "reconcile" / "prod",
+    "restored": RESTORE_EXAMPLE / "reconcile",
+}
+
+
+def reconcile_job(target: str) -> dict[str, Any]:
+    (job,) = kustomize(RECONCILE_EXAMPLES[target])
+    assert job["kind"] == "Job"
+    return job
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("target", RECONCILE_EXAMPLES)
+def test_reconcile_job_validates_and_is_locked_down(target: str, version: str) -> None:
+    job = reconcile_job(target)
+    kubernetes_validate.validate(job, version, strict=True)
+    spec = pod_spec(job)
+    assert spec is not None
+    # stricter than the reshard pod whose labels it has: no token at all (asserted below)
+    assert spec["automountServiceAccountToken"] is False
+    for c in containers(spec):
+        check_locked_down(job, {**spec, "automountServiceAccountToken": True}, c)
+
+
+@pytest.mark.parametrize("target", RECONCILE_EXAMPLES)
+def test_reconcile_job_is_the_reshard_pod_running_reconcile(target: str) -> None:
+    overlay = "dev" if target == "dev" else "prod"
+    job, reshard = reconcile_job(target), reshard_job(overlay)
+    assert (
+        job["metadata"]["name"] == "shard-reconcile" and job["metadata"]["namespace"] == NAMESPACES[overlay]
+    )
+    spec, reshard_spec = pod_spec(job), pod_spec(reshard)
+    assert spec is not None and reshard_spec is not None
+    # the same pod labels, so the same NetworkPolicies: every database on 5432, nothing else
+    assert job["spec"]["template"]["metadata"]["labels"] == reshard["spec"]["template"]["metadata"]["labels"]
+    assert spec["automountServiceAccountToken"] is False, "reconcile reads only the databases"
+    (c,) = spec["containers"]
+    (r,) = reshard_spec["containers"]
+    assert c["image"] == r["image"] and c["volumeMounts"] == r["volumeMounts"]
+    assert "exec shard-router reconcile --databases /work/databases.yaml $RECONCILE_ARGS" in c["args"][0]
+    assert env_value(c, "RECONCILE_ARGS") == ""
+    sources = {
+        item["path"]: source["secret"]["name"]
+        for volume in spec["volumes"]
+        if "projected" in volume
+        for source in volume["projected"]["sources"]
+        for item in source["secret"]["items"]
+    }
+    shard_ids = [s["id"] for s in shard_map_document(overlay)["shards"]]
+    expected = {sid: db_secret(overlay, sid)[0] for sid in shard_ids}
+    if target == "restored":
+        expected["shard-0"] = "postgres-shard-0-restore-app"
+        assert set(sources.values()) <= secrets_provided("prod-restored")
+    assert sources == expected
+
+
+def test_reconcile_job_script_passes_its_arguments_and_every_dsn(tmp_path: Path) -> None:
+    dsns = {"shard-0": "postgresql://a:p#w@b/c", "shard-1": "postgresql://a@d/c"}
+    result = run_reshard_job_script(
+        tmp_path,
+        "--repair --since 2026-12-01T08:00:00Z",
+        dsns,
+        job=reconcile_job("dev"),
+        args_variable="RECONCILE_ARGS",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    state = json.loads((tmp_path / "state.json").read_text())
+    assert state["dsns"] == dsns
+    databases = str(tmp_path / "work" / "databases.yaml")
+    assert state["args"] == [
+        "reconcile",
+        "--databases",
+        databases,
+        "--repair",
+        "--since",
+        "2026-12-01T08:00:00Z",
+    ]
