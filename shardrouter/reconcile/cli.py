@@ -186,7 +186,9 @@ def main(argv: Sequence[str] | None = None, *, default_dir: Path | None = None) 
             _show(report, False, "before repair")
         if report.consistent:
             if args.json:
-                _show(report, True, "")
+                print(
+                    json.dumps({"before": report.as_json(), "after": report.as_json()}, indent=2, default=str)
+                )
             return 0
         after = run_repair(
             dsns, report, reverse_orphans=args.reverse_orphan_credits, wait_s=args.wait, since=since

@@ -56,7 +56,7 @@ def render(report: Report, *, title: str = "reconcile") -> str:
     for note in report.notes:
         lines.append(f"note: {note}")
     for repair in report.repairs:
-        lines.append(f"repaired: {repair}")
+        lines.append(f"repair: {repair}")
     if report.consistent:
         lines.append("consistent: every shard agrees with every other")
     else:

@@ -1,0 +1,140 @@
+"""The comparison on hand-made facts: the kinds a restore rarely makes (a credit and a refund of one
+transfer, two credits, entries that add up to nothing), what stays in flight, a shard not given, and
+the money identity."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+from shardrouter.core.keys import new_key
+from shardrouter.reconcile.check import Kind, classify
+from shardrouter.reconcile.facts import DeadLetter, Leg, Outbox, ShardFacts, Transfer, reversal_key
+from shardrouter.shardd.ledger.service import credit_key
+
+NOW = datetime.now(UTC)
+
+
+def _transfer(tid: uuid.UUID, state: str = "completed", amount: int = 10) -> Transfer:
+    return Transfer("a", tid, "src", "dst", "b", amount, "EUR", state, NOW)
+
+
+def _outbox(tid: uuid.UUID, *, delivered: bool = True, dead: bool = False) -> Outbox:
+    return Outbox(
+        "a",
+        1,
+        tid,
+        "b",
+        str(credit_key(tid)),
+        1,
+        NOW,
+        NOW if delivered else None,
+        NOW if dead else None,
+        None,
+    )
+
+
+def _leg(shard: str, tid: uuid.UUID, kind: str, amount: int, account: str, key: str = "k") -> Leg:
+    return Leg(shard, new_key(), tid, kind, account, amount, "EUR", key, NOW)
+
+
+def _facts(*items: object) -> dict[str, ShardFacts]:
+    facts = {"a": ShardFacts("a"), "b": ShardFacts("b")}
+    for item in items:
+        shard = facts[item.shard]  # type: ignore[attr-defined]
+        if isinstance(item, Transfer):
+            shard.transfers.append(item)
+        elif isinstance(item, Outbox):
+            shard.outbox.append(item)
+        elif isinstance(item, DeadLetter):
+            shard.dead_letters.append(item)
+        elif isinstance(item, Leg):
+            shard.legs.append(item)
+    return facts
+
+
+def _settled(tid: uuid.UUID) -> list[object]:
+    return [
+        _transfer(tid),
+        _outbox(tid),
+        _leg("a", tid, "transfer_out", -10, "src"),
+        _leg("b", tid, "transfer_in", 10, "dst"),
+    ]
+
+
+def test_settled_and_in_flight_transfers_are_no_mismatch() -> None:
+    done, pending, owed = new_key(), new_key(), new_key()
+    facts = _facts(
+        *_settled(done),
+        _transfer(pending, "pending"),
+        _outbox(pending, delivered=False),
+        _leg("a", pending, "transfer_out", -10, "src"),
+        _transfer(owed, "pending"),
+        _outbox(owed, delivered=False, dead=True),
+        DeadLetter("a", owed, 1, "r", "NOT_FOUND", NOW, None),
+        _leg("a", owed, "transfer_out", -10, "src"),
+    )
+    facts["a"].deposits["EUR"], facts["a"].balances["EUR"] = 100, (80, 2)  # 20 in flight
+    report = classify(facts)
+    assert report.mismatches == [] and (report.pending_credits, report.refunds_owed) == (1, 1)
+    assert report.in_flight_ids == {pending, owed}
+    assert report.money is not None and report.money["EUR"].in_flight == 20
+
+
+def test_credit_and_refund_of_one_transfer_and_two_credits() -> None:
+    both, twice = new_key(), new_key()
+    facts = _facts(
+        *_settled(both),
+        _leg("a", both, "refund", 10, "src"),
+        *_settled(twice),
+        _leg("a", twice, "transfer_in", 10, "other"),  # a second credit on another shard
+    )
+    facts["a"].deposits["EUR"], facts["a"].balances["EUR"] = 100, (120, 2)  # 20 created
+    report = classify(facts)
+    found = {m.transfer_id: m for m in report.mismatches}
+    assert found[both].kind is Kind.CREDITED_AND_REFUNDED and found[both].effect_minor == 10
+    assert (found[both].shard, found[both].account) == ("b", "dst")  # where a reversal would write
+    assert found[twice].kind is Kind.DUPLICATE_CREDIT and found[twice].effect_minor == 10
+    assert report.money is not None and report.money["EUR"].mismatches == 20
+
+
+def test_entries_that_add_up_to_nothing_and_a_transfer_without_debit() -> None:
+    odd, bare = new_key(), new_key()
+    report = classify(
+        _facts(
+            _transfer(odd),
+            _outbox(odd),
+            _leg("a", odd, "transfer_out", -10, "src"),
+            _leg("b", odd, "transfer_in", 9, "dst"),
+            _transfer(bare),
+            _outbox(bare),
+            _leg("b", bare, "transfer_in", 10, "dst"),
+        ),
+        with_money=False,
+    )
+    kinds = {m.transfer_id: (m.kind, m.effect_minor) for m in report.mismatches}
+    assert kinds == {odd: (Kind.LEGS_UNBALANCED, -1), bare: (Kind.DEBIT_MISSING, 10)}
+
+
+def test_a_reversed_orphan_is_settled() -> None:
+    tid = new_key()
+    report = classify(
+        _facts(
+            _leg("b", tid, "transfer_in", 10, "dst", str(credit_key(tid))),
+            _leg("b", tid, "transfer_out", -10, "dst", str(reversal_key(tid))),
+        ),
+        with_money=False,
+    )
+    assert report.mismatches == []
+
+
+def test_a_shard_not_given_is_not_judged_and_money_says_so() -> None:
+    tid = new_key()
+    facts = _facts(_transfer(tid), _outbox(tid), _leg("a", tid, "transfer_out", -10, "src"))
+    del facts["b"]
+    facts["a"].balances["EUR"] = (90, 1)
+    facts["a"].deposits["EUR"] = 100
+    report = classify(facts)
+    assert [m.kind for m in report.mismatches] == [Kind.MONEY_NOT_CONSERVED]
+    assert report.mismatches[0].effect_minor == -10
+    assert any("were not checked" in note and "b" in note for note in report.notes)
