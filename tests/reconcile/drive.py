@@ -162,6 +162,8 @@ class Load:
     bank: Bank
     accounts: dict[str, list[str]]
     made: list[uuid.UUID] = field(default_factory=list)
+    #: What the caller keeps of each acknowledged transfer: transfer id -> (key, source, destination, amount).
+    sent: dict[uuid.UUID, tuple[uuid.UUID, str, str, int]] = field(default_factory=dict)
     failed: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -175,12 +177,16 @@ class Load:
         shards = sorted(self.accounts)
         while not self._stop.is_set():
             a, b = rng.sample(shards, 2)
+            key, src, dst, amount = (
+                new_key(),
+                rng.choice(self.accounts[a]),
+                rng.choice(self.accounts[b]),
+                rng.randint(1, 50),
+            )
             try:
-                self.made.append(
-                    self.bank.transfer(
-                        rng.choice(self.accounts[a]), rng.choice(self.accounts[b]), rng.randint(1, 50)
-                    )
-                )
+                tid = self.bank.transfer(src, dst, amount, key)
+                self.sent[tid] = (key, src, dst, amount)
+                self.made.append(tid)
             except grpc.RpcError as err:
                 self.failed.append(f"{err.code().name}: {err.details()}")
 
