@@ -340,6 +340,13 @@ def _add_restore_commands(sub: Any) -> None:
         command.add_argument("shard", metavar="SHARD", help="the shard's id, e.g. shard-0")
         command.add_argument("--data-dir", type=Path, default=None, help=data_dir_help)
     point.add_argument("name", metavar="NAME", help="the restore point's name (unique per shard)")
+    listing.add_argument(
+        "--keep",
+        type=int,
+        default=0,
+        metavar="N",
+        help="first delete all but the newest N base backups and the archived WAL before them",
+    )
     target = restore.add_mutually_exclusive_group(required=True)
     target.add_argument(
         "--to",
@@ -423,6 +430,14 @@ def _restore(args: argparse.Namespace) -> int:
 
 def _backups(args: argparse.Namespace) -> int:
     cluster = LocalCluster(data_dir=args.data_dir or default_data_dir())
+    if args.keep:
+        try:
+            dropped = cluster.prune_backups(args.shard, args.keep)
+        except ValueError as exc:
+            print(f"shard-router dev backups: {exc}", file=sys.stderr)
+            return 2
+        for b in dropped:
+            print(f"deleted backup {b.label}")
     backups = cluster.backups(args.shard)
     points = cluster.restore_points(args.shard)
     if not backups and not points:

@@ -367,6 +367,21 @@ class LocalCluster:
         ]
         return sorted((b for b in found if b.path.is_dir()), key=lambda b: b.finished_at)
 
+    def prune_backups(self, shard_id: str, keep: int = 1) -> list[Backup]:
+        """Delete all but the newest `keep` base backups of a shard, and the archived WAL before
+        the oldest one kept (the archive is otherwise never trimmed); the backups deleted."""
+        if keep < 1:
+            raise ValueError("keep at least one base backup")
+        backups = self.backups(shard_id)
+        dropped, kept = backups[:-keep], backups[-keep:]
+        for backup in dropped:
+            shutil.rmtree(backup.path, ignore_errors=True)
+            backup.path.with_name(f"{backup.label}.json").unlink(missing_ok=True)
+        if kept and self.archive_dir(shard_id).is_dir():
+            oldest = min(kept, key=lambda b: pitr.lsn_value(b.start_lsn))
+            pitr.prune_archive(self.archive_dir(shard_id), oldest.start_lsn, oldest.timeline)
+        return dropped
+
     def restore_point(self, shard_id: str, name: str) -> RestorePoint:
         """Make a named restore point in a shard's WAL (`pg_create_restore_point`) and record it.
 

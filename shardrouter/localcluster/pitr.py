@@ -34,6 +34,8 @@ from shardrouter.localcluster.postgres import LocalPostgres, postgres_bin_path
 
 #: A WAL segment file's name (timeline, log, segment: 24 hex digits) or a timeline history file.
 _WAL_FILE = re.compile(r"[0-9A-F]{24}|[0-9A-F]{8}\.history")
+#: An archived segment, a backup history file or a timeline's last partial segment.
+_ARCHIVED_SEGMENT = re.compile(r"[0-9A-F]{24}(\.[0-9A-F]{8}\.backup|\.partial)?")
 #: Settings a restore writes into postgresql.auto.conf and takes out again once promoted.
 _RECOVERY_KEYS = (
     "restore_command",
@@ -156,6 +158,8 @@ def base_backup(server: LocalPostgres, dest: Path, label: str) -> tuple[str, str
     WAL it needs streamed in, a fast checkpoint); (start LSN, end LSN, timeline)."""
     if dest.exists():
         raise FileExistsError(f"a backup folder {dest} exists already")
+    if server.archive_dir is not None:
+        server.enable_archive()  # before the backup starts: its WAL on is kept
     dest.mkdir(parents=True)
     server._own(dest)  # the server's user writes it; the folders above traversable
     os.chmod(dest, 0o700)
@@ -326,6 +330,26 @@ def restore(
     return restored
 
 
+def prune_archive(archive_dir: Path, oldest_start_lsn: str, timeline: int) -> int:
+    """Delete the archived WAL segments (of every timeline) before the one where the oldest kept
+    base backup starts; timeline history files stay. The number of files deleted."""
+    keep_from = _segment_name(oldest_start_lsn, timeline)[8:]
+    removed = 0
+    for entry in archive_dir.iterdir():
+        name = entry.name
+        if _ARCHIVED_SEGMENT.fullmatch(name) and name[8:24] < keep_from:
+            entry.unlink()
+            removed += 1
+    return removed
+
+
+def _segment_name(lsn: str, timeline: int, segment_bytes: int = 16 * 1024 * 1024) -> str:
+    """The WAL file holding `lsn` (default segment size, which the local cluster's servers use)."""
+    number = lsn_value(lsn) // segment_bytes
+    per_log = 0x1_0000_0000 // segment_bytes
+    return f"{timeline:08X}{number // per_log:08X}{number % per_log:08X}"
+
+
 def _carry_unarchived_wal(old: Path, new: Path, archive: Path) -> None:
     """Copy the old server's WAL files that the archive lacks into the restored `pg_wal` (its
     current segment at least), for recovery to read after the archive."""
@@ -395,6 +419,7 @@ __all__ = [
     "current_timeline",
     "lsn_value",
     "on_history",
+    "prune_archive",
     "restore",
     "timeline_history",
     "write_json",

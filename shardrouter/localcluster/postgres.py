@@ -115,6 +115,12 @@ class LocalPostgres:
         The settings live in a file of their own that `postgresql.conf` includes, so a data
         directory of an earlier run (or without an archive) gets them without a rewrite; a base
         backup copies that file, so a restored server archives into the same folder.
+
+        To stay cheap, segments are only kept once the folder holds the file `ARCHIVE_ENABLED`
+        (the first base backup writes it, `enable_archive`): before any base backup, WAL is of no
+        use to a restore, and the command drops it as archived. A segment already in the archive
+        is archived again only if it is the same (a copy the server did not see finish); a
+        different one with the same name is refused, since it would mean two histories.
         """
         if "%" in str(archive_dir):
             raise ValueError(
@@ -127,9 +133,11 @@ class LocalPostgres:
         if _ARCHIVE_INCLUDE not in conf.read_text():
             with conf.open("a") as out:
                 out.write(f"\n# WAL archive of the local cluster\n{_ARCHIVE_INCLUDE}\n")
-        quoted = shlex.quote(str(archive_dir))
-        # Never overwrite an archived segment: a second copy of a name means two histories.
-        command = f"test ! -f {quoted}/%f && cp %p {quoted}/%f"
+        a = shlex.quote(str(archive_dir))
+        command = (
+            f"test ! -f {a}/{ARCHIVE_ENABLED} || if test -f {a}/%f; then cmp -s %p {a}/%f;"
+            f" else cp %p {a}/%f.part && mv {a}/%f.part {a}/%f; fi"
+        )
         settings = self.data_dir / _ARCHIVE_CONF
         settings.write_text(
             "# written by shard-router's local cluster at each start\n"
@@ -137,6 +145,16 @@ class LocalPostgres:
         )
         if self._user is not None:
             os.chown(settings, self._user.pw_uid, self._user.pw_gid)
+
+    def enable_archive(self) -> None:
+        """Keep every WAL segment completed from now on in `archive_dir` (see
+        `_configure_archiving`); the running server follows at once, no reload needed."""
+        if self.archive_dir is None:
+            raise ValueError(f"the server of {self.data_dir} has no WAL archive")
+        marker = self.archive_dir / ARCHIVE_ENABLED
+        marker.touch()
+        if self._user is not None:
+            os.chown(marker, self._user.pw_uid, self._user.pw_gid)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until a TCP connection to the port succeeds."""
@@ -211,6 +229,8 @@ class LocalPostgres:
             )
 
 
+#: In a WAL archive folder: keep the segments (written by the first base backup).
+ARCHIVE_ENABLED = "ARCHIVE_ENABLED"
 #: The file of archive settings in a data directory, and the line of `postgresql.conf` including it.
 _ARCHIVE_CONF = "shard-router-archive.conf"
 _ARCHIVE_INCLUDE = f"include_if_exists = '{_ARCHIVE_CONF}'"
@@ -503,6 +523,7 @@ def _alive(pid: int) -> bool:
 
 
 __all__ = [
+    "ARCHIVE_ENABLED",
     "LocalPostgres",
     "ReplicatedPostgres",
     "free_port",

@@ -8,6 +8,7 @@ running cluster through its control socket."""
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -85,6 +86,26 @@ def _keys(cluster: LocalCluster, shard_id: str) -> set[str]:
         return {str(k) for (k,) in conn.execute("SELECT key FROM idempotency_record").fetchall()}
 
 
+def _switch_wal_and_wait_archived(cluster: LocalCluster, shard_id: str) -> None:
+    """Complete the current WAL segment and wait until the archiver has handled it."""
+    with psycopg.connect(cluster.shard_dsn(shard_id), autocommit=True) as conn:
+        conn.execute("CREATE TEMP TABLE nudge AS SELECT 1")  # something to switch away from
+        (name,) = conn.execute("SELECT pg_walfile_name(pg_current_wal_lsn())").fetchone() or ("",)
+        conn.execute("SELECT pg_switch_wal()")
+        deadline = time.monotonic() + 10
+        while conn.execute("SELECT last_archived_wal FROM pg_stat_archiver").fetchone() != (name,):
+            assert time.monotonic() < deadline, f"segment {name} not archived"
+            time.sleep(0.02)
+
+
+def _archived_segments(cluster: LocalCluster, shard_id: str) -> list[str]:
+    return sorted(
+        p.name
+        for p in cluster.archive_dir(shard_id).iterdir()
+        if p.name[:1] != "." and "ENABLED" not in p.name
+    )
+
+
 def _deposit(stub: transfer_pb2_grpc.TransferServiceStub, account: str, amount: int) -> str:
     key = str(new_key())
     stub.Deposit(
@@ -128,6 +149,9 @@ def test_a_shard_restored_to_a_restore_point_has_exactly_what_was_committed_befo
     _deposit(stub, alice, 10_000)
     _deposit(stub, bob, 1)
     _deposit(stub, carol, 500)
+    # Before a first base backup, WAL is of no use to a restore: completed segments are not kept.
+    _switch_wal_and_wait_archived(cluster, "shard-0")
+    assert not _archived_segments(cluster, "shard-0")
     backup = cluster.backup_shard("shard-0")
     assert backup.path.is_dir() and backup.timeline >= 1
     assert cluster.backups("shard-0")[-1] == backup
@@ -239,9 +263,17 @@ def test_the_dev_commands_back_up_mark_and_restore_through_the_running_cluster(
         out = capsys.readouterr().out
         assert "Restored shard-1 from backup" in out and "reconcile" in out
         assert _balance(stub, fred) == 30
+        newest = cluster.backup_shard("shard-1")
         assert cli.main(["backups", "shard-1", *where]) == 0
         listed = capsys.readouterr().out
-        assert "restore point 'cli-point'" in listed and listed.count("backup ") >= 1
+        assert "restore point 'cli-point'" in listed and listed.count("backup ") >= 2
+        # Trimming: the newest backup stays, older ones and the WAL before it go.
+        assert cli.main(["backups", "shard-1", "--keep", "1", *where]) == 0
+        assert "deleted backup" in capsys.readouterr().out
+        assert cluster.backups("shard-1") == [newest]
+        first_kept = pitr._segment_name(newest.start_lsn, newest.timeline)
+        segments = [n for n in _archived_segments(cluster, "shard-1") if not n.endswith(".history")]
+        assert segments and all(n[8:24] >= first_kept[8:] for n in segments), (first_kept, segments)
     finally:
         controls.stop()
 
