@@ -545,6 +545,10 @@ def check(dsns: Mapping[str, str], *, since: datetime | None = None, confirm: bo
         seen = {m.identity for m in first.mismatches}
         transient = [m for m in report.mismatches if m.identity not in seen]
         report.mismatches = [m for m in report.mismatches if m.identity in seen]
+        for m in transient:  # their money is in the totals of this read: explained as in flight
+            if report.money is not None and m.currency in report.money:
+                report.money[m.currency].mismatches -= m.effect_minor
+                report.money[m.currency].in_flight -= m.effect_minor
         if transient:
             report.notes.append(
                 f"{len(transient)} mismatch(es) seen by one read only (a transfer moving on meanwhile) "
