@@ -470,6 +470,8 @@ class LocalCluster:
                 )
             if point is not None and pitr.lsn_value(point.lsn) < pitr.lsn_value(backup.end_lsn):
                 raise ValueError(f"restore point {point.name!r} is older than backup {backup.label}")
+            if target_time is not None:
+                pitr.end_with_a_commit_after(server, target_time)
             daemons = self.daemons_of(shard_id)
             for daemon in daemons:
                 daemon.stop()

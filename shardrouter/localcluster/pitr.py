@@ -216,6 +216,26 @@ def create_restore_point(server: LocalPostgres, name: str) -> tuple[str, datetim
     return str(row[0]), row[1].astimezone(UTC), int(str(row[2])[:8], 16)
 
 
+def end_with_a_commit_after(server: LocalPostgres, target_time: datetime) -> None:
+    """Commit an empty transaction (an xid, so a commit record) on the running server, after
+    checking that `target_time` has passed by its clock (ValueError otherwise).
+
+    Replay to a time stops at the first commit after it; where none follows the target in the
+    WAL, PostgreSQL ends recovery with "recovery ended before configured recovery target was
+    reached" instead of keeping everything. This commit is that first one after the target."""
+    import psycopg
+
+    with psycopg.connect(server.dsn, autocommit=True, connect_timeout=5) as conn:
+        row = conn.execute("SELECT clock_timestamp()").fetchone()
+        assert row is not None
+        if row[0] <= target_time:
+            raise ValueError(
+                f"the target time {target_time.isoformat()} has not passed yet (the server's clock: "
+                f"{row[0].astimezone(UTC).isoformat()})"
+            )
+        conn.execute("SELECT pg_current_xact_id()")
+
+
 def current_timeline(server: LocalPostgres) -> int:
     """The timeline the running (primary) server writes on."""
     import psycopg
@@ -417,6 +437,7 @@ __all__ = [
     "base_backup",
     "create_restore_point",
     "current_timeline",
+    "end_with_a_commit_after",
     "lsn_value",
     "on_history",
     "prune_archive",

@@ -211,6 +211,13 @@ def test_a_shard_restored_to_a_time_keeps_the_commits_up_to_it_on_its_new_timeli
     assert kept in keys and lost not in keys
     assert _balance(stub, dora) == 120
     assert _deposit(stub, dora, 1) and _balance(stub, dora) == 121
+    # A time after the last commit keeps everything (no commit follows it in the WAL); a time
+    # still to come is refused before anything stops.
+    with pytest.raises(ValueError, match="has not passed yet"):
+        cluster.restore_shard("shard-1", target_time=datetime.now(UTC) + timedelta(hours=1))
+    everything = _rows(cluster, "shard-1")
+    cluster.restore_shard("shard-1", target_time=datetime.now(UTC))
+    assert _rows(cluster, "shard-1") == everything
 
 
 def test_bad_targets_are_refused_before_anything_stops(cluster: LocalCluster) -> None:
