@@ -300,9 +300,9 @@ def kinds(report: dict[str, Any]) -> dict[str, str]:
 # -- faults, as a restore (or a careless hand) leaves them -----------------------------------------
 
 
-def lose_credit(dsn: str, transfer_id: uuid.UUID) -> tuple[str, int]:
-    """The destination forgets a credit it applied: its entry, its balance and its key's record.
-    Returns (account, amount)."""
+def lose_credit(dsn: str, transfer_id: uuid.UUID, *, keep_record: bool = False) -> tuple[str, int]:
+    """The destination forgets a credit it applied: its entry, its balance and its key's record
+    (with `keep_record`, a careless hand: the record stays). Returns (account, amount)."""
     with psycopg.connect(dsn) as conn:
         account, amount = conn.execute(
             "DELETE FROM ledger_entries WHERE transfer_id = %s AND kind = 'transfer_in' RETURNING account_id, amount_minor",
@@ -310,7 +310,8 @@ def lose_credit(dsn: str, transfer_id: uuid.UUID) -> tuple[str, int]:
         ).fetchone() or (None, 0)
         assert account is not None, f"no credit of {transfer_id} here"
         conn.execute("UPDATE accounts SET balance = balance - %s WHERE id = %s", (amount, account))
-        conn.execute("DELETE FROM idempotency_record WHERE key = %s", (str(credit_key(transfer_id)),))
+        if not keep_record:
+            conn.execute("DELETE FROM idempotency_record WHERE key = %s", (str(credit_key(transfer_id)),))
     return str(account), int(amount)
 
 

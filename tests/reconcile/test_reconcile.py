@@ -97,6 +97,8 @@ class Faults:
     refund_missing: uuid.UUID
     refund_amount: int
     unbalanced_account: str
+    #: A credit lost while its key's record stayed: a redelivery would only replay, so not repaired.
+    credit_kept: uuid.UUID
     shards: tuple[str, str]
 
 
@@ -108,6 +110,7 @@ def faults(cluster: LocalCluster, bank: Bank) -> Faults:
     t_lost, t_unqueued, t_orphan = (bank.transfer(src, dst, amount) for amount in (11, 13, 17))
     # A credit to an account B does not have: dead-lettered and refunded by the relay.
     t_dead = bank.transfer(src, bank.nobody_on(b), 19)
+    t_kept = bank.transfer(src, dst, 23)
     settle(cluster)
     databases = dsns(cluster)
     assert sql(databases[a], "SELECT state FROM transfers WHERE id = %s", (t_dead,)) == [("refunded",)]
@@ -118,6 +121,7 @@ def faults(cluster: LocalCluster, bank: Bank) -> Faults:
     refund_amount = lose_refund(
         databases[a], t_dead
     )  # the refund's entry lost, the dead letter says refunded
+    lose_credit(databases[b], t_kept, keep_record=True)
     odd = bank.by_shard[b][1]
     sql(databases[b], "UPDATE accounts SET balance = balance + 5 WHERE id = %s", (odd,))
     restart_daemons(cluster)  # as after a restore: no daemon remembers a forgotten key
@@ -131,12 +135,13 @@ def faults(cluster: LocalCluster, bank: Bank) -> Faults:
         refund_missing=t_dead,
         refund_amount=refund_amount,
         unbalanced_account=odd,
+        credit_kept=t_kept,
         shards=(a, b),
     )
 
 
-def _by_kind(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {m["kind"]: m for m in report["mismatches"]}
+def _by_kind(report: dict[str, Any], blocked: bool = False) -> dict[str, dict[str, Any]]:
+    return {m["kind"]: m for m in report["mismatches"] if bool(m["blocked"]) == blocked}
 
 
 def test_each_fault_is_reported_precisely(cluster: LocalCluster, bank: Bank, faults: Faults) -> None:
@@ -148,9 +153,13 @@ def test_each_fault_is_reported_precisely(cluster: LocalCluster, bank: Bank, fau
         str(faults.credit_not_queued): "credit_not_queued",
         str(faults.credit_without_debit): "credit_without_debit",
         str(faults.refund_missing): "refund_missing",
+        str(faults.credit_kept): "credit_missing",
         f"{b}/{faults.unbalanced_account}": "balance_not_ledger",
     }
     found = _by_kind(report)
+    kept = _by_kind(report, blocked=True)["credit_missing"]
+    assert kept["transfer_id"] == str(faults.credit_kept) and kept["repair"] is None
+    assert "replay and apply nothing" in kept["blocked"] and kept["effect_minor"] == -23
     lost = found["credit_missing"]
     assert (lost["source_shard"], lost["destination_shard"]) == (a, b)
     assert (lost["source_account"], lost["destination_account"]) == (bank.by_shard[a][0], bank.by_shard[b][0])
@@ -180,10 +189,10 @@ def test_each_fault_is_reported_precisely(cluster: LocalCluster, bank: Bank, fau
         None,
     )
     (eur,) = report["money"].values()
-    assert eur["created_or_lost_by_mismatches"] == -11 - 13 + 17 - 19
+    assert eur["created_or_lost_by_mismatches"] == -11 - 13 + 17 - 19 - 23
     assert eur["off_ledger"] == 5 and eur["unexplained"] == 0
     assert any(f"{a} holds no trace of 1 transfer(s)" in note for note in report["notes"])
-    assert any(f"{b} lost 1 credit(s)" in note for note in report["notes"])
+    assert any(f"{b} lost 2 credit(s)" in note for note in report["notes"])
     # --since reads the transfers touched in the window (all of these) and adds no money up.
     code, recent = reconcile(cluster, "--since", "10m")
     assert code == 1 and kinds(recent) == kinds(report) and recent["money"] is None
@@ -196,7 +205,9 @@ def test_repair_applies_each_repair_once(cluster: LocalCluster, bank: Bank, faul
     # fourth: each repair lands once.
     reconcile_killed_after_first_repair(cluster)
     _, midway = reconcile(cluster)  # the first repair (the oldest transfer's) done, the others not
+    assert faults.credit_missing not in {m["transfer_id"] for m in midway["mismatches"]}
     assert set(kinds(midway).values()) == {
+        "credit_missing",  # the blocked one
         "credit_not_queued",
         "refund_missing",
         "credit_without_debit",
@@ -208,7 +219,11 @@ def test_repair_applies_each_repair_once(cluster: LocalCluster, bank: Bank, faul
         assert twin.returncode == 1  # what --repair may not repair stays
     code, after = reconcile(cluster, "--repair")
     assert code == 1
-    assert set(kinds(after["after"]).values()) == {"credit_without_debit", "balance_not_ledger"}
+    assert kinds(after["after"]) == {
+        str(faults.credit_kept): "credit_missing",
+        str(faults.credit_without_debit): "credit_without_debit",
+        f"{b}/{faults.unbalanced_account}": "balance_not_ledger",
+    }
     for tid in (faults.credit_missing, faults.credit_not_queued):
         assert credits_of(cluster, tid) == 1
     databases = dsns(cluster)
@@ -224,6 +239,14 @@ def test_repair_applies_each_repair_once(cluster: LocalCluster, bank: Bank, faul
         ("completed",)
     ]
     assert money_total(cluster) == balances_before + 11 + 13 + 19
+    # The blocked credit once its stale record is gone (and no daemon remembers it): repaired.
+    sql(databases[b], "DELETE FROM idempotency_record WHERE key = %s", (str(credit_key(faults.credit_kept)),))
+    restart_daemons(cluster)
+    code, after = reconcile(cluster, "--repair")
+    assert (
+        str(faults.credit_kept) not in kinds(after["after"]) and credits_of(cluster, faults.credit_kept) == 1
+    )
+    assert money_total(cluster) == balances_before + 11 + 13 + 19 + 23
     # The credit without debit is taken back once, on request, even asked twice.
     for _ in range(2):
         code, after = reconcile(cluster, "--repair", "--reverse-orphan-credits")
