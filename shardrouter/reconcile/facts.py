@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from shardrouter.core.keys import derived_key
+from shardrouter.core.keys import derived_key, parse_key
 from shardrouter.core.moves import ACTIVE_PHASES
 from shardrouter.shardd.ledger.service import credit_key, refund_key
 
@@ -140,8 +140,6 @@ class ShardFacts:
     deposits: dict[str, int] = field(default_factory=dict)
     #: Moves journaled on this shard that have not finished: (move id, phase).
     active_moves: list[tuple[str, str]] = field(default_factory=list)
-    #: The newest idempotency record's creation time (None: no record).
-    newest_record_at: datetime | None = None
 
 
 def read_shard(conn: Connection, shard: str, transfer_ids: Iterable[uuid.UUID] | None = None) -> ShardFacts:
@@ -204,8 +202,6 @@ def read_shard(conn: Connection, shard: str, transfer_ids: Iterable[uuid.UUID] |
             for r in cur.execute("SELECT move_id, phase FROM slot_moves ORDER BY created_at"):
                 if r["phase"] in ACTIVE_PHASES:
                     facts.active_moves.append((r["move_id"], r["phase"]))
-            row = cur.execute("SELECT max(created_at) AS newest FROM idempotency_record").fetchone()
-            facts.newest_record_at = row["newest"] if row else None
     return facts
 
 
@@ -224,14 +220,16 @@ def transfers_since(conn: Connection, since: datetime) -> set[uuid.UUID]:
 
 def follow_up_records(conn: Connection, shard: str, transfer_ids: Iterable[uuid.UUID]) -> list[KeyRecord]:
     """This shard's stored outcomes of the credit (or void) and refund keys of `transfer_ids`."""
-    keys = [str(f(t)) for t in transfer_ids for f in (credit_key, refund_key)]
+    keys = [parse_key(str(f(t))) for t in transfer_ids for f in (credit_key, refund_key)]
     if not keys:
         return []
+    # A follow-up key is a UUIDv7 with its transfer's time: its record's partition is known.
+    times = sorted({k.dated_at for k in keys if k.dated_at is not None})
     with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(
             "SELECT key, scope, method, status_code FROM idempotency_record"
-            " WHERE key = ANY(%s) AND state = 'completed'",
-            (keys,),
+            " WHERE key = ANY(%s) AND key_time = ANY(%s) AND state = 'completed'",
+            ([k.text for k in keys], times),
         ).fetchall()
     return [KeyRecord(shard=shard, **r) for r in rows]
 
