@@ -127,6 +127,9 @@ class ControlServer:
             return
         try:
             answer: Answer = {"ok": True, **handler(request)}
+        except ValueError as exc:  # a request that cannot be done as asked: the asker's mistake
+            log.warning("control request %s refused: %s", request.get("request"), exc)
+            answer = {"ok": False, "error": str(exc) or type(exc).__name__}
         except Exception as exc:  # the asking command shows it; dev up keeps running
             log.exception("control request %s failed", request.get("request"))
             answer = {"ok": False, "error": str(exc) or type(exc).__name__}
