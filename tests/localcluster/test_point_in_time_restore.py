@@ -93,7 +93,8 @@ def _switch_wal_and_wait_archived(cluster: LocalCluster, shard_id: str) -> None:
         (name,) = conn.execute("SELECT pg_walfile_name(pg_current_wal_lsn())").fetchone() or ("",)
         conn.execute("SELECT pg_switch_wal()")
         deadline = time.monotonic() + 10
-        while conn.execute("SELECT last_archived_wal FROM pg_stat_archiver").fetchone() != (name,):
+        done = "SELECT coalesce(last_archived_wal, '') >= %s FROM pg_stat_archiver"
+        while conn.execute(done, (name,)).fetchone() != (True,):
             assert time.monotonic() < deadline, f"segment {name} not archived"
             time.sleep(0.02)
 
