@@ -10,7 +10,8 @@
 Each shard's database DSN comes from a YAML file of `shard-id: DSN` (`--databases`) or from
 `--dsn SHARD=DSN` (`--shard` is the same); the local cluster (`shard-router dev up`) writes
 `databases.yaml` into its data directory, which is the default. Every shard must be given: a credit
-on a shard left out would look missing.
+on a shard left out would look missing; with `--map FILE` (by default the local cluster's
+`shard-map.yaml`, with its `databases.yaml`), a shard of the map without a database is a usage error.
 
 Exit codes: 0 consistent (after `--repair`: consistent once the repairs landed), 1 mismatches
 remain, 2 usage or connection errors.
@@ -31,6 +32,7 @@ from pathlib import Path
 import psycopg
 import yaml
 
+from shardrouter.core.shardmap import ShardMapError, load_shard_map
 from shardrouter.reconcile import repair
 from shardrouter.reconcile.check import Report, check
 from shardrouter.reconcile.facts import connect
@@ -61,6 +63,16 @@ def _parser(default_dir: Path | None) -> argparse.ArgumentParser:
         default=[],
         metavar="SHARD=DSN",
         help="a shard's database (repeatable; overrides --databases for that shard)",
+    )
+    parser.add_argument(
+        "--map",
+        type=Path,
+        help="a shard map file: every shard it names must be given a database"
+        + (
+            f" (default: {default_dir}/shard-map.yaml when the databases are the local cluster's)"
+            if default_dir
+            else ""
+        ),
     )
     parser.add_argument(
         "--since",
@@ -110,6 +122,19 @@ def databases(args: argparse.Namespace, default_dir: Path | None) -> dict[str, s
         dsns[shard] = dsn
     if not dsns:
         raise UsageError("no shard databases given: --databases FILE or --dsn SHARD=DSN (one per shard)")
+    local = default_dir is not None and args.databases is None and not args.dsn
+    shard_map = args.map or (default_dir / "shard-map.yaml" if local and default_dir else None)
+    if shard_map is not None and (args.map is not None or shard_map.exists()):
+        try:
+            named = [s.id for s in load_shard_map(shard_map).shards]
+        except (OSError, ShardMapError) as exc:
+            raise UsageError(f"--map {shard_map}: {exc}") from exc
+        missing = [s for s in named if s not in dsns]
+        if missing:
+            raise UsageError(
+                f"the shard map {shard_map} names {', '.join(missing)}, with no database given: a credit "
+                "there would look missing (give every shard: --databases or --dsn SHARD=DSN)"
+            )
     return dsns
 
 

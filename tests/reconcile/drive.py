@@ -242,7 +242,16 @@ def reconcile(cluster: LocalCluster, *args: str) -> tuple[int, dict[str, Any]]:
     """`shard-router reconcile --json ARGS` in this process: the exit code and the JSON report."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = cli.main(["--databases", str(cluster.databases_path), "--json", *args])
+        code = cli.main(
+            [
+                "--databases",
+                str(cluster.databases_path),
+                "--map",
+                str(cluster.shard_map_path),
+                "--json",
+                *args,
+            ]
+        )
     return code, json.loads(out.getvalue())
 
 

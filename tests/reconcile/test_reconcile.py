@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from shardrouter.core.shardmap import even_shard_map, write_shard_map
 from shardrouter.localcluster.cluster import LocalCluster
 from shardrouter.reconcile.facts import reversal_key
 from shardrouter.shardd.ledger.service import credit_key, refund_key
@@ -274,3 +275,9 @@ def test_usage_and_connection_errors(capsys: pytest.CaptureFixture[str], tmp_pat
     assert "goes with --repair" in capsys.readouterr().err
     assert cli.main(["--dsn", "shard-9=host=127.0.0.1 port=1 dbname=x connect_timeout=2"]) == 2
     assert "shard-9" in capsys.readouterr().err
+    # A shard of the map without a database: its credits would look missing, so nothing is read.
+    write_shard_map(
+        tmp_path / "map.yaml", even_shard_map({"s-0": "127.0.0.1:1", "s-1": "127.0.0.1:2"}, version=1)
+    )
+    assert cli.main(["--map", str(tmp_path / "map.yaml"), "--dsn", "s-0=host=127.0.0.1 port=1"]) == 2
+    assert "names s-1, with no database given" in capsys.readouterr().err
