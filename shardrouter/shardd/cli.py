@@ -20,6 +20,7 @@ from shardrouter.core.settings_source import read_command_line, unknown_environm
 from shardrouter.core.shardmap import ShardMapError
 from shardrouter.core.termination import StopDuringStartUp, TerminationSignals
 from shardrouter.shardd import retention as retention_job
+from shardrouter.shardd.migrations import MigrationLockTimeout, SchemaNewerThanCode
 from shardrouter.shardd.processes import ServingProcesses, port_is_free, stop_with_parent
 from shardrouter.shardd.server import MONTHS_AHEAD, prepare_database, start_shard
 from shardrouter.shardd.settings import ENV_PREFIX, ShardSettings, parse_settings
@@ -76,10 +77,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command == ("serve",) and settings.processes > 1 and settings.process_index == 0:
             return _serve_processes(settings, args)
         return _run(settings, command, operands)
+    except (MigrationLockTimeout, psycopg.errors.LockNotAvailable) as exc:  # LockNotAvailable is an OperationalError
+        print(f"shardd: cannot migrate: {exc}".strip(), file=sys.stderr)
+        return 1
     except psycopg.OperationalError as exc:
         print(f"shardd: {database_unreachable(settings.dsn, exc)}", file=sys.stderr)
         return 1
-    except (ShardMapError, ListenError, AuthzPolicyError) as exc:  # start-up configuration: one clear line, no traceback
+    except (ShardMapError, ListenError, AuthzPolicyError, SchemaNewerThanCode) as exc:  # start-up configuration: one clear line, no traceback
         print(f"shardd: cannot start: {exc}", file=sys.stderr)
         return 2
 
@@ -88,7 +92,7 @@ def _run(settings: ShardSettings, command: tuple[str, ...], operands: list[str])
     if command == ("serve",):
         return _serve(settings)
     if command == ("migrate",):
-        prepare_database(settings.dsn, settings.retention)
+        prepare_database(settings.dsn, settings.retention, lock_timeout_s=settings.migration_lock_timeout_s)
         print("schema up to date")
         return 0
     if command == ("retention", "run"):
@@ -118,7 +122,8 @@ def _serve_processes(settings: ShardSettings, args: list[str]) -> int:
     if settings.authz_policy_file:
         load_policy_file(settings.authz_policy_file)
     try:
-        prepare_database(settings.dsn, settings.retention)  # once, before the processes start
+        # once, before the processes start
+        prepare_database(settings.dsn, settings.retention, lock_timeout_s=settings.migration_lock_timeout_s)
     except StopDuringStartUp:
         log.info("stopped during start-up; nothing was left half done (each migration is one transaction)")
         return 0

@@ -2,6 +2,13 @@
 
 Each migration runs once, in its own transaction, under an advisory lock so two daemons starting
 against one database do not race. Never edit a released migration: add the next number.
+
+Every lock the migrations wait for (the advisory lock, and the table locks of their DDL) is bounded by
+`lock_timeout`: a migration stuck behind a long transaction would otherwise queue an ACCESS EXCLUSIVE
+request that every later query of the table waits behind, stalling the shard. It fails instead
+(`MigrationLockTimeout`, nothing applied) and the next start retries. A database whose schema is
+newer than this code knows (a rollback of the daemon after a newer one migrated) is refused
+(`SchemaNewerThanCode`): this code would misread tables it does not know.
 """
 
 from __future__ import annotations
@@ -543,10 +550,57 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
 )
 
 
-def apply_migrations(conn: psycopg.Connection[Any]) -> list[int]:
-    """Apply every migration newer than the database's version; returns the numbers applied."""
+LATEST_VERSION = MIGRATIONS[-1][0]
+
+#: Longest wait for a lock a migration needs (s), unless the caller says otherwise.
+DEFAULT_LOCK_TIMEOUT_S = 5.0
+
+
+class MigrationError(Exception):
+    """The schema could not be brought up to date; nothing of the failed migration was applied."""
+
+
+class SchemaNewerThanCode(MigrationError):
+    """The database was migrated by a newer release than this one."""
+
+    def __init__(self, database_version: int) -> None:
+        super().__init__(
+            f"the database's schema is at version {database_version}, newer than this release knows "
+            f"(up to {LATEST_VERSION}): a newer shardd migrated it. Run that release (or newer); "
+            "rolling the daemon back onto a newer schema is refused, since this code would misread it"
+        )
+        self.database_version = database_version
+
+
+class MigrationLockTimeout(MigrationError):
+    """A lock a migration needs stayed held by another session for longer than the lock timeout."""
+
+    def __init__(self, lock_timeout_s: float, detail: str) -> None:
+        super().__init__(
+            f"a schema migration waited {lock_timeout_s:g} s for a lock and gave up ({detail}); nothing "
+            "was applied. Another migration runs, or a long transaction holds the table: look at "
+            "pg_stat_activity, then start again (a pod's init container retries on its own)"
+        )
+
+
+def apply_migrations(
+    conn: psycopg.Connection[Any], *, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S
+) -> list[int]:
+    """Apply every migration newer than the database's version; returns the numbers applied.
+
+    Raises `SchemaNewerThanCode` when the database is ahead of this code, and `MigrationLockTimeout`
+    when a lock stays out of reach for `lock_timeout_s`.
+    """
+    try:
+        return _apply(conn, lock_timeout_s)
+    except psycopg.errors.LockNotAvailable as exc:
+        raise MigrationLockTimeout(lock_timeout_s, str(exc).strip()) from exc
+
+
+def _apply(conn: psycopg.Connection[Any], lock_timeout_s: float) -> list[int]:
     applied: list[int] = []
     with conn.transaction():
+        conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{max(1, round(lock_timeout_s * 1000))}ms",))
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
         conn.execute(
             "CREATE TABLE IF NOT EXISTS schema_version ("
@@ -555,6 +609,8 @@ def apply_migrations(conn: psycopg.Connection[Any]) -> list[int]:
         )
         row = conn.execute("SELECT coalesce(max(version), 0) FROM schema_version").fetchone()
         current = int(row[0]) if row else 0
+        if current > LATEST_VERSION:
+            raise SchemaNewerThanCode(current)
         for version, description, sql in MIGRATIONS:
             if version <= current:
                 continue
@@ -575,13 +631,14 @@ def schema_version(conn: psycopg.Connection[Any]) -> int:
     return int(row[0]) if row else 0
 
 
-LATEST_VERSION = MIGRATIONS[-1][0]
-
-
 __all__ = [
+    "DEFAULT_LOCK_TIMEOUT_S",
     "FENCED_TABLES",
     "LATEST_VERSION",
     "MIGRATIONS",
+    "MigrationError",
+    "MigrationLockTimeout",
+    "SchemaNewerThanCode",
     "apply_migrations",
     "schema_version",
 ]

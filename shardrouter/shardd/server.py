@@ -111,10 +111,15 @@ def idempotency_config(settings: ShardSettings) -> IdempotencyConfig:
     )
 
 
-def prepare_database(dsn: str, retention: timedelta) -> None:
-    """Apply migrations and create every partition a live key could need."""
+def prepare_database(
+    dsn: str, retention: timedelta, *, lock_timeout_s: float = migrations.DEFAULT_LOCK_TIMEOUT_S
+) -> None:
+    """Apply migrations and create every partition a live key could need, waiting at most
+    `lock_timeout_s` for any lock (`migrations.MigrationLockTimeout`, or psycopg's LockNotAvailable
+    from a partition's creation)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        migrations.apply_migrations(conn)
+        migrations.apply_migrations(conn, lock_timeout_s=lock_timeout_s)
+        conn.execute("SELECT set_config('lock_timeout', %s, false)", (f"{max(1, round(lock_timeout_s * 1000))}ms",))
         partitions.ensure_partitions(
             conn,
             now=datetime.now(UTC),
@@ -126,7 +131,7 @@ def prepare_database(dsn: str, retention: timedelta) -> None:
 def _prepare(settings: ShardSettings, database: Database) -> None:
     """Schema and partitions ready, the pool open; on failure the pool is closed again."""
     try:
-        prepare_database(settings.dsn, settings.retention)
+        prepare_database(settings.dsn, settings.retention, lock_timeout_s=settings.migration_lock_timeout_s)
         database.open()
     except BaseException:
         database.close()

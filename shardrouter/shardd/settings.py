@@ -56,6 +56,10 @@ class ShardSettings:
     pool_max: int = 16
     #: Longest wait for a free connection (s); then UNAVAILABLE with RetryInfo.
     pool_timeout_s: float = 2.0
+    #: Longest wait (s) of a schema migration, or of a partition's creation at start, for a lock
+    #: another session holds; past it the start fails (nothing applied) instead of queueing a lock
+    #: that stalls the shard's traffic, and is retried by the next start.
+    migration_lock_timeout_s: float = 5.0
     #: RetryInfo delay after a transient database failure (ms).
     transient_retry_ms: int = 250
     #: Run a claimed key's handler transaction in psycopg's pipeline mode: a Deposit in 3 round trips
@@ -178,6 +182,8 @@ class ShardSettings:
             out.append("max_connection_age_s and max_connection_age_grace_s must not be negative")
         if self.shard_map_reload_s <= 0:
             out.append("shard_map_reload_s must be positive")
+        if not 0 < self.migration_lock_timeout_s <= 600:
+            out.append("migration_lock_timeout_s must be positive and at most 600")
         if self.shard_map_configmap:
             try:
                 parse_configmap_spec(self.shard_map_configmap)
