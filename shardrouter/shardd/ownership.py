@@ -197,6 +197,11 @@ class ShardLocator:
 
     def shard_of(self, account_id: str) -> str:
         """The owning shard's id (this shard when no shard map is configured)."""
+        if self._maps is None:
+            return self.own_shard_id
+        shard_map = self._maps.current
+        if not self._recorded(shard_map) and not self.learned.snapshot:
+            return shard_map.shard_for(account_id).id  # every call while the map says it all
         owner = self.owner(account_id)
         return self.own_shard_id if owner is None else owner.shard_id
 
@@ -227,8 +232,7 @@ class ShardLocator:
         The cached view may be a moment behind a move's hand-over, which made this shard the owner
         and sent the router here: before refusing, it looks again (`refresh`).
         """
-        owner = self.owner(account_id)
-        if owner is None or owner.shard_id == self.own_shard_id:
+        if self.shard_of(account_id) == self.own_shard_id:
             return
         self.refresh()
         owner = self.owner(account_id)
