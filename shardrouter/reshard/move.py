@@ -616,4 +616,13 @@ def list_moves(databases: ShardDatabases, *, active_only: bool = False) -> list[
     return found
 
 
-__all__ = ["Move", "MoveSettings", "ShardDatabases", "find_move", "list_moves", "start_move"]
+__all__ = [
+    "Move",
+    "MoveSettings",
+    "ShardDatabases",
+    "current_map",
+    "find_move",
+    "list_moves",
+    "recorded_facts",
+    "start_move",
+]

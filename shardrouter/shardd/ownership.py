@@ -40,6 +40,7 @@ from shardrouter.core.ownership import (
 )
 from shardrouter.core.shardmap import ShardMap
 from shardrouter.core.shardmap_file import ShardMapFile
+from shardrouter.core.tracing import untraced
 from shardrouter.shardd.fences import SlotFence
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class DatabaseOwnership(Poller):
         with self._lock:
             self._last_read = time.monotonic()
             try:
-                with self._connect() as conn:
+                with untraced(), self._connect() as conn:  # a poll: a span every second is noise
                     rows = conn.execute(_READ).fetchall()
             except Exception as exc:  # the database is away: the last view stands, the map decides
                 log.warning("could not read slot ownership from the database: %s", exc)
