@@ -121,6 +121,12 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         "reshard", help="move a slot range to another shard (see 'shard-router reshard --help')"
     )
     reshard.add_argument("rest", nargs=argparse.REMAINDER)
+    reconcile = sub.add_parser(
+        "reconcile",
+        help="compare the shards' databases, report and repair what they disagree on "
+        "(see 'shard-router reconcile --help')",
+    )
+    reconcile.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 
 

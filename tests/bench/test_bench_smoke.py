@@ -99,7 +99,9 @@ def _check_round_trips(cells: list[dict], table: str) -> None:
         assert figures["statements_per_call"] > 0 and figures["sent_statements_per_call"] > 0, (name, figures)
         assert figures["db_ms_per_call"] > 0, (name, figures)
     # Replays were answered from the database (the daemon's replay cache is off): they cost statements.
-    assert counted["round-trips/replay-db"]["extra"]["round_trips"]["statements_per_call"] >= 1
+    # Raw count: the idle interval subtracted from the other figure holds the daemon's own polls (the
+    # ownership poll each second), which can land on either side of it and shift it by a poll.
+    assert counted["round-trips/replay-db"]["extra"]["round_trips"]["statements_per_call_raw"] >= 1
     assert "round trips per Deposit" in table and "round trips (Sync+Flush+Query" in table
 
 
