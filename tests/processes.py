@@ -146,3 +146,17 @@ def router_process(
     }
     log_path = tmp / f"router-{port}.log"
     return ServiceProcess(f"router-{port}", ["-m", "shardrouter.router.cli", "serve"], env, port, log_path)
+
+
+def run_shardd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """One `shardd` command to its end (an operator's: migrate, retention, keys, dead letters), with
+    only the environment given."""
+    return subprocess.run(
+        [sys.executable, "-m", "shardrouter.shardd.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **(env or {})},
+        check=False,
+    )

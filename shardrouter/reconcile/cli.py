@@ -30,8 +30,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psycopg
-import yaml
 
+from shardrouter.core.shard_dsns import read_shard_dsns
 from shardrouter.core.shardmap import ShardMapError, load_shard_map
 from shardrouter.reconcile import repair
 from shardrouter.reconcile.check import Report, check
@@ -107,14 +107,9 @@ def databases(args: argparse.Namespace, default_dir: Path | None) -> dict[str, s
     path = args.databases or (default_dir / "databases.yaml" if default_dir else None)
     if path is not None and (args.databases is not None or (path.exists() and not args.dsn)):
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as exc:
-            raise UsageError(f"--databases {path}: cannot read it: {exc}") from exc
-        if not isinstance(loaded, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()
-        ):
-            raise UsageError(f"--databases {path}: must be a mapping of shard id to DSN")
-        dsns.update(loaded)
+            dsns.update(read_shard_dsns(path))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
     for item in args.dsn:
         shard, sep, dsn = item.partition("=")
         if not sep or not shard or not dsn:

@@ -33,6 +33,7 @@ import psycopg
 import yaml
 
 from shardrouter.core import failpoints
+from shardrouter.core.shard_dsns import read_shard_dsns
 from shardrouter.core.shardmap import ShardMapError, shard_map_document
 from shardrouter.reshard import replication
 from shardrouter.reshard.agreement import wait_for_agreement
@@ -148,14 +149,9 @@ def _databases(args: argparse.Namespace, default_dir: Path | None) -> ShardDatab
     path = args.databases or (default_dir / "databases.yaml" if default_dir else None)
     if path is not None and (args.databases is not None or path.exists()):
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as exc:
-            raise MoveError(f"--databases {path}: cannot read it: {exc}") from exc
-        if not isinstance(loaded, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()
-        ):
-            raise MoveError(f"--databases {path}: must be a mapping of shard id to DSN")
-        dsns.update(loaded)
+            dsns.update(read_shard_dsns(path))
+        except ValueError as exc:
+            raise MoveError(str(exc)) from exc
     dsns.update(_pairs("--dsn", args.dsn))
     if not dsns:
         raise MoveError("no shard databases given: --databases FILE or --dsn SHARD=DSN")

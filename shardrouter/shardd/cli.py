@@ -77,13 +77,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command == ("serve",) and settings.processes > 1 and settings.process_index == 0:
             return _serve_processes(settings, args)
         return _run(settings, command, operands)
-    except (MigrationLockTimeout, psycopg.errors.LockNotAvailable) as exc:  # LockNotAvailable is an OperationalError
+    # Before OperationalError, of which LockNotAvailable is a kind.
+    except (MigrationLockTimeout, psycopg.errors.LockNotAvailable) as exc:
         print(f"shardd: cannot migrate: {exc}".strip(), file=sys.stderr)
         return 1
     except psycopg.OperationalError as exc:
         print(f"shardd: {database_unreachable(settings.dsn, exc)}", file=sys.stderr)
         return 1
-    except (ShardMapError, ListenError, AuthzPolicyError, SchemaNewerThanCode) as exc:  # start-up configuration: one clear line, no traceback
+    # Start-up configuration: one clear line, no traceback.
+    except (ShardMapError, ListenError, AuthzPolicyError, SchemaNewerThanCode) as exc:
         print(f"shardd: cannot start: {exc}", file=sys.stderr)
         return 2
 

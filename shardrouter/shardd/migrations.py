@@ -600,7 +600,9 @@ def apply_migrations(
 def _apply(conn: psycopg.Connection[Any], lock_timeout_s: float) -> list[int]:
     applied: list[int] = []
     with conn.transaction():
-        conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{max(1, round(lock_timeout_s * 1000))}ms",))
+        conn.execute(
+            "SELECT set_config('lock_timeout', %s, true)", (f"{max(1, round(lock_timeout_s * 1000))}ms",)
+        )
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
         conn.execute(
             "CREATE TABLE IF NOT EXISTS schema_version ("

@@ -112,7 +112,9 @@ class DatabaseOwnership(Poller):
                 return False
             self.reads += 1
             facts = tuple(
-                RangeOwner(int(r[2]), int(r[3]), int(r[4]), str(r[5]), int(r[6])) for r in rows if r[0] == "owner"
+                RangeOwner(int(r[2]), int(r[3]), int(r[4]), str(r[5]), int(r[6]))
+                for r in rows
+                if r[0] == "owner"
             )
             fences = tuple(
                 SlotFence(str(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in rows if r[0] != "owner"
@@ -144,8 +146,6 @@ class DatabaseOwnership(Poller):
             ),
             None,
         )
-
-
 
 
 class ShardLocator:

@@ -119,7 +119,9 @@ def prepare_database(
     from a partition's creation)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         migrations.apply_migrations(conn, lock_timeout_s=lock_timeout_s)
-        conn.execute("SELECT set_config('lock_timeout', %s, false)", (f"{max(1, round(lock_timeout_s * 1000))}ms",))
+        conn.execute(
+            "SELECT set_config('lock_timeout', %s, false)", (f"{max(1, round(lock_timeout_s * 1000))}ms",)
+        )
         partitions.ensure_partitions(
             conn,
             now=datetime.now(UTC),
@@ -227,7 +229,9 @@ def follow_policy(settings: ShardSettings, observer: AuthzObserver | None = None
             "method on every account"
         )
         return None
-    return PolicyFile(settings.authz_policy_file, interval_s=settings.authz_policy_reload_s, observer=observer)
+    return PolicyFile(
+        settings.authz_policy_file, interval_s=settings.authz_policy_reload_s, observer=observer
+    )
 
 
 def authorization_from(

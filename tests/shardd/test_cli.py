@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import uuid
 from datetime import timedelta
 
@@ -15,25 +13,13 @@ from shardrouter.shardd.server import prepare_database
 from shardrouter.shardd.settings import ShardSettings, parse_settings
 from shardrouter.v1 import transfer_pb2
 from tests.helpers import key_metadata, money
-from tests.processes import ROOT
-
-
-def _shardd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shardrouter.shardd.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **(env or {})},
-        check=False,
-    )
+from tests.processes import run_shardd
 
 
 def test_retention_shorter_than_the_slowest_retry_path_is_refused():
     with pytest.raises(ValueError, match="late replay could apply twice"):
         ShardSettings(retention_days=10)
-    result = _shardd("serve", "--retention-days", "10")
+    result = run_shardd("serve", "--retention-days", "10")
     assert result.returncode == 2
     assert "retention_days=10 must be at least twice the slowest retry path" in result.stderr
 
@@ -46,8 +32,8 @@ def test_flags_win_over_environment_and_bad_values_are_named():
 
 
 def test_migrate_and_retention_commands(database):
-    assert _shardd("migrate", "--dsn", database).returncode == 0
-    result = _shardd("retention", "run", "--dsn", database)
+    assert run_shardd("migrate", "--dsn", database).returncode == 0
+    result = run_shardd("retention", "run", "--dsn", database)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["ran"] is True and report["dropped"] == []
@@ -59,13 +45,13 @@ def test_key_lookup_shows_state_and_expiry_but_never_the_response(stub, database
     stub.Deposit(
         transfer_pb2.DepositRequest(account_id="alice", amount=money(5), reference="secret-ref"), metadata=md
     )
-    result = _shardd("keys", "lookup", md[0][1], "--dsn", database)
+    result = run_shardd("keys", "lookup", md[0][1], "--dsn", database)
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)
     assert record["state"] == "completed" and record["status_code"] == 0
     assert record["scope"].endswith("|team-a") and "expires_at" in record
     assert "secret-ref" not in result.stdout and "response" not in record
-    missing = _shardd("keys", "lookup", str(new_key()), "--dsn", database)
+    missing = run_shardd("keys", "lookup", str(new_key()), "--dsn", database)
     assert missing.returncode == 1 and "no record" in missing.stdout
 
 
@@ -89,20 +75,20 @@ def test_dead_letter_commands(database, db):
         " FROM outbox",
         (transfer_id, new_key()),
     )
-    listing = _shardd("dead-letters", "list", "--dsn", database)
+    listing = run_shardd("dead-letters", "list", "--dsn", database)
     assert listing.returncode == 0
     row = json.loads(listing.stdout.strip())
     assert row["transfer_id"] == str(transfer_id) and row["refunded_at"] is None
-    shown = _shardd("dead-letters", "show", str(transfer_id), "--dsn", database)
+    shown = run_shardd("dead-letters", "show", str(transfer_id), "--dsn", database)
     assert json.loads(shown.stdout)["reason"] == "NOT_FOUND: ghost"
-    assert _shardd("dead-letters", "show", str(uuid.uuid4()), "--dsn", database).returncode == 1
-    no_map = _shardd("dead-letters", "replay", str(transfer_id), "--dsn", database)
+    assert run_shardd("dead-letters", "show", str(uuid.uuid4()), "--dsn", database).returncode == 1
+    no_map = run_shardd("dead-letters", "replay", str(transfer_id), "--dsn", database)
     assert no_map.returncode == 2 and "--shard-map" in no_map.stderr
 
 
 def test_usage_and_unknown_commands():
-    assert _shardd("--help").returncode == 0
-    result = _shardd("frobnicate")
+    assert run_shardd("--help").returncode == 0
+    result = run_shardd("frobnicate")
     assert result.returncode == 2 and "commands:" in result.stderr
 
 
@@ -112,9 +98,9 @@ def test_usage_and_unknown_commands():
 def test_key_lookup_finds_a_key_dated_by_its_receipt(stub, database, key):
     md = key_metadata(key, caller="team-a")
     stub.Deposit(transfer_pb2.DepositRequest(account_id="alice", amount=money(5)), metadata=md)
-    result = _shardd("keys", "lookup", key, "--dsn", database)
+    result = run_shardd("keys", "lookup", key, "--dsn", database)
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)
     assert record["state"] == "completed" and record["scope"].endswith("|team-a")
-    bad = _shardd("keys", "lookup", "two words", "--dsn", database)
+    bad = run_shardd("keys", "lookup", "two words", "--dsn", database)
     assert bad.returncode != 0 and "not an idempotency key" in bad.stderr

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -14,19 +12,7 @@ import pytest
 from shardrouter.shardd import migrations
 from shardrouter.shardd.migrations import MigrationLockTimeout, SchemaNewerThanCode
 from shardrouter.shardd.server import prepare_database
-from tests.processes import ROOT
-
-
-def _shardd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shardrouter.shardd.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
-        check=False,
-    )
+from tests.processes import run_shardd
 
 
 def test_migrating_twice_applies_nothing_the_second_time(database):
@@ -41,11 +27,15 @@ def test_a_schema_newer_than_the_code_is_refused_by_serve_and_migrate(database):
     prepare_database(database, timedelta(days=30))
     newer = migrations.LATEST_VERSION + 1
     with psycopg.connect(database, autocommit=True) as conn:
-        conn.execute("INSERT INTO schema_version (version, description) VALUES (%s, 'from the future')", (newer,))
+        conn.execute(
+            "INSERT INTO schema_version (version, description) VALUES (%s, 'from the future')", (newer,)
+        )
         with pytest.raises(SchemaNewerThanCode, match=f"version {newer}, newer than this release knows"):
             migrations.apply_migrations(conn)
     for command in ("migrate", "serve"):
-        result = _shardd(command, "--dsn", database, "--dev-mode", "true", "--listen", "127.0.0.1:0", "--metrics-port", "0")
+        result = run_shardd(
+            command, "--dsn", database, "--dev-mode", "true", "--listen", "127.0.0.1:0", "--metrics-port", "0"
+        )
         assert result.returncode == 2, (command, result.stderr)
         assert f"schema is at version {newer}" in result.stderr
         assert "Traceback" not in result.stderr
@@ -76,7 +66,7 @@ def test_migrate_command_reports_a_lock_timeout_in_one_line(database):
     blocker = psycopg.connect(database, autocommit=True)
     try:
         blocker.execute("SELECT pg_advisory_lock(%s)", (migrations._MIGRATION_LOCK,))
-        result = _shardd("migrate", "--dsn", database, "--migration-lock-timeout-s", "0.2")
+        result = run_shardd("migrate", "--dsn", database, "--migration-lock-timeout-s", "0.2")
     finally:
         blocker.close()
     assert result.returncode == 1, result.stderr
