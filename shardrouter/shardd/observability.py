@@ -228,6 +228,11 @@ class ShardState:
     last_retention: datetime | None
     outbox_backlog: int
     outbox_oldest_age_s: float
+    #: Credits dead-lettered here (refused for good by their destination), all time.
+    dead_letters: int = 0
+    #: Of those, the ones whose refund has not completed yet, and the age of the oldest (s).
+    dead_letters_unrefunded: int = 0
+    dead_letter_oldest_unrefunded_age_s: float = 0.0
     #: The active moves out of this shard, then the one that finished last, oldest first.
     moves: tuple[MoveState, ...] = ()
     #: Fences in this database by kind (`FENCE_KINDS`).
@@ -308,6 +313,7 @@ def read_state(database: Database, *, now: datetime | None = None) -> ShardState
         sizes = partitions.partition_sizes(conn)
         row = conn.execute("SELECT max(finished_at) FROM retention_runs").fetchone()
         backlog, oldest = ledger_store.outbox_backlog(conn)
+        dead_letters, unrefunded, unrefunded_age = ledger_store.dead_letter_counts(conn)
         moves = read_moves(conn)
         fence_counts = read_fences(conn)
     last = row[0] if row is not None else None
@@ -317,6 +323,9 @@ def read_state(database: Database, *, now: datetime | None = None) -> ShardState
         last_retention=last,
         outbox_backlog=backlog,
         outbox_oldest_age_s=oldest,
+        dead_letters=dead_letters,
+        dead_letters_unrefunded=unrefunded,
+        dead_letter_oldest_unrefunded_age_s=unrefunded_age,
         moves=moves,
         fences=fence_counts,
     )
@@ -360,6 +369,18 @@ def _outbox_backlog(state: ShardState) -> Iterable[Observation]:
 
 def _outbox_oldest_age(state: ShardState) -> Iterable[Observation]:
     return [Observation(state.outbox_oldest_age_s)]
+
+
+def _dead_letters(state: ShardState) -> Iterable[Observation]:
+    refunded = state.dead_letters - state.dead_letters_unrefunded
+    return [
+        Observation(refunded, {"refund": "done"}),
+        Observation(state.dead_letters_unrefunded, {"refund": "pending"}),
+    ]
+
+
+def _dead_letter_oldest_unrefunded_age(state: ShardState) -> Iterable[Observation]:
+    return [Observation(state.dead_letter_oldest_unrefunded_age_s)]
 
 
 def _moves_active(state: ShardState) -> Iterable[Observation]:
@@ -522,6 +543,19 @@ class ShardStateCollector:
                 "s",
                 "Age of the oldest undelivered cross-shard credit (0: none).",
                 _outbox_oldest_age,
+            ),
+            (
+                "shardd_dead_letters",
+                "{credit}",
+                "Cross-shard credits dead-lettered here (refused for good by their destination), by whether"
+                " their refund to the source account is done or pending.",
+                _dead_letters,
+            ),
+            (
+                "shardd_dead_letter_oldest_unrefunded_age_seconds",
+                "s",
+                "Age of the oldest dead letter whose refund has not completed (0: none).",
+                _dead_letter_oldest_unrefunded_age,
             ),
             (
                 "shardd_slot_move_active",

@@ -166,6 +166,44 @@ def test_outbox_backlog_gauge(database: str, tmp_path: Path) -> None:
     assert value(samples, "shardd_requests_total", method="Transfer", outcome="new") == 1
 
 
+def test_dead_letters_are_counted_until_their_refund_is_done(metered: ShardDaemon, database: str) -> None:
+    collector = collector_of(metered)
+    assert collector.refresh()
+    samples = scrape(metered.metrics_port)
+    assert value(samples, "shardd_dead_letters", refund="pending") == 0
+    assert value(samples, "shardd_dead_letter_oldest_unrefunded_age_seconds") == 0
+    transfer_id = uuid.uuid4()
+    with psycopg.connect(database, autocommit=True) as conn:  # a dead letter as the relay leaves it
+        conn.execute("INSERT INTO accounts (id, currency, balance) VALUES ('src', 'EUR', 0)")
+        conn.execute(
+            "INSERT INTO transfers (id, source_account_id, destination_account_id, destination_shard_id,"
+            " amount_minor, currency, state) VALUES (%s, 'src', 'ghost', 'shard-1', 10, 'EUR', 'pending')",
+            (transfer_id,),
+        )
+        conn.execute(
+            "INSERT INTO outbox (transfer_id, destination_shard_id, idempotency_key, payload, dead_lettered_at)"
+            " VALUES (%s, 'shard-1', %s, '\\x00', now())",
+            (transfer_id, uuid.uuid4()),
+        )
+        conn.execute(
+            "INSERT INTO dead_letters (transfer_id, outbox_id, reason, refund_key, created_at)"
+            " SELECT %s, id, 'NOT_FOUND: ghost', %s, now() - interval '90 seconds' FROM outbox",
+            (transfer_id, uuid.uuid4()),
+        )
+        assert collector.refresh()
+        samples = scrape(metered.metrics_port)
+        assert value(samples, "shardd_dead_letters", refund="pending") == 1
+        assert value(samples, "shardd_dead_letters", refund="done") == 0
+        age = value(samples, "shardd_dead_letter_oldest_unrefunded_age_seconds")
+        assert age is not None and 89 <= age < 600
+        conn.execute("UPDATE dead_letters SET refunded_at = now()")
+    assert collector.refresh()
+    samples = scrape(metered.metrics_port)
+    assert value(samples, "shardd_dead_letters", refund="pending") == 0
+    assert value(samples, "shardd_dead_letters", refund="done") == 1
+    assert value(samples, "shardd_dead_letter_oldest_unrefunded_age_seconds") == 0
+
+
 def test_collector_keeps_last_values_when_the_database_fails(metered: ShardDaemon) -> None:
     collector = collector_of(metered)
     assert collector.refresh()

@@ -356,6 +356,18 @@ def outbox_backlog(conn: Connection) -> tuple[int, float]:
     return int(row[0]), float(row[1])
 
 
+def dead_letter_counts(conn: Connection) -> tuple[int, int, float]:
+    """Dead-lettered credits (all, and those whose refund has not completed) and the age in seconds
+    of the oldest unrefunded one (0: none)."""
+    row = conn.execute(
+        "SELECT count(*), count(*) FILTER (WHERE refunded_at IS NULL),"
+        " coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE refunded_at IS NULL)), 0)"
+        " FROM dead_letters"
+    ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1]), float(row[2])
+
+
 __all__ = [
     "AccountRow",
     "AttemptRow",
@@ -368,6 +380,7 @@ __all__ = [
     "claim_due_outbox",
     "create_account_if_missing",
     "dead_letter",
+    "dead_letter_counts",
     "deposit",
     "entry_of_transfer",
     "insert_entry",
