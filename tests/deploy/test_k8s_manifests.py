@@ -146,6 +146,8 @@ SHARDD_METRICS_NAMES = frozenset(
         "shardd_handler_duration_seconds",
         "shardd_key_reuse_total",
         "shardd_idempotency_records",
+        "shardd_dead_letters",
+        "shardd_dead_letter_oldest_unrefunded_age_seconds",
         "shardd_idempotency_partition_bytes",
         "shardd_idempotency_oldest_partition_age_seconds",
         "shardd_retention_lag_seconds",
