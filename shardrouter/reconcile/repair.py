@@ -33,10 +33,9 @@ import psycopg
 
 from shardrouter.core import failpoints
 from shardrouter.core.keys import new_key
-from shardrouter.internal.v1 import ledger_pb2
 from shardrouter.reconcile.check import Kind, Mismatch
 from shardrouter.reconcile.facts import Connection, reversal_key
-from shardrouter.shardd.ledger.service import credit_key
+from shardrouter.shardd.ledger.service import credit_key, credit_payload
 from shardrouter.shardd.relay import OUTBOX_CHANNEL
 from shardrouter.v1 import transfer_pb2
 
@@ -89,8 +88,8 @@ def queue(conn: Connection, shard: str, transfer_id: uuid.UUID) -> bool:
         if settled is None or settled[0]:
             return False
         source, destination, destination_shard, amount, currency, _ = t
-        credit = ledger_pb2.CreditTransferRequest(
-            transfer_id=str(transfer_id),
+        payload = credit_payload(
+            transfer_id,
             source_shard_id=shard,
             source_account_id=source,
             destination_account_id=destination,
@@ -103,7 +102,7 @@ def queue(conn: Connection, shard: str, transfer_id: uuid.UUID) -> bool:
                 transfer_id,
                 destination_shard,
                 str(credit_key(transfer_id)),
-                credit.SerializeToString(deterministic=True),
+                payload,
                 "reconcile: credit queued again (no outbox row held it)",
             ),
         ).fetchone()

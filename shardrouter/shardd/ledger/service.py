@@ -67,6 +67,26 @@ def refund_key(transfer_id: uuid.UUID) -> uuid.UUID:
     return derived_key(transfer_id, "refund")
 
 
+def credit_payload(
+    transfer_id: uuid.UUID,
+    *,
+    source_shard_id: str,
+    source_account_id: str,
+    destination_account_id: str,
+    amount: transfer_pb2.Money,
+) -> bytes:
+    """The outbox payload of a transfer's cross-shard credit: the `CreditTransfer` request the relay
+    sends, serialized deterministically (every resend of it is the same bytes)."""
+    credit = ledger_pb2.CreditTransferRequest(
+        transfer_id=str(transfer_id),
+        source_shard_id=source_shard_id,
+        source_account_id=source_account_id,
+        destination_account_id=destination_account_id,
+        amount=amount,
+    )
+    return credit.SerializeToString(deterministic=True)
+
+
 class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
     """Public API of one shard."""
 
@@ -142,19 +162,18 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
                 reference=request.reference,
             )
         else:
-            credit = ledger_pb2.CreditTransferRequest(
-                transfer_id=str(transfer.id),
-                source_shard_id=self._locator.own_shard_id,
-                source_account_id=src,
-                destination_account_id=dst,
-                amount=request.amount,
-            )
             store.insert_outbox(
                 conn,
                 transfer_id=transfer.id,
                 destination_shard_id=dst_shard,
                 key=str(credit_key(transfer.id)),
-                payload=credit.SerializeToString(deterministic=True),
+                payload=credit_payload(
+                    transfer.id,
+                    source_shard_id=self._locator.own_shard_id,
+                    source_account_id=src,
+                    destination_account_id=dst,
+                    amount=request.amount,
+                ),
             )
         return transfer_pb2.TransferResponse(transfer=_transfer_message(transfer, []))
 
@@ -435,6 +454,7 @@ __all__ = [
     "ShardLocator",
     "TransferServicer",
     "credit_key",
+    "credit_payload",
     "refund_key",
     "validate_credit",
     "validate_transfer_id_only",
