@@ -81,11 +81,7 @@ def queue(conn: Connection, shard: str, transfer_id: uuid.UUID) -> bool:
         ).fetchone()
         if t is None or t[5] == "refunded":
             return False
-        settled = conn.execute(
-            "SELECT count(*) FROM ledger_entries WHERE transfer_id = %s AND kind IN ('transfer_in', 'refund')",
-            (transfer_id,),
-        ).fetchone()
-        if settled is None or settled[0]:
+        if _settled_here(conn, transfer_id):
             return False
         source, destination, destination_shard, amount, currency, _ = t
         payload = credit_payload(
@@ -115,6 +111,15 @@ def queue(conn: Connection, shard: str, transfer_id: uuid.UUID) -> bool:
     return True
 
 
+def _settled_here(conn: Connection, transfer_id: uuid.UUID) -> bool:
+    """Whether this shard's ledger already holds the transfer's credit or its refund."""
+    row = conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM ledger_entries WHERE transfer_id = %s AND kind IN ('transfer_in', 'refund'))",
+        (transfer_id,),
+    ).fetchone()
+    return row is None or bool(row[0])
+
+
 def refund(conn: Connection, transfer_id: uuid.UUID) -> bool:
     """REFUND_MISSING: hand the dead letter back to the relay's refund pass; False if a refund
     entry exists, or the dead letter is already waiting for its refund."""
@@ -122,11 +127,7 @@ def refund(conn: Connection, transfer_id: uuid.UUID) -> bool:
         t = conn.execute("SELECT state FROM transfers WHERE id = %s FOR UPDATE", (transfer_id,)).fetchone()
         if t is None:
             return False
-        refunded = conn.execute(
-            "SELECT count(*) FROM ledger_entries WHERE transfer_id = %s AND kind IN ('refund', 'transfer_in')",
-            (transfer_id,),
-        ).fetchone()
-        if refunded is None or refunded[0]:
+        if _settled_here(conn, transfer_id):
             return False
         letter = conn.execute(
             "UPDATE dead_letters SET refunded_at = NULL WHERE transfer_id = %s AND refunded_at IS NOT NULL"
