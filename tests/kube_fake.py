@@ -269,7 +269,8 @@ class _Handler(BaseHTTPRequestHandler):
         if name is not None:
             self._answer(*self.fake.get(namespace, name))
             return
-        if query.get("watch", [""])[0] not in ("true", "1"):
+        # The API server parses booleans as Go's strconv.ParseBool does; clients before 37 send "True".
+        if query.get("watch", [""])[0] not in ("1", "t", "T", "TRUE", "true", "True"):
             self._answer(400, _status(400, "BadRequest", "the fake lists only with watch"))
             return
         selector = query.get("fieldSelector", [""])[0]

@@ -3,11 +3,12 @@ Kubernetes (the `shard-map` ConfigMap), for the processes that follow it and the
 
 Built on the official `kubernetes` client rather than `lightkube`: it is the one the Kubernetes project
 keeps, it loads every form of credentials a cluster hands out (the pod's service account with its
-token refresh, any kubeconfig with exec plugins or client certificates), and it is typed (`py.typed`).
-Its only cost here is its size, paid once per image. Only its configuration loading and its raw HTTP
-calls are used (`_preload_content=False`): the objects are read as plain JSON, so one ConfigMap's few
-fields need none of its generated models except the body of a replace, and a watch is read line by
-line so that `interrupt` can end it from another thread.
+token refresh, any kubeconfig with exec plugins or client certificates). Releases before 37 carry no
+type hints (37 cannot be installed beside the tracing UI: see pyproject.toml), so mypy sees it as
+untyped and the few calls made here are kept to plain values. Its only cost is its size, paid once
+per image. Only its configuration loading and its raw HTTP calls are used (`_preload_content=False`):
+the objects are read and written as plain JSON, so one ConfigMap's few fields need none of its
+generated models, and a watch is read line by line so that `interrupt` can end it from another thread.
 
 Every request has a bounded connect and read timeout; a watch ends on the server's side after
 `watch_timeout_s` and the reader is told so by the stream ending, so no call here can hang for ever.
@@ -87,13 +88,13 @@ def load_configuration(kubeconfig: str | None = None) -> kube_client.Configurati
     configuration = kube_client.Configuration()
     if kubeconfig is None:
         try:
-            kube_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+            kube_config.load_incluster_config(client_configuration=configuration)
             return configuration
         except kube_config.ConfigException:
             pass  # not in a pod with a service account: a kubeconfig it is
     path = kubeconfig or os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
     try:
-        kube_config.load_kube_config(  # type: ignore[no-untyped-call]
+        kube_config.load_kube_config(
             config_file=path, client_configuration=configuration
         )
     except (kube_config.ConfigException, OSError, ValueError) as exc:
@@ -158,9 +159,9 @@ class KubeConfigMaps:
         # Server-kept bookkeeping is not ours to send back.
         metadata.pop("managedFields", None)
         document.update(apiVersion="v1", kind="ConfigMap", metadata=metadata, data=dict(data))
-        body = kube_client.V1ConfigMap.from_dict(document)
-        if body is None:  # from_dict answers None only for None
-            raise ConfigMapError(f"replace configmap {namespace}/{name}: no body")
+        # Sent as the plain document: the client serializes a dict as it is, so a field its models
+        # do not know (a newer API server's) survives the round trip.
+        body = document
         response = self._call(
             f"replace configmap {namespace}/{name}",
             lambda: self._api.replace_namespaced_config_map(
@@ -194,7 +195,7 @@ class KubeConfigMaps:
                 return
             self._stream = stream
         try:
-            for line in iter_resp_lines(stream):  # type: ignore[no-untyped-call]
+            for line in iter_resp_lines(stream):
                 if not line.strip():
                     continue
                 event = _event(line, what)
@@ -227,7 +228,7 @@ class KubeConfigMaps:
     def close(self) -> None:
         """Close the connection pool."""
         self.interrupt()
-        self._api_client.close()  # type: ignore[no-untyped-call]
+        self._api_client.close()
 
     def _call(self, what: str, request: Any) -> Any:
         try:
