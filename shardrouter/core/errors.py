@@ -53,6 +53,9 @@ class Reason:
     # The shard's authorization policy does not let this caller call this method on this account;
     # nothing was applied or stored. ErrorInfo metadata: caller, method, account (when the call has one).
     PERMISSION_DENIED = "PERMISSION_DENIED"
+    # Internal API: a VoidCredit found the transfer's credit already applied on this shard (under
+    # another caller's key scope); nothing was stored, and the relay's next delivery learns it landed.
+    CREDIT_ALREADY_APPLIED = "CREDIT_ALREADY_APPLIED"
     INTERNAL = "INTERNAL"
 
 

@@ -25,7 +25,7 @@ from shardrouter.shardd.ledger.service import credit_key
 from shardrouter.shardd.relay import OutboxRelay
 from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.helpers import key_metadata, make_settings, money
+from tests.helpers import error_info, key_metadata, make_settings, money
 
 
 @dataclass
@@ -328,3 +328,48 @@ def test_a_commit_that_queues_a_credit_wakes_the_relay(two_shards, monkeypatch):
         assert _balance(two_shards, dst) == 251, "the credit waited for a poll"
     finally:
         relay.stop()
+
+
+def test_a_void_under_another_relays_scope_finds_the_credit_already_applied(two_shards):
+    """After a move of the source's slot, the new owner's relay sends under its own caller scope, so
+    the old relay's record of a delivered credit is not its own: its void must find the credit itself
+    (refused, not stored), and its delivery must answer with the credit's entry, never a second one."""
+    src = accounts_on(two_shards.shard_map, "shard-0", 1)[0]
+    dst = accounts_on(two_shards.shard_map, "shard-1", 1)[0]
+    _open(two_shards, src, 1000)
+    _open(two_shards, dst, 1)
+    transfer = _transfer(two_shards, src, dst, 70)
+    with two_shards.db(src) as conn:
+        payload = conn.execute("SELECT payload FROM outbox").fetchone()[0]
+    stub = ledger_pb2_grpc.ShardLedgerServiceStub(
+        grpc.insecure_channel(two_shards.shard_map.shard_for(dst).address)
+    )
+    key = [("idempotency-key", str(credit_key(uuid.UUID(transfer.transfer_id))))]
+    credit = ledger_pb2.CreditTransferRequest.FromString(payload)
+    first = stub.CreditTransfer(credit, metadata=[*key, ("x-caller-id", "relay:shard-0")])
+    assert _balance(two_shards, dst) == 71
+
+    void = ledger_pb2.VoidCreditRequest(transfer_id=transfer.transfer_id, destination_account_id=dst)
+    other = [*key, ("x-caller-id", "relay:shard-9")]
+    for _ in range(2):  # refused every time: the refusal is not stored as the key's outcome
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.VoidCredit(void, metadata=other)
+        info, retryable = error_info(refused.value)
+        assert refused.value.code() is grpc.StatusCode.ABORTED
+        assert (info.reason, retryable) == ("CREDIT_ALREADY_APPLIED", True)
+    with two_shards.db(dst) as conn:
+        stored = conn.execute(
+            "SELECT count(*) FROM idempotency_record WHERE scope LIKE %s", ("%relay:shard-9",)
+        ).fetchone()[0]
+    assert stored == 0
+
+    again = stub.CreditTransfer(credit, metadata=other)  # the new relay's delivery: the same entry
+    assert again.entry_id == first.entry_id
+    assert _balance(two_shards, dst) == 71
+
+    # The relay itself, its row now older than its limit: it delivers (a replay), never refunds.
+    with two_shards.db(src) as conn:
+        conn.execute("UPDATE outbox SET created_at = now() - interval '1 day'")
+    stats = two_shards.relay("shard-0").run_once()
+    assert (stats.delivered, stats.dead_lettered) == (1, 0)
+    assert (_balance(two_shards, src), _balance(two_shards, dst)) == (930, 71)

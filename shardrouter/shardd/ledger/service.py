@@ -19,6 +19,7 @@ import grpc
 from google.protobuf import timestamp_pb2
 
 from shardrouter.core.errors import (
+    Aborted,
     FailedPrecondition,
     FieldViolation,
     Internal,
@@ -315,8 +316,28 @@ class ShardLedgerServicer(ledger_pb2_grpc.ShardLedgerServiceServicer):
     def VoidCredit(
         self, request: ledger_pb2.VoidCreditRequest, context: grpc.ServicerContext
     ) -> ledger_pb2.VoidCreditResponse:
-        """Claiming the credit's key is the whole effect: the interceptor stores this outcome."""
-        current_transaction()
+        """Claiming the credit's key is the fence: the interceptor stores this outcome, so a late
+        CreditTransfer under the same key is refused as a reused key.
+
+        A key is unique per caller, though, and after the source's slot moved, its new owner's relay
+        sends under another scope than the relay that delivered the credit (whose own mark-delivered
+        the move's fence refused). So the void also looks for the credit itself, after locking the
+        account row that CreditTransfer locks first: a credit that committed is seen, one running
+        now is waited for. Finding it, the void is refused (ABORTED, never stored) and the relay's
+        next delivery replays or re-reads it and marks it delivered instead of refunding it.
+        """
+        call = current_transaction()
+        transfer_id = uuid.UUID(request.transfer_id)
+        if request.destination_account_id:  # empty from older relays: the key alone fences
+            store.lock_accounts(call.conn, [request.destination_account_id])
+        if store.entry_of_transfer(call.conn, transfer_id, "transfer_in") is not None:
+            raise Aborted(
+                f"the credit of transfer {transfer_id} is already applied on this shard; deliver it "
+                "again (CreditTransfer answers with its entry) instead of voiding it",
+                reason=Reason.CREDIT_ALREADY_APPLIED,
+                metadata={"transfer_id": str(transfer_id)},
+                retry_after_ms=100,
+            )
         return ledger_pb2.VoidCreditResponse(transfer_id=request.transfer_id)
 
     def RefundTransfer(
