@@ -56,6 +56,9 @@ class Reason:
     # Internal API: a VoidCredit found the transfer's credit already applied on this shard (under
     # another caller's key scope); nothing was stored, and the relay's next delivery learns it landed.
     CREDIT_ALREADY_APPLIED = "CREDIT_ALREADY_APPLIED"
+    # Internal API: a CreditTransfer of a transfer whose credit was voided on this shard (by a relay
+    # that gave up on it, under any caller's key); stored, and the source refunds the transfer.
+    CREDIT_VOIDED = "CREDIT_VOIDED"
     INTERNAL = "INTERNAL"
 
 

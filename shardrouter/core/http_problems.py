@@ -124,8 +124,10 @@ REASON_ROWS: Mapping[str, ProblemRow] = MappingProxyType(
         Reason.SHARD_SATURATED: ProblemRow(_S.UNAVAILABLE, 503, "Shard saturated", retryable=True),
         Reason.UNAUTHENTICATED: ProblemRow(_S.UNAUTHENTICATED, 401, "Unauthenticated"),
         Reason.PERMISSION_DENIED: ProblemRow(_S.PERMISSION_DENIED, 403, "Permission denied"),
-        # Internal API only (VoidCredit): the HTTP front never serves it, but every reason has a row.
+        # Internal API only (VoidCredit, CreditTransfer): the HTTP front never serves them, but every
+        # reason has a row.
         Reason.CREDIT_ALREADY_APPLIED: ProblemRow(_S.ABORTED, 409, "Credit already applied", retryable=True),
+        Reason.CREDIT_VOIDED: ProblemRow(_S.FAILED_PRECONDITION, 422, "Credit voided"),
         Reason.INTERNAL: ProblemRow(_S.INTERNAL, 500, "Internal error"),
     }
 )

@@ -50,6 +50,7 @@ Progress = Callable[[str], None]
 
 #: The order rows are deleted in, children before the rows they reference.
 _DELETE_ORDER = (
+    "voided_credits",
     "dead_letters",
     "delivery_attempts",
     "outbox",
@@ -62,7 +63,7 @@ _DELETE_ORDER = (
 _SEQUENCES = (("outbox", "id"), ("delivery_attempts", "id"))
 #: Each database's block of ids is 2^40 wide (migration 9 starts its sequences in a random one).
 _ID_BLOCK_BITS = 40
-_MIN_SCHEMA = 14  # the ownership facts
+_MIN_SCHEMA = 16  # the ownership facts (14), and voided_credits among the moved tables (16)
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ log = logging.getLogger(__name__)
 
 _MIGRATION_LOCK = 0x5348_4152_4431  # "SHARD1": one advisory lock id for all schema changes
 
-#: Every table whose rows belong to an account's slot (column `account_hash`): what a move copies,
-#: and what a slot fence guards.
-FENCED_TABLES = (
+#: The tables whose rows belonged to an account's slot before migration 16: what migrations 6 and 15
+#: (fence triggers, replica identity) were written for, and must keep meaning on a new database.
+_FENCED_BEFORE_16 = (
     "accounts",
     "ledger_entries",
     "transfers",
@@ -33,6 +33,9 @@ FENCED_TABLES = (
     "dead_letters",
     "idempotency_record",
 )
+#: Every table whose rows belong to an account's slot (column `account_hash`): what a move copies,
+#: and what a slot fence guards.
+FENCED_TABLES = (*_FENCED_BEFORE_16, "voided_credits")
 
 
 def _crc32_table() -> str:
@@ -273,7 +276,7 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
             "\n        ".join(
                 f"CREATE TRIGGER {table}_fence AFTER INSERT OR UPDATE OR DELETE ON {table}"
                 " FOR EACH ROW EXECUTE FUNCTION refuse_fenced_write();"
-                for table in FENCED_TABLES
+                for table in _FENCED_BEFORE_16
             ),
         ),
     ),
@@ -545,7 +548,34 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
                 EXECUTE format('ALTER TABLE %s REPLICA IDENTITY FULL', moved);
             END LOOP;
         END $migration$;
-        """.replace("@FENCED_TABLES@", "', '".join(FENCED_TABLES)),
+        """.replace("@FENCED_TABLES@", "', '".join(_FENCED_BEFORE_16)),
+    ),
+    (
+        16,
+        "voided credits, a fact of the transfer on the destination's account",
+        """
+        -- The relay gives up on a credit only after VoidCredit fenced it. The void's record fences a
+        -- late CreditTransfer under the same (scope, key); but a key is unique per caller, and after the
+        -- source's slot moves the new owner's relay calls under another caller than the old one, whose
+        -- call may still be running. A row here is the void as a fact of the transfer: CreditTransfer
+        -- refuses a voided transfer whoever sends it, and VoidCredit refuses a transfer already
+        -- credited; both lock the destination account's row first, so one of them sees the other.
+        -- The row belongs to the destination account's slot and moves with it. Written to be applied
+        -- again over itself (IF NOT EXISTS, OR REPLACE), like migration 15.
+        CREATE TABLE IF NOT EXISTS voided_credits (
+            transfer_id   uuid        PRIMARY KEY,
+            account_id    text        NOT NULL,
+            account_hash  bigint      NOT NULL,
+            reason        text        NOT NULL DEFAULT '',
+            voided_at     timestamptz NOT NULL DEFAULT now()
+        );
+        CREATE OR REPLACE TRIGGER voided_credits_account_hash
+            BEFORE INSERT OR UPDATE OF account_id, account_hash ON voided_credits
+            FOR EACH ROW EXECUTE FUNCTION set_account_hash_of_account();
+        CREATE OR REPLACE TRIGGER voided_credits_fence AFTER INSERT OR UPDATE OR DELETE ON voided_credits
+            FOR EACH ROW EXECUTE FUNCTION refuse_fenced_write();
+        ALTER TABLE voided_credits REPLICA IDENTITY FULL;
+        """,
     ),
 )
 

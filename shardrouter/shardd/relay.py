@@ -16,7 +16,9 @@ the change.
 A credit that fails for good (unknown or closed account, currency mismatch) or that is older than
 `relay_max_age_s` goes to `dead_letters` and is compensated by `RefundTransfer` on this shard, keyed
 by the transfer's refund key. Before giving up on age, the relay fences the credit with `VoidCredit`
-under the credit's key, so a slow credit can never land after the refund.
+under the credit's key, which the destination also records as a fact of the transfer, so a slow
+credit can never land after the refund, whichever relay sends it; a void refused because the credit
+already landed leaves the row to the next delivery, which learns it was delivered.
 
 Tracing: the polls run untraced, so an idle relay leaves no spans. A poll that finds work runs it
 in one job span, `outbox.deliver` or `outbox.refund`, whose children are the job's statements and,

@@ -373,3 +373,87 @@ def test_a_void_under_another_relays_scope_finds_the_credit_already_applied(two_
     stats = two_shards.relay("shard-0").run_once()
     assert (stats.delivered, stats.dead_lettered) == (1, 0)
     assert (_balance(two_shards, src), _balance(two_shards, dst)) == (930, 71)
+
+
+def test_a_credit_voided_under_another_relays_scope_never_lands(two_shards):
+    """The other order: the new owner's relay voided the credit under its own scope; a credit the old
+    relay was still sending then arrives under the old scope, and is refused for good."""
+    src = accounts_on(two_shards.shard_map, "shard-0", 1)[0]
+    dst = accounts_on(two_shards.shard_map, "shard-1", 1)[0]
+    _open(two_shards, src, 1000)
+    _open(two_shards, dst, 1)
+    transfer = _transfer(two_shards, src, dst, 40)
+    with two_shards.db(src) as conn:
+        credit = ledger_pb2.CreditTransferRequest.FromString(conn.execute("SELECT payload FROM outbox").fetchone()[0])
+    stub = ledger_pb2_grpc.ShardLedgerServiceStub(
+        grpc.insecure_channel(two_shards.shard_map.shard_for(dst).address)
+    )
+    key = [("idempotency-key", str(credit_key(uuid.UUID(transfer.transfer_id))))]
+    void = ledger_pb2.VoidCreditRequest(transfer_id=transfer.transfer_id, destination_account_id=dst)
+    stub.VoidCredit(void, metadata=[*key, ("x-caller-id", "relay:shard-9")])
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.CreditTransfer(credit, metadata=[*key, ("x-caller-id", "relay:shard-0")])
+    info, _ = error_info(refused.value)
+    assert (refused.value.code(), info.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "CREDIT_VOIDED")
+    assert _balance(two_shards, dst) == 1
+    with two_shards.db(dst) as conn:
+        assert conn.execute("SELECT account_id FROM voided_credits").fetchall() == [(dst,)]
+
+
+def test_a_credit_and_its_void_from_two_relays_at_once_never_both_take_effect(two_shards):
+    """Under concurrency, per transfer: the credit applies or the void holds, never both, never
+    neither (each side is retried while the other answers ABORTED, as the relay does)."""
+    src = accounts_on(two_shards.shard_map, "shard-0", 1)[0]
+    dst = accounts_on(two_shards.shard_map, "shard-1", 1)[0]
+    _open(two_shards, src, 100_000)
+    _open(two_shards, dst, 1)
+    transfers = [_transfer(two_shards, src, dst, 10 + i) for i in range(24)]
+    with two_shards.db(src) as conn:
+        payloads = {
+            str(tid): payload for tid, payload in conn.execute("SELECT transfer_id, payload FROM outbox").fetchall()
+        }
+    channel = grpc.insecure_channel(two_shards.shard_map.shard_for(dst).address)
+    stub = ledger_pb2_grpc.ShardLedgerServiceStub(channel)
+    outcomes: dict[tuple[str, str], grpc.StatusCode] = {}
+
+    def send(transfer_id: str, what: str, start: threading.Barrier) -> None:
+        key = ("idempotency-key", str(credit_key(uuid.UUID(transfer_id))))
+        start.wait()
+        for _ in range(50):
+            try:
+                if what == "credit":
+                    request = ledger_pb2.CreditTransferRequest.FromString(payloads[transfer_id])
+                    stub.CreditTransfer(request, metadata=[key, ("x-caller-id", "relay:shard-0")])
+                else:
+                    void = ledger_pb2.VoidCreditRequest(transfer_id=transfer_id, destination_account_id=dst)
+                    stub.VoidCredit(void, metadata=[key, ("x-caller-id", "relay:shard-9")])
+                outcomes[(transfer_id, what)] = grpc.StatusCode.OK
+                return
+            except grpc.RpcError as error:
+                outcomes[(transfer_id, what)] = error.code()
+                if error.code() is not grpc.StatusCode.ABORTED:
+                    return
+
+    for transfer in transfers:
+        start = threading.Barrier(2)
+        threads = [
+            threading.Thread(target=send, args=(transfer.transfer_id, what, start)) for what in ("credit", "void")
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    credited = 0
+    for transfer in transfers:
+        credit = outcomes[(transfer.transfer_id, "credit")]
+        void = outcomes[(transfer.transfer_id, "void")]
+        assert {credit, void} == {grpc.StatusCode.OK, grpc.StatusCode.FAILED_PRECONDITION} or (
+            credit is grpc.StatusCode.OK and void is grpc.StatusCode.ABORTED
+        ), (transfer.transfer_id, credit, void)
+        if credit is grpc.StatusCode.OK:
+            credited += transfer.amount.amount_minor
+    assert _balance(two_shards, dst) == 1 + credited
+    with two_shards.db(dst) as conn:
+        voided = {str(t) for (t,) in conn.execute("SELECT transfer_id FROM voided_credits").fetchall()}
+    assert voided == {t.transfer_id for t in transfers if outcomes[(t.transfer_id, "void")] is grpc.StatusCode.OK}
+    channel.close()

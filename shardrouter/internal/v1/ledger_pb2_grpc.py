@@ -68,7 +68,10 @@ class ShardLedgerServiceServicer:
         """VoidCredit fences a credit that the relay gave up on: sent with the credit's own key (CreditTransfer
         and VoidCredit share one key scope), it claims the key first so a late CreditTransfer can never
         apply, or fails with IDEMPOTENCY_KEY_REUSED if the credit already has an outcome (then replay
-        CreditTransfer to learn it). Mutating and idempotent.
+        CreditTransfer to learn it). The void is also recorded for the transfer on the destination
+        account, so a CreditTransfer under another caller's scope is refused too (CREDIT_VOIDED); a void
+        of a credit already applied under another scope fails ABORTED, CREDIT_ALREADY_APPLIED, unstored.
+        Mutating and idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -44,7 +44,10 @@ class ShardLedgerServiceStub:
     """VoidCredit fences a credit that the relay gave up on: sent with the credit's own key (CreditTransfer
     and VoidCredit share one key scope), it claims the key first so a late CreditTransfer can never
     apply, or fails with IDEMPOTENCY_KEY_REUSED if the credit already has an outcome (then replay
-    CreditTransfer to learn it). Mutating and idempotent.
+    CreditTransfer to learn it). The void is also recorded for the transfer on the destination
+    account, so a CreditTransfer under another caller's scope is refused too (CREDIT_VOIDED); a void
+    of a credit already applied under another scope fails ABORTED, CREDIT_ALREADY_APPLIED, unstored.
+    Mutating and idempotent.
     """
     RefundTransfer: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.RefundTransferRequest, _ledger_pb2.RefundTransferResponse]
     """RefundTransfer credits the source account back after the credit failed for good.
@@ -64,7 +67,10 @@ class ShardLedgerServiceAsyncStub(ShardLedgerServiceStub):
     """VoidCredit fences a credit that the relay gave up on: sent with the credit's own key (CreditTransfer
     and VoidCredit share one key scope), it claims the key first so a late CreditTransfer can never
     apply, or fails with IDEMPOTENCY_KEY_REUSED if the credit already has an outcome (then replay
-    CreditTransfer to learn it). Mutating and idempotent.
+    CreditTransfer to learn it). The void is also recorded for the transfer on the destination
+    account, so a CreditTransfer under another caller's scope is refused too (CREDIT_VOIDED); a void
+    of a credit already applied under another scope fails ABORTED, CREDIT_ALREADY_APPLIED, unstored.
+    Mutating and idempotent.
     """
     RefundTransfer: _aio.UnaryUnaryMultiCallable[_ledger_pb2.RefundTransferRequest, _ledger_pb2.RefundTransferResponse]  # type: ignore[assignment]
     """RefundTransfer credits the source account back after the credit failed for good.
@@ -93,7 +99,10 @@ class ShardLedgerServiceServicer(metaclass=_abc_1.ABCMeta):
         """VoidCredit fences a credit that the relay gave up on: sent with the credit's own key (CreditTransfer
         and VoidCredit share one key scope), it claims the key first so a late CreditTransfer can never
         apply, or fails with IDEMPOTENCY_KEY_REUSED if the credit already has an outcome (then replay
-        CreditTransfer to learn it). Mutating and idempotent.
+        CreditTransfer to learn it). The void is also recorded for the transfer on the destination
+        account, so a CreditTransfer under another caller's scope is refused too (CREDIT_VOIDED); a void
+        of a credit already applied under another scope fails ABORTED, CREDIT_ALREADY_APPLIED, unstored.
+        Mutating and idempotent.
         """
 
     @_abc_1.abstractmethod

@@ -299,6 +299,12 @@ class ShardLedgerServicer(ledger_pb2_grpc.ShardLedgerServiceServicer):
         existing = store.entry_of_transfer(call.conn, transfer_id, "transfer_in")
         if existing is not None:  # belt and braces: a second key for the same credit applies nothing
             return ledger_pb2.CreditTransferResponse(entry_id=str(existing))
+        if store.credit_voided(call.conn, transfer_id):  # voided under another caller's key scope
+            raise FailedPrecondition(
+                f"the credit of transfer {transfer_id} was voided here: its source refunds it",
+                reason=Reason.CREDIT_VOIDED,
+                metadata={"transfer_id": str(transfer_id)},
+            )
         _check_limit(account, amount.amount_minor)
         store.add_to_balance(call.conn, dst, amount.amount_minor)
         entry_id = new_key()
@@ -316,20 +322,22 @@ class ShardLedgerServicer(ledger_pb2_grpc.ShardLedgerServiceServicer):
     def VoidCredit(
         self, request: ledger_pb2.VoidCreditRequest, context: grpc.ServicerContext
     ) -> ledger_pb2.VoidCreditResponse:
-        """Claiming the credit's key is the fence: the interceptor stores this outcome, so a late
-        CreditTransfer under the same key is refused as a reused key.
+        """Fence a credit the relay gives up on, so that it can never apply here.
 
-        A key is unique per caller, though, and after the source's slot moved, its new owner's relay
-        sends under another scope than the relay that delivered the credit (whose own mark-delivered
-        the move's fence refused). So the void also looks for the credit itself, after locking the
-        account row that CreditTransfer locks first: a credit that committed is seen, one running
-        now is waited for. Finding it, the void is refused (ABORTED, never stored) and the relay's
-        next delivery replays or re-reads it and marks it delivered instead of refunding it.
+        Claiming the credit's key fences a late CreditTransfer under the same (scope, key): the
+        interceptor stores this outcome. A key is unique per caller, though, and after the source's
+        slot moved, its new owner's relay calls under another caller than the old relay, whose call
+        may still be running. So the void is also a fact of the transfer (`voided_credits`, moved
+        with the account), which CreditTransfer checks whoever sends it; and it looks for the credit
+        itself first. Both lock the destination account's row before they look, so one always sees
+        the other. Finding the credit applied, the void is refused (ABORTED, never stored) and the
+        relay's next delivery answers with the credit's entry: delivered, not refunded.
         """
         call = current_transaction()
         transfer_id = uuid.UUID(request.transfer_id)
-        if request.destination_account_id:  # empty from older relays: the key alone fences
-            store.lock_accounts(call.conn, [request.destination_account_id])
+        account = request.destination_account_id
+        if account:  # empty from older relays: the key alone fences
+            store.lock_accounts(call.conn, [account])
         if store.entry_of_transfer(call.conn, transfer_id, "transfer_in") is not None:
             raise Aborted(
                 f"the credit of transfer {transfer_id} is already applied on this shard; deliver it "
@@ -338,6 +346,8 @@ class ShardLedgerServicer(ledger_pb2_grpc.ShardLedgerServiceServicer):
                 metadata={"transfer_id": str(transfer_id)},
                 retry_after_ms=100,
             )
+        if account:
+            store.void_credit(call.conn, transfer_id, account, request.reason[:140])
         return ledger_pb2.VoidCreditResponse(transfer_id=request.transfer_id)
 
     def RefundTransfer(

@@ -192,6 +192,21 @@ def entry_of_transfer(conn: Connection, transfer_id: uuid.UUID, kind: str) -> uu
     return None if row is None else row[0]
 
 
+def void_credit(conn: Connection, transfer_id: uuid.UUID, account_id: str, reason: str) -> None:
+    """Record that a transfer's credit to `account_id` can never apply here (kept if already there)."""
+    conn.execute(
+        "INSERT INTO voided_credits (transfer_id, account_id, reason) VALUES (%s, %s, %s)"
+        " ON CONFLICT (transfer_id) DO NOTHING",
+        (transfer_id, account_id, reason),
+    )
+
+
+def credit_voided(conn: Connection, transfer_id: uuid.UUID) -> bool:
+    """Whether a transfer's credit was voided here."""
+    row = conn.execute("SELECT 1 FROM voided_credits WHERE transfer_id = %s", (transfer_id,)).fetchone()
+    return row is not None
+
+
 def insert_transfer(conn: Connection, transfer: TransferRow) -> None:
     """Record a transfer on its source shard."""
     conn.execute(
@@ -379,6 +394,7 @@ __all__ = [
     "attempts_of",
     "claim_due_outbox",
     "create_account_if_missing",
+    "credit_voided",
     "dead_letter",
     "dead_letter_counts",
     "deposit",
@@ -399,4 +415,5 @@ __all__ = [
     "record_attempt",
     "set_transfer_state",
     "slot_fenced",
+    "void_credit",
 ]
