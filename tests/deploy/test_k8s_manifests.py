@@ -8,8 +8,10 @@ per-shard wiring (a Deployment, Service and PodDisruptionBudget per shard, each 
 database Secret), serving processes and their metrics ports, autoscaling, security contexts, the
 databases' replication and backups, alerts and certificates, and what moves of slot ranges need
 (logical WAL, the DSN user's rights, NetworkPolicies, the reshard Job of examples/reshard, whose
-script runs here with a stand-in `shard-router`, its image, which must be the overlay's), and who may
-read or publish the shard map through the Kubernetes API (RBAC, tokens, egress to the API server).
+script runs here with a stand-in `shard-router`, its image, which must be the overlay's), who may
+read or publish the shard map through the Kubernetes API (RBAC, tokens, egress to the API server),
+and that every prod container given a shard database's DSN (daemons, retention, the reshard and
+reconcile Jobs) verifies that database's certificate against its own cluster's CA.
 The alert rules' behaviour is tested with promtool in test_alert_rules.py.
 """
 
@@ -24,9 +26,11 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import urllib.parse
 from collections.abc import Iterator
 from concurrent import futures
@@ -36,6 +40,7 @@ from typing import Any
 
 import grpc
 import kubernetes_validate
+import psycopg
 import pytest
 import yaml
 from cryptography import x509
@@ -2423,10 +2428,12 @@ def run_reshard_job_script(
     exit_status: int = 0,
     job: dict[str, Any] | None = None,
     args_variable: str = "RESHARD_ARGS",
+    files: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """The reshard Job's script (or another `job` made from it, with its arguments in
-    `args_variable`), run by /bin/sh with the Job's mounts as folders of tmp_path, its environment
-    as the kubelet makes it (namespace `ns`) and a fake `shard-router` first on PATH."""
+    `args_variable`), run by /bin/sh with the Job's mounts as folders of tmp_path (`files`: more
+    of their files, by their path in the pod, with their text), its environment as the kubelet
+    makes it (namespace `ns`) and a fake `shard-router` first on PATH."""
     job = job or reshard_job("dev")
     (c,) = pod_spec(job)["containers"]  # type: ignore[index]
     (script,) = c["args"]
@@ -2440,6 +2447,10 @@ def run_reshard_job_script(
     (databases / "..data").mkdir(exist_ok=True)  # as in a projected volume: hidden entries beside the files
     for sid, dsn in dsns.items():
         (databases / sid).write_text(dsn + "\n", encoding="utf-8")
+    for path, text in (files or {}).items():
+        mount = max((m for m in folders if path.startswith(m + "/")), key=len)
+        (folders[mount] / path[len(mount) + 1 :]).parent.mkdir(parents=True, exist_ok=True)
+        (folders[mount] / path[len(mount) + 1 :]).write_text(text, encoding="utf-8")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     fake = bin_dir / "shard-router"
@@ -2902,10 +2913,10 @@ def test_reconcile_job_is_the_reshard_pod_running_reconcile(target: str) -> None
     assert c["image"] == r["image"] and c["volumeMounts"] == r["volumeMounts"]
     assert "exec shard-router reconcile --databases /work/databases.yaml $RECONCILE_ARGS" in c["args"][0]
     assert env_value(c, "RECONCILE_ARGS") == ""
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == DSN_FILES]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
     sources = {
         item["path"]: source["secret"]["name"]
-        for volume in spec["volumes"]
-        if "projected" in volume
         for source in volume["projected"]["sources"]
         for item in source["secret"]["items"]
     }
@@ -2938,3 +2949,230 @@ def test_reconcile_job_script_passes_its_arguments_and_every_dsn(tmp_path: Path)
         "--since",
         "2026-12-01T08:00:00Z",
     ]
+
+
+# --- prod: every connection to a shard database verifies the server's certificate -------------------
+
+#: The keys of a whole DSN in a Secret: dev's `shardd-db-N` (`dsn`), CloudNativePG's `<cluster>-app`
+#: (`uri`, with the password and no sslmode).
+DSN_KEYS = frozenset({"dsn", "uri"})
+#: Where the reshard and reconcile Jobs find each shard's DSN, one file per shard.
+DSN_FILES = "/etc/shard-databases"
+#: What connects to the prod shard databases: the overlay (daemons, their migrate init containers,
+#: the retention CronJobs) as installed and after a restore, and the Jobs an operator creates (a
+#: move touches two shards, reconcile all of them). Dev's databases serve no TLS
+#: (overlays/dev/postgres.yaml), so dev has nothing to verify.
+PROD_DATABASE_CLIENTS = ("prod", "prod-restored", "reshard", "reconcile", "reconcile-restored")
+
+
+def database_client_workloads(target: str) -> list[dict[str, Any]]:
+    if target == "reshard":
+        return [reshard_job("prod")]
+    if target in ("reconcile", "reconcile-restored"):
+        return [reconcile_job("prod" if target == "reconcile" else "restored")]
+    return workloads(target)
+
+
+def mounted_secret_files(spec: dict[str, Any], c: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """Path in the container -> (Secret, key) of every file the container mounts from a Secret
+    (key `*`: a Secret mounted whole)."""
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    files: dict[str, tuple[str, str]] = {}
+    for mount in c.get("volumeMounts", []):
+        volume = volumes[mount["name"]]
+        if "secret" in volume:
+            sources = [{"name": volume["secret"]["secretName"], "items": volume["secret"].get("items")}]
+        elif "projected" in volume:
+            sources = [s["secret"] for s in volume["projected"]["sources"] if "secret" in s]
+        else:
+            continue
+        for source in sources:
+            for item in source.get("items") or [{"key": "*", "path": "*"}]:
+                if mount.get("subPath"):
+                    if item["path"] == mount["subPath"]:
+                        files[mount["mountPath"]] = (source["name"], item["key"])
+                else:
+                    files[f"{mount['mountPath']}/{item['path']}"] = (source["name"], item["key"])
+    return files
+
+
+def reaches_a_shard_database(spec: dict[str, Any], c: dict[str, Any]) -> bool:
+    """The container is given a shard database's DSN: in its environment, from a Secret's DSN key
+    (as a variable or a mounted file), or on its command line (`--databases`, `--dsn`)."""
+    for entry in c.get("env", []):
+        ref = entry.get("valueFrom", {}).get("secretKeyRef", {})
+        if "DSN" in entry["name"] or ref.get("key") in DSN_KEYS:
+            return True
+    if any(key in DSN_KEYS for _, key in mounted_secret_files(spec, c).values()):
+        return True
+    return bool(re.search(r"--(databases|dsn)\b", " ".join([*c.get("command", []), *c.get("args", [])])))
+
+
+def check_verified_tls(
+    name: str, dsn: str, env: dict[str, str], ca_cluster: Any, expected_cluster: str | None = None
+) -> None:
+    """libpq connects with `dsn` and the environment `env` (the DSN's parameters win over PG*
+    variables) verifying the server: sslmode verify-full, and sslrootcert (or PGSSLROOTCERT) the CA
+    certificate of the database's own cluster, the `-rw` Service's cluster (`ca_cluster(path)`:
+    the cluster whose `<cluster>-ca` Secret's ca.crt is mounted at that path)."""
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    mode = params.get("sslmode", env.get("PGSSLMODE"))
+    assert mode == "verify-full", f"{name}: sslmode {mode!r}, not verify-full"
+    root = params.get("sslrootcert", env.get("PGSSLROOTCERT"))
+    assert root, f"{name}: no sslrootcert or PGSSLROOTCERT"
+    cluster = ca_cluster(str(root))
+    host = str(params.get("host", ""))
+    assert host.split(".")[0] == f"{cluster}-rw", f"{name}: {host} verified against {cluster}'s CA"
+    if expected_cluster is not None:
+        assert cluster == expected_cluster, f"{name}: {cluster}'s CA, not {expected_cluster}'s"
+
+
+def check_database_tls(tmp_path: Path, obj: dict[str, Any], spec: dict[str, Any], c: dict[str, Any]) -> None:
+    """A container that reaches a shard database verifies every such database's certificate against
+    that database's own cluster CA, of which it mounts `ca.crt` only: a DSN in its environment
+    (the daemons, retention) with sslmode=verify-full and sslrootcert, or PGSSLMODE/PGSSLROOTCERT;
+    DSN files (the reshard and reconcile Jobs, whose script is run here with the Secrets' DSNs as
+    CloudNativePG writes them) made into DSNs that, with the Job's environment, do the same."""
+    name = f"{obj['kind']}/{obj['metadata']['name']}/{c['name']}"
+    files = mounted_secret_files(spec, c)
+    for path, (secret, key) in files.items():
+        if secret.endswith("-ca"):
+            assert key == "ca.crt", f"{name}: {path} is {secret}'s {key}; mount only ca.crt"
+
+    def ca_cluster(path: str) -> str:
+        secret, key = files.get(path, ("", ""))
+        assert secret.endswith("-ca") and key == "ca.crt", f"{name}: {path} is no mounted <cluster>-ca ca.crt"
+        return secret.removesuffix("-ca")
+
+    env = resolved_env(c, obj["metadata"]["name"])
+    dsn_files = {path: secret for path, (secret, key) in files.items() if key in DSN_KEYS}
+    if not dsn_files:
+        dsns = {e["name"]: e for e in c.get("env", []) if "DSN" in e["name"]}
+        assert dsns, f"{name}: reaches a database with no DSN to check"
+        for variable, entry in dsns.items():
+            assert "value" in entry, f"{name}: {variable} from a Secret: its TLS cannot be seen, nor verified"
+            check_verified_tls(f"{name} {variable}", entry["value"], env, ca_cluster)
+        return
+    # the Job's script, with each DSN file as CloudNativePG's `<cluster>-app` Secret holds it and every
+    # other mounted Secret file holding its own name
+    dsns_by_shard, clusters = {}, {}
+    for path, secret in dsn_files.items():
+        assert path.startswith(DSN_FILES + "/") and secret.endswith("-app"), (name, path, secret)
+        shard, cluster = path.rpartition("/")[2], secret.removesuffix("-app")
+        dsns_by_shard[shard] = f"postgresql://shardd:p%40ss@{cluster}-rw.{NAMESPACES['prod']}:5432/shardd"
+        clusters[shard] = cluster
+    others = {path: f"{secret}/{key}" for path, (secret, key) in files.items() if key not in DSN_KEYS}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    result = run_reshard_job_script(tmp_path, "", dsns_by_shard, job=obj, files=others)
+    assert result.returncode == 0, result.stdout + result.stderr
+    made = json.loads((tmp_path / "state.json").read_text())["dsns"]
+    assert set(made) == set(dsns_by_shard), name
+    in_pod = {str(tmp_path / m["name"]): m["mountPath"] for m in c["volumeMounts"]}
+
+    def job_ca_cluster(path: str) -> str:
+        folder = max((f for f in in_pod if path.startswith(f + "/")), key=len, default="")
+        assert folder, f"{name}: sslrootcert {path} is in no mounted volume"
+        pod_path = in_pod[folder] + path[len(folder) :]
+        cluster = ca_cluster(pod_path)
+        assert Path(path).read_text(encoding="utf-8") == f"{cluster}-ca/ca.crt"
+        return cluster
+
+    for shard, dsn in made.items():
+        check_verified_tls(f"{name} {shard}", dsn, env, job_ca_cluster, clusters[shard])
+        # the DSN is the Secret's, with the CA added: user, password, host and database unchanged
+        params = psycopg.conninfo.conninfo_to_dict(dsn)
+        original = psycopg.conninfo.conninfo_to_dict(dsns_by_shard[shard])
+        assert {k: v for k, v in params.items() if k != "sslrootcert"} == original, (name, shard)
+
+
+@pytest.mark.parametrize("target", PROD_DATABASE_CLIENTS)
+def test_every_prod_connection_to_a_shard_database_verifies_its_certificate(
+    target: str, tmp_path: Path
+) -> None:
+    checked = []
+    for obj in database_client_workloads(target):
+        spec = pod_spec(obj)
+        assert spec is not None
+        for c in containers(spec):
+            if reaches_a_shard_database(spec, c):
+                check_database_tls(tmp_path / f"{obj['metadata']['name']}-{c['name']}", obj, spec, c)
+                checked.append((obj["kind"], c["name"]))
+    if target in ("prod", "prod-restored"):
+        shards = len(shard_deployments(target))
+        expected = [("Deployment", "migrate"), ("Deployment", "shardd"), ("CronJob", "retention")]
+        assert sorted(checked) == sorted(expected * shards), checked
+    else:
+        assert checked == [("Job", "reconcile" if target.startswith("reconcile") else "reshard")]
+
+
+def test_database_tls_check_can_fail(tmp_path: Path) -> None:
+    def fails(obj: dict[str, Any], label: str) -> None:
+        spec = pod_spec(obj)
+        assert spec is not None
+        (c,) = [c for c in containers(spec) if reaches_a_shard_database(spec, c)][-1:]
+        with pytest.raises(AssertionError):
+            check_database_tls(tmp_path / label, obj, spec, c)
+
+    # the Job as it was: the Secrets' URIs, no sslmode, no CA
+    job = reshard_job("prod")
+    spec, (c,) = job["spec"]["template"]["spec"], job["spec"]["template"]["spec"]["containers"]
+    c["env"] = [e for e in c["env"] if e["name"] != "PGSSLMODE"]
+    fails(job, "no-sslmode")
+    job = reshard_job("prod")
+    spec, (c,) = job["spec"]["template"]["spec"], job["spec"]["template"]["spec"]["containers"]
+    c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] != "database-cas"]
+    fails(job, "no-cas")
+    # another cluster's CA, or the CA's private key beside it
+    job = reshard_job("prod")
+    spec = job["spec"]["template"]["spec"]
+    (cas,) = [v for v in spec["volumes"] if v["name"] == "database-cas"]
+    first, second = cas["projected"]["sources"][:2]
+    first["secret"]["name"], second["secret"]["name"] = second["secret"]["name"], first["secret"]["name"]
+    fails(job, "swapped")
+    job = reshard_job("prod")
+    spec = job["spec"]["template"]["spec"]
+    (cas,) = [v for v in spec["volumes"] if v["name"] == "database-cas"]
+    cas["projected"]["sources"][0]["secret"]["items"].append({"key": "ca.key", "path": "shard-0/ca.key"})
+    fails(job, "ca-key")
+    # a daemon's DSN that does not verify
+    deployment = one("prod", "Deployment", "shardd-shard-0")
+    env = env_of(daemon_container(deployment))["SHARDD_DSN"]
+    env["value"] = env["value"].replace("verify-full", "require")
+    fails(deployment, "require")
+    # detection: an env DSN, a mounted DSN Secret, a DSN on the command line
+    assert reaches_a_shard_database({}, {"name": "x", "args": ["reconcile", "--dsn", "shard-0=..."]})
+    assert not reaches_a_shard_database({}, {"name": "x", "args": ["serve"]})
+
+
+def test_the_jobs_tls_environment_reaches_psycopg_connect(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the reshard Job's environment and a DSN its script made, psycopg.connect (as reshard and
+    reconcile call it) refuses a server without TLS instead of falling back to plain text, and
+    reads the CA the DSN names."""
+    job = reshard_job("prod")
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    for name, value in resolved_env(c, RESHARD_POD).items():
+        if name.startswith("PG"):
+            monkeypatch.setenv(name, value)
+    ca = tmp_path / "shard-0" / "ca.crt"
+    script_dsn = "postgresql://shardd:pw@127.0.0.1:{port}/shardd?sslrootcert=" + str(ca)
+
+    def answer_with(reply: bytes) -> int:
+        server = socket.create_server(("127.0.0.1", 0))
+
+        def serve() -> None:
+            with server:
+                conn, _ = server.accept()
+                with conn:
+                    conn.recv(8)  # SSLRequest
+                    conn.sendall(reply)
+                    conn.recv(1024)
+
+        threading.Thread(target=serve, daemon=True).start()
+        return int(server.getsockname()[1])
+
+    with pytest.raises(psycopg.OperationalError, match="SSL was required"):
+        psycopg.connect(script_dsn.format(port=answer_with(b"N")), connect_timeout=5)
+    with pytest.raises(psycopg.OperationalError, match=re.escape(str(ca))):
+        psycopg.connect(script_dsn.format(port=answer_with(b"S")), connect_timeout=5)
