@@ -50,7 +50,7 @@ from shardrouter.core.errors import (
     Unavailable,
 )
 from shardrouter.core.keys import KEY_METADATA
-from shardrouter.core.metrics import RouterMetrics
+from shardrouter.core.metrics import CallRecord, RouterMetrics
 from shardrouter.core.ownership import LearnedOwners, RangeOwner, owner_of_slot
 from shardrouter.core.rpcs import RpcDeclaration
 from shardrouter.core.shardmap import Shard, ShardMap
@@ -259,22 +259,25 @@ class Forwarder(_GenericHandler):
 
     async def _serve(self, method: RpcDeclaration, raw: bytes, context: ServicerContext) -> bytes:
         if self._metrics is None:
-            return await self._answer(method, raw, context)
-        with self._metrics.timed(method.full_name) as record:
-            try:
-                response = await self._answer(method, raw, context)
-            except BaseException:
-                # An abort (the shard's answer or the router's own error) has set the call's code.
-                code = context.code()
-                record(code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.CANCELLED)
-                raise
-            record(grpc.StatusCode.OK)
-            return response
+            return await self._answer(method, raw, context, None)
+        # One record per call, counted once with the shard `_forward` last sent the call to.
+        record = self._metrics.start(method.full_name)
+        try:
+            response = await self._answer(method, raw, context, record)
+        except BaseException:
+            # An abort (the shard's answer or the router's own error) has set the call's code.
+            code = context.code()
+            record.finish(code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.CANCELLED)
+            raise
+        record.finish(grpc.StatusCode.OK)
+        return response
 
-    async def _answer(self, method: RpcDeclaration, raw: bytes, context: ServicerContext) -> bytes:
+    async def _answer(
+        self, method: RpcDeclaration, raw: bytes, context: ServicerContext, record: CallRecord | None
+    ) -> bytes:
         # abort raises; it is kept outside every try block so nothing can swallow it.
         try:
-            outcome = await self._forward(method, raw, context)
+            outcome = await self._forward(method, raw, context, record)
         except ShardRouterError as error:
             await abort_with_error_async(context, error)
         except Exception:
@@ -298,26 +301,34 @@ class Forwarder(_GenericHandler):
         cannot be reached) for the caller to answer in its own protocol.
         """
         if self._metrics is None:
-            return await self._forward(method, raw, call)
-        with self._metrics.timed(method.full_name) as record:
-            try:
-                outcome = await self._forward(method, raw, call)
-            except ShardRouterError as error:
-                record(error.code)
-                raise
-            except BaseException:
-                record(grpc.StatusCode.CANCELLED)
-                raise
-            record(outcome.code)
-            return outcome
+            return await self._forward(method, raw, call, None)
+        record = self._metrics.start(method.full_name)
+        try:
+            outcome = await self._forward(method, raw, call, record)
+        except ShardRouterError as error:
+            record.finish(error.code)
+            raise
+        except BaseException:
+            record.finish(grpc.StatusCode.CANCELLED)
+            raise
+        record.finish(outcome.code)
+        return outcome
 
-    async def _forward(self, method: RpcDeclaration, raw: bytes, context: CallContext) -> Outcome:
-        """How the shard's call ended (OK or not); raises the router's own errors."""
+    async def _forward(
+        self, method: RpcDeclaration, raw: bytes, context: CallContext, record: CallRecord | None
+    ) -> Outcome:
+        """How the shard's call ended (OK or not); raises the router's own errors.
+
+        `record` (metrics on) learns the id of each shard the call is sent to, from the router's map;
+        until then it keeps `NO_SHARD` (a routing account that cannot be read is refused first).
+        """
         metadata = tuple(self._callers.outgoing(context))  # who is calling comes first
         account = routing_account(method, raw)
         keyed = any(k == KEY_METADATA for k, _ in metadata)
         shard_map = self._maps.current
         shard, owner = self._first_owner(shard_map, account)
+        if record is not None:
+            record.shard = shard.id
         cut_over = _CutOverWait(self._move_wait_s)
         note: MoveNote | None = None
         redirects = 0
@@ -342,9 +353,11 @@ class Forwarder(_GenericHandler):
             if redirect:
                 redirects += 1
                 if self._metrics is not None:
-                    self._metrics.redirected(refusal.reason)
+                    self._metrics.redirected(refusal.reason, shard.id)
             note = MoveNote(refusal.reason, shard.id, redirect, cut_over.waited_s)
             shard = next_shard
+            if record is not None:
+                record.shard = shard.id
 
     def _first_owner(self, shard_map: ShardMap, account: str) -> tuple[Shard, Ownership]:
         """Where a call goes first: the owner by the map, or by a newer fact a shard named."""

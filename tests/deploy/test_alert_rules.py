@@ -356,6 +356,10 @@ def test_latency_backup_disk_and_slot_alerts_exist() -> None:
     assert "shardd_handler_duration_seconds_bucket" in rules["ShardGuardedCallLatencyHigh"]
     assert "by (namespace, shard, le)" in rules["ShardGuardedCallLatencyHigh"]
     assert "router_request_duration_seconds_bucket" in rules["RouterLatencyHigh"]
+    # per shard the router forwarded to (its `shard` label), so the alert names the slow one
+    router_p99 = rules["RouterLatencyHigh"]
+    assert "by (namespace, shard, le)" in router_p99
+    assert "sum by (namespace, shard) (rate(router_request_duration_seconds_count" in router_p99
     assert 'outcome="shed"' in rules["ShardAdmissionShedding"]
     assert "cnpg_pg_stat_archiver_failed_count" in rules["PostgresWALArchivingFailing"]
     assert "cnpg_pg_stat_archiver_seconds_since_last_archival" in rules["PostgresWALArchivingStalled"]

@@ -301,6 +301,8 @@ def test_the_dashboard_shows_what_a_shard_needs(exported: set[str]) -> None:
     ):
         assert needed in used, needed
     assert "histogram_quantile(0.5," in every and "histogram_quantile(0.99," in every
+    # the router's p99 per shard it forwarded to (its `shard` label), beside the shards' own
+    assert "histogram_quantile(0.99, sum by (shard, le) (rate(router_request_duration_seconds_bucket" in every
     assert 'outcome="shed"' in every
     # every shardd panel is per shard (the variable), every query in the chosen namespace
     for where, expr in queries(dashboard):
