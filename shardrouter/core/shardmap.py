@@ -38,6 +38,9 @@ import yaml
 
 DEFAULT_SLOTS = 16384
 _SHARD_ID = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+#: Shard ids no shard may take: the router's metrics label a call answered before any shard was
+#: chosen `shard="none"` (core.metrics.NO_SHARD), which a shard of that name would blur.
+RESERVED_SHARD_IDS = frozenset({"none"})
 
 
 class ShardMapError(ValueError):
@@ -227,6 +230,8 @@ def parse_shard_map(raw: object, *, source: str) -> ShardMap:
         shard_id = entry.get("id")
         if not isinstance(shard_id, str) or _SHARD_ID.fullmatch(shard_id) is None:
             raise fail(f"{where}.id must be a lower-case DNS label such as shard-0")
+        if shard_id in RESERVED_SHARD_IDS:
+            raise fail(f"{where}.id {shard_id!r} is reserved (the router's metrics use it for no shard)")
         if any(s.id == shard_id for s in shards):
             raise fail(f"{where}.id {shard_id!r} appears twice")
         addresses = _addresses(entry, where, fail)
@@ -285,6 +290,7 @@ def _addresses(entry: dict[str, Any], where: str, fail: Callable[[str], ShardMap
 
 __all__ = [
     "DEFAULT_SLOTS",
+    "RESERVED_SHARD_IDS",
     "Shard",
     "ShardMap",
     "ShardMapError",

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shardrouter.core.metrics import NO_SHARD
 from shardrouter.core.shardmap import (
+    RESERVED_SHARD_IDS,
     ShardMap,
     ShardMapError,
     even_shard_map,
@@ -161,3 +163,13 @@ def test_writers_of_one_map_file_take_turns_and_lose_no_change(tmp_path: Path) -
         thread.join(30)
     assert load_shard_map(path).version == 1 + 4 * 25
     assert update_shard_map(path, lambda current: None).version == 101
+
+
+def test_a_shard_cannot_take_the_id_the_router_metrics_use_for_no_shard() -> None:
+    assert NO_SHARD in RESERVED_SHARD_IDS
+    doc = _doc(1, "x:1")
+    shards = doc["shards"]
+    assert isinstance(shards, list)
+    shards[0] = {**shards[0], "id": NO_SHARD}
+    with pytest.raises(ShardMapError, match="'none' is reserved"):
+        parse_shard_map(doc, source="t")

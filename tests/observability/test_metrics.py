@@ -254,10 +254,10 @@ def test_router_metrics_endpoint() -> None:
         samples = scrape(server.port)
     finally:
         server.stop()
-    assert value(samples, "router_requests_total", method="Transfer", code="OK") == 2
-    assert value(samples, "router_requests_total", method="Transfer", code="UNAVAILABLE") == 1
-    assert value(samples, "router_requests_total", method="Deposit", code="ABORTED") == 1
-    assert value(samples, "router_request_duration_seconds_count", method="Transfer", code="OK") == 1
+    assert value(samples, "router_requests_total", method="Transfer", code="OK", shard="none") == 2
+    assert value(samples, "router_requests_total", method="Transfer", code="UNAVAILABLE", shard="none") == 1
+    assert value(samples, "router_requests_total", method="Deposit", code="ABORTED", shard="none") == 1
+    assert value(samples, "router_request_duration_seconds_count", method="Transfer", code="OK", shard="none") == 1
 
 
 def test_two_shards_in_one_process_have_separate_registries(database: str, postgres) -> None:  # type: ignore[no-untyped-def]
