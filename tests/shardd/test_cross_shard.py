@@ -96,6 +96,15 @@ def _open(cluster: TwoShards, account: str, amount: int, currency: str = "EUR") 
     )
 
 
+def _opened_pair(cluster: TwoShards, source_balance: int = 1000) -> tuple[str, str]:
+    """An account on shard-0 holding `source_balance` and one on shard-1 holding 1."""
+    src = accounts_on(cluster.shard_map, "shard-0", 1)[0]
+    dst = accounts_on(cluster.shard_map, "shard-1", 1)[0]
+    _open(cluster, src, source_balance)
+    _open(cluster, dst, 1)
+    return src, dst
+
+
 def _transfer(cluster: TwoShards, src: str, dst: str, amount: int, md=None) -> transfer_pb2.Transfer:
     return (
         cluster.stub(src)
@@ -115,10 +124,7 @@ def _balance(cluster: TwoShards, account: str) -> int:
 
 
 def test_cross_shard_transfer_debits_then_the_relay_credits_once(two_shards):
-    src = accounts_on(two_shards.shard_map, "shard-0", 1)[0]
-    dst = accounts_on(two_shards.shard_map, "shard-1", 1)[0]
-    _open(two_shards, src, 1000)
-    _open(two_shards, dst, 1)
+    src, dst = _opened_pair(two_shards)
     md = key_metadata()
     transfer = _transfer(two_shards, src, dst, 300, md)
     assert transfer.state == transfer_pb2.TRANSFER_STATE_PENDING
@@ -140,10 +146,7 @@ def test_cross_shard_transfer_debits_then_the_relay_credits_once(two_shards):
 
 
 def test_redelivering_one_credit_many_times_gives_one_ledger_entry(two_shards):
-    src = accounts_on(two_shards.shard_map, "shard-0", 1)[0]
-    dst = accounts_on(two_shards.shard_map, "shard-1", 1)[0]
-    _open(two_shards, src, 1000)
-    _open(two_shards, dst, 1)
+    src, dst = _opened_pair(two_shards)
     transfer = _transfer(two_shards, src, dst, 250)
     with two_shards.db(src) as conn:
         payload, key = conn.execute(
@@ -228,10 +231,7 @@ def test_currency_mismatch_at_destination_is_permanent(two_shards):
 
 
 def test_a_voided_credit_can_never_land_and_is_refunded(two_shards):
-    src = accounts_on(two_shards.shard_map, "shard-0", 1)[0]
-    dst = accounts_on(two_shards.shard_map, "shard-1", 1)[0]
-    _open(two_shards, src, 1000)
-    _open(two_shards, dst, 1)
+    src, dst = _opened_pair(two_shards)
     transfer = _transfer(two_shards, src, dst, 100)
     stub = ledger_pb2_grpc.ShardLedgerServiceStub(
         grpc.insecure_channel(two_shards.shard_map.shard_for(dst).address)
@@ -249,10 +249,7 @@ def test_a_voided_credit_can_never_land_and_is_refunded(two_shards):
 
 
 def test_destination_down_then_back_delivers_with_backoff(two_shards):
-    src = accounts_on(two_shards.shard_map, "shard-0", 1)[0]
-    dst = accounts_on(two_shards.shard_map, "shard-1", 1)[0]
-    _open(two_shards, src, 1000)
-    _open(two_shards, dst, 1)
+    src, dst = _opened_pair(two_shards)
     two_shards.daemons["shard-1"].stop(0.2)
     transfer = _transfer(two_shards, src, dst, 10)
     relay = two_shards.relay("shard-0")
@@ -281,10 +278,7 @@ def test_destination_down_then_back_delivers_with_backoff(two_shards):
 def test_background_relay_completes_and_get_transfer_waits(two_shards):
     two_shards.daemons["shard-0"].stop(0.2)
     two_shards.start("shard-0", relay_workers=2)
-    src = accounts_on(two_shards.shard_map, "shard-0", 1)[0]
-    dst = accounts_on(two_shards.shard_map, "shard-1", 1)[0]
-    _open(two_shards, src, 1000)
-    _open(two_shards, dst, 1)
+    src, dst = _opened_pair(two_shards)
     transfer = _transfer(two_shards, src, dst, 10)
     got = (
         two_shards.stub(src)
@@ -305,10 +299,7 @@ def test_a_commit_that_queues_a_credit_wakes_the_relay(two_shards, monkeypatch):
     from shardrouter.shardd import relay as relay_module
 
     monkeypatch.setattr(relay_module, "_IDLE_S", 60.0)  # a poll would come far too late to pass
-    src = accounts_on(two_shards.shard_map, "shard-0", 1)[0]
-    dst = accounts_on(two_shards.shard_map, "shard-1", 1)[0]
-    _open(two_shards, src, 1000)
-    _open(two_shards, dst, 1)
+    src, dst = _opened_pair(two_shards)
     daemon = two_shards.daemons["shard-0"]
     relay = OutboxRelay(
         dataclasses.replace(daemon.settings, relay_workers=1), daemon.database, lambda: two_shards.shard_map
@@ -334,10 +325,7 @@ def test_a_void_under_another_relays_scope_finds_the_credit_already_applied(two_
     """After a move of the source's slot, the new owner's relay sends under its own caller scope, so
     the old relay's record of a delivered credit is not its own: its void must find the credit itself
     (refused, not stored), and its delivery must answer with the credit's entry, never a second one."""
-    src = accounts_on(two_shards.shard_map, "shard-0", 1)[0]
-    dst = accounts_on(two_shards.shard_map, "shard-1", 1)[0]
-    _open(two_shards, src, 1000)
-    _open(two_shards, dst, 1)
+    src, dst = _opened_pair(two_shards)
     transfer = _transfer(two_shards, src, dst, 70)
     with two_shards.db(src) as conn:
         payload = conn.execute("SELECT payload FROM outbox").fetchone()[0]
@@ -378,10 +366,7 @@ def test_a_void_under_another_relays_scope_finds_the_credit_already_applied(two_
 def test_a_credit_voided_under_another_relays_scope_never_lands(two_shards):
     """The other order: the new owner's relay voided the credit under its own scope; a credit the old
     relay was still sending then arrives under the old scope, and is refused for good."""
-    src = accounts_on(two_shards.shard_map, "shard-0", 1)[0]
-    dst = accounts_on(two_shards.shard_map, "shard-1", 1)[0]
-    _open(two_shards, src, 1000)
-    _open(two_shards, dst, 1)
+    src, dst = _opened_pair(two_shards)
     transfer = _transfer(two_shards, src, dst, 40)
     with two_shards.db(src) as conn:
         credit = ledger_pb2.CreditTransferRequest.FromString(conn.execute("SELECT payload FROM outbox").fetchone()[0])
@@ -403,10 +388,7 @@ def test_a_credit_voided_under_another_relays_scope_never_lands(two_shards):
 def test_a_credit_and_its_void_from_two_relays_at_once_never_both_take_effect(two_shards):
     """Under concurrency, per transfer: the credit applies or the void holds, never both, never
     neither (each side is retried while the other answers ABORTED, as the relay does)."""
-    src = accounts_on(two_shards.shard_map, "shard-0", 1)[0]
-    dst = accounts_on(two_shards.shard_map, "shard-1", 1)[0]
-    _open(two_shards, src, 100_000)
-    _open(two_shards, dst, 1)
+    src, dst = _opened_pair(two_shards, 100_000)
     transfers = [_transfer(two_shards, src, dst, 10 + i) for i in range(24)]
     with two_shards.db(src) as conn:
         payloads = {
