@@ -106,6 +106,15 @@ def _connect(dsn: str) -> psycopg.Connection[Any]:
     return psycopg.connect(dsn, autocommit=True, connect_timeout=10)
 
 
+#: The session advisory lock a move's start holds on both shards' databases ("RSTART").
+_START_LOCK = 0x5253_5441_5254
+
+
+def _try_start_lock(conn: psycopg.Connection[Any]) -> bool:
+    row = conn.execute("SELECT pg_try_advisory_lock(%s)", (_START_LOCK,)).fetchone()
+    return bool(row and row[0])
+
+
 def _store(where: MapStore | Path | str) -> MapStore:
     return map_store_from(where) if isinstance(where, (Path, str)) else where
 
@@ -134,6 +143,12 @@ def start_move(
     shard_map = current_map(map_store, databases)
     plan = plan_move(shard_map, first_slot, last_slot, target)
     with _connect(databases.dsn(plan.source)) as source, _connect(databases.dsn(plan.target)) as dest:
+        # Two starts at once would both pass the checks below before either journals its move; the
+        # start lock on both shards' databases (in shard order; held until the connections close)
+        # makes the second see the first's journal, or be told to try again.
+        for shard, conn in sorted(((plan.source, source), (plan.target, dest)), key=lambda sc: sc[0]):
+            if not _try_start_lock(conn):
+                raise MoveError(f"another move is being started on {shard} right now; start this one again")
         for shard, conn in ((plan.source, source), (plan.target, dest)):
             version = schema_version(conn)
             if version < _MIN_SCHEMA:
@@ -162,6 +177,7 @@ def start_move(
                     f"{plan.target} has a fence of slots {fence.first_slot}-{fence.last_slot} (move "
                     f"{fence.move_id}) that crosses this range; move that range back whole"
                 )
+        failpoints.reached("reshard.start_checked")  # checked, not yet journaled; start lock held
         return journal.create_move(source, plan)
 
 
