@@ -19,6 +19,16 @@ What HTTP adds is answered here, before anything is forwarded, and never stored:
 client certificate when the router serves TLS with a caller CA (the same as for gRPC), the
 `X-Caller-Id` header in dev mode only, so two callers never share a key scope through the front.
 
+Every request on a declared route is counted once in the router's `router_requests_total` and
+`router_request_duration_seconds`: by the `Forwarder` when it is forwarded (as a gRPC call is), here
+when the front refuses it first, under the route's method, the refusal's gRPC code (the row of
+`core.http_problems` for an error of ours, `HTTP_ONLY_CODES` for what only HTTP says) and shard
+"none". An unknown route or verb counts as method "unknown" (never the path: the series stay
+bounded), code UNIMPLEMENTED. A refusal's duration runs from the request's first byte (the
+protocol's clock read, its only cost on the forwarding path). What uvicorn or the protocol answers
+before the app runs (a request line or headers it cannot parse, headers that do not arrive in time,
+503 over `http_max_connections`) is not counted.
+
 The source document's compact `POST /transfers` (`{"src":8842,"dst":1190,"amount":2500}`) is the
 Transfer RPC; without a currency it is read from the source account (GetBalance) before sending.
 
@@ -38,6 +48,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import grpc
@@ -47,7 +58,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -57,6 +68,7 @@ from shardrouter.core.callers import CALLER_METADATA, certificate_identity
 from shardrouter.core.errors import NotFound, Reason, ShardRouterError
 from shardrouter.core.http_problems import (
     PROBLEM_CONTENT_TYPE,
+    REASON_ROWS,
     HttpProblem,
     problem_from_error,
     problem_from_trailers,
@@ -72,6 +84,7 @@ from shardrouter.core.json_mapping import (
     request_from_http,
 )
 from shardrouter.core.keys import KEY_METADATA
+from shardrouter.core.metrics import NO_SHARD, RouterMetrics
 from shardrouter.core.openapi import openapi_json, openapi_page
 from shardrouter.core.rpcs import PUBLIC_SERVICE, RpcDeclaration, rpc
 from shardrouter.core.wire import MetadataEntry
@@ -83,7 +96,9 @@ from shardrouter.v1 import transfer_pb2
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "HTTP_ONLY_CODES",
     "REPLAYED_HEADER",
+    "UNKNOWN_METHOD",
     "HttpCall",
     "HttpFront",
     "HttpServer",
@@ -101,8 +116,24 @@ _GET_BALANCE = rpc(PUBLIC_SERVICE, "GetBalance")
 _CURRENCIES_KEPT = 100_000
 #: ASGI scope extension the protocol below fills: the verified client certificate's common name, URI
 #: SANs and identity (`client_identity`: its SPIFFE ID, else its common name; what the router forwards
-#: as `x-caller-id`) and whether the request's headers went over the limit.
+#: as `x-caller-id`), whether the request's headers went over the limit, and when the request's first
+#: byte was read (`started`, `time.perf_counter()`).
 _EXTENSION = "shardrouter.connection"
+#: The `method` label of a request that names no declared RPC (an unknown path, or a verb the path
+#: does not take): one fixed value, never the path a caller sent, so the series stay bounded.
+UNKNOWN_METHOD = "unknown"
+#: The gRPC code `router_requests_total` counts each refusal under that exists only in HTTP (no row of
+#: `core.http_problems` says one), by the problem's reason: gRPC's own answer to the same fault.
+HTTP_ONLY_CODES: Mapping[str, grpc.StatusCode] = MappingProxyType(
+    {
+        "UNSUPPORTED_MEDIA_TYPE": grpc.StatusCode.INVALID_ARGUMENT,  # 415: a request it cannot read
+        "REQUEST_TOO_LARGE": grpc.StatusCode.RESOURCE_EXHAUSTED,  # 413: gRPC's message over its limit
+        "HEADERS_TOO_LARGE": grpc.StatusCode.RESOURCE_EXHAUSTED,  # 431: gRPC's metadata over its limit
+        "REQUEST_TIMEOUT": grpc.StatusCode.DEADLINE_EXCEEDED,  # 408: the body did not arrive in time
+        "NO_SUCH_ROUTE": grpc.StatusCode.UNIMPLEMENTED,  # 404: gRPC's answer to an unknown method
+        "METHOD_NOT_ALLOWED": grpc.StatusCode.UNIMPLEMENTED,  # 405: no RPC is this verb on this path
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -136,11 +167,23 @@ class HttpCall:
 
 
 class _Refusal(Exception):
-    """An HTTP-level refusal, answered as it is (never forwarded, never stored)."""
+    """An HTTP-level refusal, answered as it is (never forwarded, never stored); counted as `code`."""
 
-    def __init__(self, problem: HttpProblem) -> None:
+    def __init__(self, problem: HttpProblem, code: grpc.StatusCode) -> None:
         super().__init__(problem.body.get("detail", ""))
         self.problem = problem
+        self.code = code
+
+
+def _refusal_code(reason: str) -> grpc.StatusCode:
+    """The gRPC code of a refusal the front answers itself: its reason's row, else `HTTP_ONLY_CODES`."""
+    row = REASON_ROWS.get(reason)
+    return row.code if row is not None else HTTP_ONLY_CODES[reason]
+
+
+def _http_refusal(status: int, title: str, detail: str, reason: str) -> _Refusal:
+    """A refusal of the front's own (408, 413, 415, 431, a repeated X-Caller-Id), with its code."""
+    return _Refusal(_http_problem(status, title, detail, reason), _refusal_code(reason))
 
 
 def _http_problem(status: int, title: str, detail: str, reason: str) -> HttpProblem:
@@ -164,6 +207,8 @@ class HttpFront:
     settings: RouterSettings
     tracer_provider: trace.TracerProvider | None = None
     traced: bool = False
+    #: The router's metrics (the forwarder's own): refusals before forwarding are counted here.
+    metrics: RouterMetrics | None = None
     app: Starlette = field(init=False)
     #: Set when the router starts its graceful stop: /healthz answers 503 from then on.
     draining: bool = False
@@ -219,21 +264,44 @@ class HttpFront:
         """One HTTP call of `declaration`: read it (`message` builds the request), forward it, answer.
 
         Every refusal before the shard answers (HTTP's own, a bad key header or body, the router's)
-        becomes problem+json here, in one place for every route."""
+        becomes problem+json here, in one place for every route. A call is counted once: by the
+        forwarder once it is forwarded, else here as refused (`_count_refusal`)."""
         with self._span(request, declaration) as span:
             try:
                 call = self._call(request, keyed=declaration.keyed)
                 built = await message(call)
+            except _Refusal as refused:
+                self._count_refusal(request, declaration.full_name, refused.code)
+                return self._finish(span, _problem_response(refused.problem))
+            except (JsonRequestError, IdempotencyKeyHeaderError) as error:
+                refusal = error.to_error()
+                self._count_refusal(request, declaration.full_name, refusal.code)
+                return self._finish(span, _problem_response(problem_from_error(refusal)))
+            except ShardRouterError as error:  # a compact transfer's currency read failed
+                self._count_refusal(request, declaration.full_name, error.code)
+                return self._finish(span, _problem_response(problem_from_error(error)))
+            except BaseException as error:  # the caller went away (or a bug): counted, then as before
+                gone = isinstance(error, ClientDisconnect | asyncio.CancelledError)
+                code = grpc.StatusCode.CANCELLED if gone else grpc.StatusCode.INTERNAL
+                self._count_refusal(request, declaration.full_name, code)
+                raise
+            try:  # counted by the forwarder, whatever happens
                 outcome = await self.forwarder.forward(
                     declaration, built.SerializeToString(deterministic=True), call
                 )
-            except _Refusal as refused:
-                return self._finish(span, _problem_response(refused.problem))
-            except (JsonRequestError, IdempotencyKeyHeaderError) as error:
-                return self._finish(span, _problem_response(problem_from_error(error.to_error())))
             except ShardRouterError as error:
                 return self._finish(span, _problem_response(problem_from_error(error)))
             return self._finish(span, self._answer(declaration, outcome), outcome)
+
+    def _count_refusal(self, request: Request, method: str, code: grpc.StatusCode) -> None:
+        """Count a request the front answered without forwarding it: `method` (a declared RPC's path,
+        or `UNKNOWN_METHOD`), `code`, shard "none", timed from the request's first byte."""
+        if self.metrics is None:
+            return
+        connection = request.scope.get("extensions", {}).get(_EXTENSION, {})
+        started = connection.get("started")
+        seconds = time.perf_counter() - started if isinstance(started, float) else 0.0
+        self.metrics.observe(method, code, seconds, shard=NO_SHARD)
 
     async def _openapi(self, request: Request) -> Response:
         return Response(self._openapi_bytes, media_type=_JSON)
@@ -248,12 +316,15 @@ class HttpFront:
 
     async def _http_exception(self, request: Request, error: HTTPException) -> Response:
         # Unknown paths (404) and verbs (405) answer problem+json like every other refusal.
+        reason = "NO_SUCH_ROUTE" if error.status_code == 404 else "METHOD_NOT_ALLOWED"
         problem = _http_problem(
             error.status_code,
             "Not Found" if error.status_code == 404 else "Method Not Allowed",
             f"{request.method} {request.url.path}: {error.detail}; see /openapi.json for the routes",
-            "NO_SUCH_ROUTE" if error.status_code == 404 else "METHOD_NOT_ALLOWED",
+            reason,
         )
+        # Counted under no RPC: a verb a declared path does not take names no RPC either.
+        self._count_refusal(request, UNKNOWN_METHOD, HTTP_ONLY_CODES[reason])
         response = _problem_response(problem)
         if error.headers:
             response.headers.update(error.headers)
@@ -265,13 +336,11 @@ class HttpFront:
         """The call's metadata and deadline; refuses oversized headers and a bad key header."""
         connection = request.scope.get("extensions", {}).get(_EXTENSION, {})
         if connection.get("headers_too_large"):
-            raise _Refusal(
-                _http_problem(
-                    431,
-                    "Request Header Fields Too Large",
-                    f"the request's headers exceed {self.settings.max_metadata_bytes} bytes",
-                    "HEADERS_TOO_LARGE",
-                )
+            raise _http_refusal(
+                431,
+                "Request Header Fields Too Large",
+                f"the request's headers exceed {self.settings.max_metadata_bytes} bytes",
+                "HEADERS_TOO_LARGE",
             )
         metadata: list[MetadataEntry] = []
         if keyed:
@@ -280,9 +349,7 @@ class HttpFront:
         if len(callers) == 1:
             metadata.append((CALLER_METADATA, callers[0]))
         elif callers:
-            raise _Refusal(
-                _http_problem(400, "Bad Request", "X-Caller-Id is given more than once", "INVALID_CALLER")
-            )
+            raise _http_refusal(400, "Bad Request", "X-Caller-Id is given more than once", Reason.INVALID_CALLER)
         if not self.traced:  # traced: the forwarding span carries the trace on
             metadata += [(h, v) for h in _TRACE_HEADERS for v in request.headers.getlist(h)[:1]]
         return HttpCall(
@@ -298,18 +365,16 @@ class HttpFront:
         media_type, _, parameters = content_type.partition(";")
         charset = parameters.strip().lower()
         if media_type.strip().lower() != _JSON or charset not in ("", "charset=utf-8", 'charset="utf-8"'):
-            raise _Refusal(
-                _http_problem(
-                    415,
-                    "Unsupported Media Type",
-                    f"the body must be {_JSON} (UTF-8); got {content_type or 'no Content-Type'}",
-                    "UNSUPPORTED_MEDIA_TYPE",
-                )
+            raise _http_refusal(
+                415,
+                "Unsupported Media Type",
+                f"the body must be {_JSON} (UTF-8); got {content_type or 'no Content-Type'}",
+                "UNSUPPORTED_MEDIA_TYPE",
             )
         limit = self.settings.http_max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise _Refusal(self._too_large(limit))
+            raise self._too_large(limit)
         chunks: list[bytes] = []
         size = 0
         try:
@@ -317,24 +382,20 @@ class HttpFront:
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > limit:
-                        raise _Refusal(self._too_large(limit))
+                        raise self._too_large(limit)
                     chunks.append(chunk)
         except TimeoutError:
-            raise _Refusal(
-                _http_problem(
-                    408,
-                    "Request Timeout",
-                    f"the body did not arrive within {self.settings.http_body_timeout_s:g} s",
-                    "REQUEST_TIMEOUT",
-                )
+            raise _http_refusal(
+                408,
+                "Request Timeout",
+                f"the body did not arrive within {self.settings.http_body_timeout_s:g} s",
+                "REQUEST_TIMEOUT",
             ) from None
         return b"".join(chunks)
 
     @staticmethod
-    def _too_large(limit: int) -> HttpProblem:
-        return _http_problem(
-            413, "Content Too Large", f"the body exceeds {limit} bytes", "REQUEST_TOO_LARGE"
-        )
+    def _too_large(limit: int) -> _Refusal:
+        return _http_refusal(413, "Content Too Large", f"the body exceeds {limit} bytes", "REQUEST_TOO_LARGE")
 
     async def _currency_of(self, account_id: str, call: HttpCall) -> str:
         """The source account's currency, for a compact transfer that names none.
@@ -369,7 +430,9 @@ class HttpFront:
                     f"account {account_id} does not exist, so its currency is unknown: name a currency",
                     reason=Reason.ACCOUNT_NOT_FOUND,
                 )
-            raise _Refusal(problem_from_trailers(outcome.code, outcome.details, outcome.trailing_metadata))
+            raise _Refusal(
+                problem_from_trailers(outcome.code, outcome.details, outcome.trailing_metadata), outcome.code
+            )
         return transfer_pb2.GetBalanceResponse.FromString(outcome.response).balance.currency
 
     # --- the answer ---------------------------------------------------------------------------------
@@ -478,6 +541,7 @@ class _Protocol(HttpToolsProtocol):
         self._arm_header_timer()
         self._header_bytes = 0
         self._connection: dict[str, Any] = {
+            "started": time.perf_counter(),  # what a refusal's duration is counted from
             "client_common_name": self._common_name,
             "client_uris": self._uris,
             "client_identity": certificate_identity(self._common_name, self._uris),

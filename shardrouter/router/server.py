@@ -167,7 +167,9 @@ async def start_router(
             watch_shard_map_configmap, settings.shard_map_configmap, shard_maps
         )
         if settings.http_listen:  # serving before health says SERVING, like the gRPC port
-            front = HttpFront(forwarder, settings, tracer_provider=tracer_provider, traced=traced)
+            front = HttpFront(
+                forwarder, settings, tracer_provider=tracer_provider, traced=traced, metrics=metrics
+            )
             http = await start_http_server(front, settings)
     except BaseException:
         await server.stop(0)
