@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import psycopg
 import yaml
+from psycopg.conninfo import conninfo_to_dict
 
 from shardrouter.core import failpoints
 from shardrouter.core.shard_dsns import read_shard_dsns
@@ -99,6 +101,12 @@ def _parser(default_dir: Path | None) -> argparse.ArgumentParser:
         help="how the new owner's PostgreSQL reaches this shard's database, when not by its DSN (repeatable)",
     )
     parser.add_argument(
+        "--replication-databases",
+        type=Path,
+        metavar="FILE",
+        help="YAML of shard-id: DSN, as --replication-dsn for several shards (--replication-dsn wins)",
+    )
+    parser.add_argument(
         "--stop-after",
         choices=[p.value for p in Phase if p not in (Phase.PLANNED, Phase.DONE, Phase.ABORTED)],
         help="stop once this phase is reached (copy now, cut over later with resume)",
@@ -155,15 +163,58 @@ def _databases(args: argparse.Namespace, default_dir: Path | None) -> ShardDatab
     dsns.update(_pairs("--dsn", args.dsn))
     if not dsns:
         raise MoveError("no shard databases given: --databases FILE or --dsn SHARD=DSN")
-    return ShardDatabases(dsns, _pairs("--replication-dsn", args.replication_dsn) or None)
+    return ShardDatabases(dsns, _replication_dsns(args, dsns) or None)
+
+
+#: What a shard id may look like (core.shardmap's rule), to name it in a message.
+_SHARD_ID = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+#: libpq's values of sslmode (its parser takes any value; another fails only once connecting).
+_SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+
+
+def _replication_dsns(args: argparse.Namespace, dsns: dict[str, str]) -> dict[str, str]:
+    """--replication-databases FILE and --replication-dsn SHARD=DSN (which wins), each checked now:
+    the new owner's server reads one only when a move creates or points its subscription, and a bad
+    one would stop the move there. The messages never repeat a DSN (it may hold a password)."""
+    given: dict[str, tuple[str, str]] = {}
+    if args.replication_databases is not None:
+        try:
+            from_file = read_shard_dsns(args.replication_databases)
+        except ValueError as exc:
+            raise MoveError(str(exc).replace("--databases", "--replication-databases", 1)) from exc
+        given.update(
+            (s, (f"--replication-databases {args.replication_databases}", d)) for s, d in from_file.items()
+        )
+    given.update(
+        (s, ("--replication-dsn", d)) for s, d in _pairs("--replication-dsn", args.replication_dsn).items()
+    )
+    for shard, (source, dsn) in given.items():
+        if shard not in dsns:
+            # A DSN given without SHARD= may split at a '=' of its own: never show such a "shard".
+            named = f"shard {shard!r}" if _SHARD_ID.fullmatch(shard) else "SHARD of SHARD=DSN"
+            raise MoveError(f"{source}: {named} has no database (known: {', '.join(sorted(dsns))})")
+        try:
+            params = conninfo_to_dict(dsn)
+        except psycopg.ProgrammingError:
+            raise MoveError(
+                f"{source}: shard {shard}'s DSN is not a connection string libpq can read"
+            ) from None
+        sslmode = params.get("sslmode")
+        if sslmode is not None and sslmode not in _SSLMODES:
+            raise MoveError(
+                f"{source}: shard {shard}'s DSN has sslmode={sslmode}; give one of {', '.join(_SSLMODES)}"
+            )
+    return {shard: dsn for shard, (_, dsn) in given.items()}
 
 
 def _pairs(flag: str, items: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items:
         shard, sep, dsn = item.partition("=")
-        if not sep or not shard or not dsn:
-            raise MoveError(f"{flag} {item!r}: give SHARD=DSN")
+        if not sep:  # the value may be a DSN, with its password: not shown
+            raise MoveError(f"{flag}: give SHARD=DSN (no '=' in the value)")
+        if not shard or not dsn:
+            raise MoveError(f"{flag} {shard!r}: give SHARD=DSN")
         out[shard] = dsn
     return out
 

