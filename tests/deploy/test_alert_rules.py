@@ -137,7 +137,7 @@ def test_the_availability_certificate_and_replication_alerts_exist() -> None:
     assert 'absent(up{job="shardd"})' in rules["ShardDaemonsAbsent"]
     assert 'absent(up{job="router"})' in rules["RouterAbsent"]
     assert "< 1" in rules["ShardDown"] and "by (namespace, shard)" in rules["ShardDown"]
-    assert 'router_requests_total{code="UNAVAILABLE"}' in rules["RouterUnavailableRatioHigh"]
+    assert 'router_requests_total{code="UNAVAILABLE", shard!="none"}' in rules["RouterUnavailableRatioHigh"]
     assert "certmanager_certificate_expiration_timestamp_seconds" in rules["CertificateExpiresSoon"]
     assert "cnpg_pg_replication_lag" in rules["PostgresReplicationLagHigh"]
     assert "cnpg_pg_replication_streaming_replicas" in rules["PostgresStandbyLost"]
