@@ -38,6 +38,11 @@ import yaml
 
 DEFAULT_SLOTS = 16384
 _SHARD_ID = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+def is_shard_id(text: str) -> bool:
+    """Whether `text` has the form of a shard id (a lower-case DNS label such as shard-0)."""
+    return _SHARD_ID.fullmatch(text) is not None
+
+
 #: Shard ids no shard may take: the router's metrics label a call answered before any shard was
 #: chosen `shard="none"` (core.metrics.NO_SHARD), which a shard of that name would blur.
 RESERVED_SHARD_IDS = frozenset({"none"})
@@ -228,7 +233,7 @@ def parse_shard_map(raw: object, *, source: str) -> ShardMap:
         if not isinstance(entry, dict):
             raise fail(f"{where} must be a mapping with id, address (or addresses), slot_ranges")
         shard_id = entry.get("id")
-        if not isinstance(shard_id, str) or _SHARD_ID.fullmatch(shard_id) is None:
+        if not isinstance(shard_id, str) or not is_shard_id(shard_id):
             raise fail(f"{where}.id must be a lower-case DNS label such as shard-0")
         if shard_id in RESERVED_SHARD_IDS:
             raise fail(f"{where}.id {shard_id!r} is reserved (the router's metrics use it for no shard)")
@@ -296,6 +301,7 @@ __all__ = [
     "ShardMapError",
     "account_hash",
     "even_shard_map",
+    "is_shard_id",
     "load_shard_map",
     "parse_shard_map",
     "shard_map_document",

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psycopg
 
-from shardrouter.core.shard_dsns import read_shard_dsns
+from shardrouter.core.shard_dsns import parse_shard_dsn_pairs, read_shard_dsns
 from shardrouter.core.shardmap import ShardMapError, load_shard_map
 from shardrouter.reconcile import repair
 from shardrouter.reconcile.check import Report, check
@@ -110,11 +110,10 @@ def databases(args: argparse.Namespace, default_dir: Path | None) -> dict[str, s
             dsns.update(read_shard_dsns(path))
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
-    for item in args.dsn:
-        shard, sep, dsn = item.partition("=")
-        if not sep or not shard or not dsn:
-            raise UsageError(f"--dsn {item!r}: give SHARD=DSN")
-        dsns[shard] = dsn
+    try:
+        dsns.update(parse_shard_dsn_pairs("--dsn", args.dsn))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if not dsns:
         raise UsageError("no shard databases given: --databases FILE or --dsn SHARD=DSN (one per shard)")
     local = default_dir is not None and args.databases is None and not args.dsn

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -35,8 +34,8 @@ import yaml
 from psycopg.conninfo import conninfo_to_dict
 
 from shardrouter.core import failpoints
-from shardrouter.core.shard_dsns import read_shard_dsns
-from shardrouter.core.shardmap import ShardMapError, shard_map_document
+from shardrouter.core.shard_dsns import parse_shard_dsn_pairs, read_shard_dsns
+from shardrouter.core.shardmap import ShardMapError, is_shard_id, shard_map_document
 from shardrouter.reshard import replication
 from shardrouter.reshard.agreement import wait_for_agreement
 from shardrouter.reshard.journal import MoveRecord
@@ -166,8 +165,6 @@ def _databases(args: argparse.Namespace, default_dir: Path | None) -> ShardDatab
     return ShardDatabases(dsns, _replication_dsns(args, dsns) or None)
 
 
-#: What a shard id may look like (core.shardmap's rule), to name it in a message.
-_SHARD_ID = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 #: libpq's values of sslmode (its parser takes any value; another fails only once connecting).
 _SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
 
@@ -191,7 +188,7 @@ def _replication_dsns(args: argparse.Namespace, dsns: dict[str, str]) -> dict[st
     for shard, (source, dsn) in given.items():
         if shard not in dsns:
             # A DSN given without SHARD= may split at a '=' of its own: never show such a "shard".
-            named = f"shard {shard!r}" if _SHARD_ID.fullmatch(shard) else "SHARD of SHARD=DSN"
+            named = f"shard {shard!r}" if is_shard_id(shard) else "SHARD of SHARD=DSN"
             raise MoveError(f"{source}: {named} has no database (known: {', '.join(sorted(dsns))})")
         try:
             params = conninfo_to_dict(dsn)
@@ -208,15 +205,10 @@ def _replication_dsns(args: argparse.Namespace, dsns: dict[str, str]) -> dict[st
 
 
 def _pairs(flag: str, items: list[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items:
-        shard, sep, dsn = item.partition("=")
-        if not sep:  # the value may be a DSN, with its password: not shown
-            raise MoveError(f"{flag}: give SHARD=DSN (no '=' in the value)")
-        if not shard or not dsn:
-            raise MoveError(f"{flag} {shard!r}: give SHARD=DSN")
-        out[shard] = dsn
-    return out
+    try:
+        return parse_shard_dsn_pairs(flag, items)
+    except ValueError as exc:
+        raise MoveError(str(exc)) from None
 
 
 def _map_store(args: argparse.Namespace, default_dir: Path | None) -> MapStore:
