@@ -128,6 +128,7 @@ _SAME_VALUE_COLUMN = {
     "delivery_attempts": "message",
     "dead_letters": "reason",
     "idempotency_record": "method",
+    "voided_credits": "reason",
 }
 
 
@@ -153,6 +154,10 @@ def test_the_fence_holds_against_any_writer(stub, db, table):
     db.execute(
         "INSERT INTO dead_letters (transfer_id, outbox_id, reason, refund_key) VALUES (%s, %s, 'test', %s)",
         (transfer_id, outbox_id, uuid.uuid4()),
+    )
+    db.execute(
+        "INSERT INTO voided_credits (transfer_id, account_id, reason) VALUES (%s, 'fenced-acct', 'test')",
+        (uuid.uuid4(),),
     )
     hash_ = zlib.crc32(b"fenced-acct")
     column = _SAME_VALUE_COLUMN[table]
