@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import random
 import shlex
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -33,11 +35,53 @@ def postgres_bin_path() -> Path:
     return Path(POSTGRES_BIN_PATH)
 
 
+#: Ports this process has handed out: never handed out twice, though a port is bound only later.
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+#: Where ports are drawn from when the kernel's ephemeral range starts above it.
+_LOWEST_PORT = 10_000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 0, 0
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that is free now and that this process has not handed out before.
+
+    A port is bound only later (by a server started with it, often another process), and meanwhile
+    nothing holds it. So it is drawn from below the kernel's ephemeral range when there is room:
+    the kernel gives ports from that range to every outgoing connection and every bind to port 0,
+    and one of those could take it in between ("address already in use" seconds later).
+    """
+    low, _ = _ephemeral_range()
+    with _HANDED_OUT_LOCK:
+        if low - _LOWEST_PORT >= 1_000:
+            for _ in range(200):
+                port = random.randrange(_LOWEST_PORT, low)
+                if port not in _HANDED_OUT and _bindable(port):
+                    _HANDED_OUT.add(port)
+                    return port
+        while True:  # no room below the range (or no such range here): the kernel's choice
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class LocalPostgres:
