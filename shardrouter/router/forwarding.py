@@ -324,7 +324,10 @@ class Forwarder(_GenericHandler):
         """
         metadata = tuple(self._callers.outgoing(context))  # who is calling comes first
         account = routing_account(method, raw)
-        keyed = any(k == KEY_METADATA for k, _ in metadata)
+        # Resent over backoff rounds when not reached: a keyed call (the shard applies it at most
+        # once) or a read (nothing to apply twice). A mutating call without a key is not: the shard
+        # refuses it anyway, and a retry would only double the traffic of a broken caller.
+        resendable = not method.keyed or any(k == KEY_METADATA for k, _ in metadata)
         shard_map = self._maps.current
         shard, owner = self._first_owner(shard_map, account)
         if record is not None:
@@ -333,7 +336,7 @@ class Forwarder(_GenericHandler):
         note: MoveNote | None = None
         redirects = 0
         while True:
-            outcome = await self._forward_to(shard, method, raw, metadata, keyed, context, note)
+            outcome = await self._forward_to(shard, method, raw, metadata, resendable, context, note)
             refusal = move_refusal(outcome)
             if refusal is None:
                 return outcome
@@ -414,16 +417,17 @@ class Forwarder(_GenericHandler):
         method: RpcDeclaration,
         raw: bytes,
         metadata: tuple[MetadataEntry, ...],
-        keyed: bool,
+        resendable: bool,
         context: CallContext,
         note: MoveNote | None,
     ) -> Outcome:
         """How one shard answered the call; raises SHARD_UNAVAILABLE when none of its daemons could."""
         # Calls spread over a shard's daemons in turn; an attempt that cannot reach one goes on to
         # the next at once (any daemon of a shard answers for it: the claim protocol decides between
-        # them), and only once every address was tried does a keyed call back off and go round again.
-        # A keyless call is a read, or refused by the shard for want of a key: trying each daemon once
-        # is safe for it too, but it gets no backoff rounds.
+        # them), and only once every address was tried does a resendable call (keyed, or a read) back
+        # off and go round again: a shard's daemons restarted a moment ago may still be reconnecting
+        # (the channels' backoff, up to a second), and a read then fails as needlessly as a write. A
+        # mutating call without a key, refused by the shard for want of one, tries each daemon once.
         addresses = shard.addresses
         first = next(self._turns) % len(addresses)
         attempt = 0
@@ -433,7 +437,7 @@ class Forwarder(_GenericHandler):
             if not unreached(outcome.code, outcome.trailing_metadata):
                 return outcome
             untried = attempt + 1 < len(addresses)
-            if not untried and (not keyed or attempt >= self._retries + len(addresses) - 1):
+            if not untried and (not resendable or attempt >= self._retries + len(addresses) - 1):
                 raise self._shard_unavailable(shard, method, outcome, attempt + 1)
             rounds = (attempt + 1) // len(addresses)
             delay = 0.0 if untried else RETRY_BACKOFF_S * (2 ** (rounds - 1)) * random.uniform(0.5, 1.5)

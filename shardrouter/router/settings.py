@@ -64,8 +64,8 @@ class RouterSettings:
     #: Connections (channels) to each shard address, used in turn; more than one spreads a shard's
     #: calls over its serving processes (`SHARDD_PROCESSES`, which share one port).
     shard_connections: int = 4
-    #: Extra rounds for a keyed call whose shard could not be reached, after each of the shard's
-    #: daemons was tried once (keyless calls try each daemon once and get no extra rounds).
+    #: Extra rounds for a keyed call or a read whose shard could not be reached, after each of the
+    #: shard's daemons was tried once (a mutating call without a key gets no extra rounds).
     forward_retries: int = 2
     #: Longest a call may be held (s) while a shard refuses its account's slot range as moving
     #: (SLOT_RANGE_MOVING: a move is cutting over): the router re-reads the shard map and resends every

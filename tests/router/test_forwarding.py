@@ -375,6 +375,15 @@ def test_keyless_deposit_is_not_retried_keyed_one_is(setup: Setup, fake: FakeSha
     assert all(c.request == request and ("idempotency-key", key) in c.metadata for c in fake.calls)
 
 
+def test_a_read_is_resent_like_a_keyed_call(setup: Setup, fake: FakeShard) -> None:
+    """A shard restarted a moment ago: the first connections fail while they reconnect. A read has
+    nothing to apply twice, so it gets the same rounds as a keyed call, not a needless UNAVAILABLE."""
+    request = transfer_pb2.GetBalanceRequest(account_id="acct-1").SerializeToString()
+    fake.reset(_fail_first(2))
+    assert setup.raw("GetBalance")(request, timeout=5) == request  # the third attempt reached the echo
+    assert len(fake.calls) == 3
+
+
 def test_keyed_retries_are_bounded(setup: Setup, fake: FakeShard) -> None:
     fake.reset(_fail_first(100))
     request = transfer_pb2.DepositRequest(account_id="acct-1").SerializeToString()
