@@ -46,12 +46,77 @@ class TableDigest:
 
 
 @dataclass(frozen=True)
+class LedgerEntry:
+    """One ledger entry of an unbalanced account, as the report shows it."""
+
+    kind: str
+    amount_minor: int
+    transfer_id: str | None
+
+
+@dataclass(frozen=True)
+class UnbalancedAccount:
+    """A moved account whose balance differs from the sum of its ledger, with its latest entries
+    (newest first, up to `ENTRIES_SHOWN`; `entry_count` counts them all, `foreign_hash` those whose
+    routing hash is not the account's, which a move would leave behind)."""
+
+    account_id: str
+    balance: int
+    ledger_sum: int
+    entry_count: int
+    entries: tuple[LedgerEntry, ...]
+    foreign_hash: int = 0
+
+    def describe(self) -> str:
+        """The account in words: balance, ledger sum, entries."""
+        shown = ", ".join(
+            f"{e.kind} {e.amount_minor}" + (f" (transfer {e.transfer_id})" if e.transfer_id else "")
+            for e in self.entries
+        )
+        more = (
+            f", and {self.entry_count - len(self.entries)} more"
+            if self.entry_count > len(self.entries)
+            else ""
+        )
+        foreign = f", {self.foreign_hash} of them with another account_hash" if self.foreign_hash else ""
+        return (
+            f"{self.account_id}: balance {self.balance}, ledger sum {self.ledger_sum} "
+            f"(off by {self.balance - self.ledger_sum}), {self.entry_count} entries{foreign}, "
+            f"newest first: [{shown}{more}]"
+        )
+
+
+#: How many unbalanced accounts a verification names, and how many entries of each it shows.
+ACCOUNTS_SHOWN = 3
+ENTRIES_SHOWN = 12
+
+
+@dataclass(frozen=True)
+class Unbalanced:
+    """The moved accounts whose balance is not the sum of their ledger: how many, and a few of them."""
+
+    count: int
+    some: tuple[UnbalancedAccount, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+
+@dataclass(frozen=True)
 class Verification:
     """The comparison of both sides; `problems` is empty when the move may commit."""
 
     source: dict[str, TableDigest]
     target: dict[str, TableDigest]
-    unbalanced_accounts: int
+    unbalanced: Unbalanced
+    #: The same look at the old owner's rows, taken only when the new owner's are unbalanced: whether
+    #: the old owner committed the inconsistency or it arose on the way.
+    unbalanced_at_source: Unbalanced | None = None
+
+    @property
+    def unbalanced_accounts(self) -> int:
+        """How many moved accounts are unbalanced on the new owner."""
+        return self.unbalanced.count
 
     @property
     def problems(self) -> list[str]:
@@ -63,9 +128,16 @@ class Verification:
             for t in FENCED_TABLES
             if self.source[t] != self.target[t]
         ]
-        if self.unbalanced_accounts:
+        if self.unbalanced:
             found.append(
-                f"{self.unbalanced_accounts} moved account(s) whose balance is not the sum of their ledger"
+                f"{self.unbalanced.count} moved account(s) whose balance is not the sum of their ledger"
+                + _named(self.unbalanced)
+                + (
+                    ""
+                    if self.unbalanced_at_source is None
+                    else f"; on the old owner {self.unbalanced_at_source.count}"
+                    + _named(self.unbalanced_at_source)
+                )
             )
         return found
 
@@ -101,26 +173,65 @@ def digests(conn: psycopg.Connection[Any], plan: MovePlan) -> dict[str, TableDig
     return out
 
 
+def _named(unbalanced: Unbalanced) -> str:
+    """The accounts an `Unbalanced` names, in words (in parentheses; empty when it names none)."""
+    if not unbalanced.some:
+        return ""
+    more = unbalanced.count - len(unbalanced.some)
+    return (
+        " ("
+        + "; ".join(a.describe() for a in unbalanced.some)
+        + (f"; and {more} more" if more > 0 else "")
+        + ")"
+    )
+
+
 def _some(slots: list[int], shown: int = 8) -> str:
     more = f" and {len(slots) - shown} more" if len(slots) > shown else ""
     return ", ".join(str(s) for s in slots[:shown]) + more
 
 
-def unbalanced_accounts(conn: psycopg.Connection[Any], plan: MovePlan) -> int:
-    """Moved accounts whose balance differs from the sum of their ledger entries."""
+def unbalanced_accounts(conn: psycopg.Connection[Any], plan: MovePlan) -> Unbalanced:
+    """Moved accounts whose balance differs from the sum of their ledger entries: how many, and the
+    first `ACCOUNTS_SHOWN` of them (by id) with their entries, read in one snapshot."""
     with conn.transaction():
-        row = conn.execute(
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        rows = conn.execute(
             sql.SQL(
-                "SELECT count(*) FROM accounts a WHERE {} AND a.balance <> coalesce("
-                "(SELECT sum(l.amount_minor) FROM ledger_entries l WHERE l.account_id = a.id), 0)"
+                "SELECT a.id, a.balance, s.total, s.entries, s.foreign_hash FROM accounts a"
+                " CROSS JOIN LATERAL (SELECT coalesce(sum(l.amount_minor), 0) AS total, count(*) AS entries,"
+                "  count(*) FILTER (WHERE l.account_hash <> a.account_hash) AS foreign_hash"
+                "  FROM ledger_entries l WHERE l.account_id = a.id) s"
+                " WHERE {} AND a.balance <> s.total ORDER BY a.id"
             ).format(sql.SQL(plan.row_filter("a.account_hash")))
-        ).fetchone()
-    return int(row[0]) if row else 0
+        ).fetchall()
+        some = []
+        for account_id, balance, total, count, foreign in rows[:ACCOUNTS_SHOWN]:
+            entries = conn.execute(
+                "SELECT kind, amount_minor, transfer_id FROM ledger_entries WHERE account_id = %s"
+                " ORDER BY created_at DESC, id DESC LIMIT %s",
+                (account_id, ENTRIES_SHOWN),
+            ).fetchall()
+            some.append(
+                UnbalancedAccount(
+                    str(account_id),
+                    int(balance),
+                    int(total),
+                    int(count),
+                    tuple(LedgerEntry(str(k), int(a), None if t is None else str(t)) for k, a, t in entries),
+                    int(foreign),
+                )
+            )
+    return Unbalanced(len(rows), tuple(some))
 
 
 def verify(source: psycopg.Connection[Any], target: psycopg.Connection[Any], plan: MovePlan) -> Verification:
-    """Compare both sides (the old owner is fenced, so its side no longer changes)."""
-    return Verification(digests(source, plan), digests(target, plan), unbalanced_accounts(target, plan))
+    """Compare both sides (the old owner is fenced, so its side no longer changes). Unbalanced
+    accounts on the new owner are looked for on the old owner too, to say where they come from."""
+    on_source, on_target = digests(source, plan), digests(target, plan)
+    unbalanced = unbalanced_accounts(target, plan)
+    at_source = unbalanced_accounts(source, plan) if unbalanced else None
+    return Verification(on_source, on_target, unbalanced, at_source)
 
 
 def rows_in_range(conn: psycopg.Connection[Any], plan: MovePlan) -> dict[str, int]:
@@ -137,4 +248,16 @@ def rows_in_range(conn: psycopg.Connection[Any], plan: MovePlan) -> dict[str, in
     return counts
 
 
-__all__ = ["TableDigest", "Verification", "digests", "rows_in_range", "unbalanced_accounts", "verify"]
+__all__ = [
+    "ACCOUNTS_SHOWN",
+    "ENTRIES_SHOWN",
+    "LedgerEntry",
+    "TableDigest",
+    "Unbalanced",
+    "UnbalancedAccount",
+    "Verification",
+    "digests",
+    "rows_in_range",
+    "unbalanced_accounts",
+    "verify",
+]
