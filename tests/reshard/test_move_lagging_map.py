@@ -177,7 +177,7 @@ def _run(lagging: Lagging, *, lag_s: float, accounts_each: int) -> None:
         urls = [f"http://127.0.0.1:{port}/metrics" for port in lagging.metrics.values()]
         behind = wait_for_agreement(urls, published, timeout_s=0)  # what `reshard --agreement` reports
         assert behind.lagging == dict.fromkeys(urls, old_version), behind.summary()
-        shutil.copy(pair.map_path, lagging.mounted)  # the kubelet, at last
+        _mount(pair.map_path, lagging.mounted)  # the kubelet, at last
         agreed = wait_for_agreement(urls, published, timeout_s=10, poll_s=0.1)
         assert agreed.lagging == {}, agreed.summary()
         assert set(lagging.versions().values()) == {published}, lagging.versions()
@@ -251,10 +251,10 @@ def test_an_older_map_applied_after_a_move_changes_no_owner_and_shows_as_skew(
     with Move(record, map_store=pair.map_path, databases=pair.databases) as move:
         move.run()
     published = load_shard_map(pair.map_path).version
-    shutil.copy(pair.map_path, lagging.mounted)
+    _mount(pair.map_path, lagging.mounted)
     _wait_for(lambda: set(lagging.versions().values()) == {published}, lagging.versions)
 
-    shutil.copy(old_map, lagging.mounted)  # the older map, re-applied
+    _mount(old_map, lagging.mounted)  # the older map, re-applied
     _wait_for(
         lambda: all(
             lagging.gauge(name, _refused(name)) == 1.0 for name in lagging.metrics
@@ -307,6 +307,15 @@ def test_an_older_map_applied_after_a_move_changes_no_owner_and_shows_as_skew(
             process.terminate(5)
     check_ledger(pair, len(moving + staying), 2 * 7)  # the refused one applied nothing
     assert all(pair.owner(a) == "shard-1" for a in moving)
+
+
+def _mount(source: Path, mounted: Path) -> None:
+    """Put `source` in place of the mounted map at once, as the kubelet's symlink swap does: a copy
+    over the file could be read half-written by a poll, and a torn map keeping the old version is
+    refused and counted like a stale one."""
+    staged = mounted.with_name(f".{mounted.name}.staged")
+    shutil.copy(source, staged)
+    staged.replace(mounted)
 
 
 def _refused(name: str) -> str:
