@@ -151,8 +151,13 @@ def router_process(
 def run_shardd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """One `shardd` command to its end (an operator's: migrate, retention, keys, dead letters), with
     only the environment given."""
+    return run_cli("shardd", *args, env=env)
+
+
+def run_cli(program: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """One command of `shardrouter.<program>.cli` to its end, with only the environment given."""
     return subprocess.run(
-        [sys.executable, "-m", "shardrouter.shardd.cli", *args],
+        [sys.executable, "-m", f"shardrouter.{program}.cli", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

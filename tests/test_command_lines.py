@@ -25,21 +25,9 @@ from shardrouter.shardd.migrations import _MIGRATION_LOCK
 from shardrouter.shardd.settings import ENV_PREFIX as SHARDD_PREFIX
 from shardrouter.shardd.settings import ShardSettings
 from tests.helpers import allow_all_policy_file
-from tests.processes import ROOT
+from tests.processes import ROOT, run_cli
 
 DAEMONS = {"shardd": (ShardSettings, SHARDD_PREFIX), "router": (RouterSettings, ROUTER_PREFIX)}
-
-
-def _run(program: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", f"shardrouter.{program}.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **(env or {})},
-        check=False,
-    )
 
 
 @pytest.mark.parametrize(
@@ -66,7 +54,7 @@ def _run(program: str, *args: str, env: dict[str, str] | None = None) -> subproc
     ],
 )
 def test_usage_errors_exit_2_and_name_the_closest_valid_choice(program, args, message) -> None:
-    result = _run(program, *args)
+    result = run_cli(program, *args)
     assert result.returncode == 2, result
     assert message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
@@ -79,7 +67,7 @@ def test_help_lists_every_setting_and_starts_nothing(program, where) -> None:
     cls, prefix = DAEMONS[program]
     args = ["--help"] if where == "alone" else ["serve", "--listen", "127.0.0.1:1", "--help"]
     started = time.monotonic()
-    result = _run(program, *args)
+    result = run_cli(program, *args)
     assert result.returncode == 0, result.stderr
     assert time.monotonic() - started < 20
     for f in fields(cls):
@@ -116,7 +104,7 @@ def test_command_line_parsing_unit() -> None:
 
 
 def test_unknown_prefixed_environment_variable_is_reported_at_start() -> None:
-    result = _run(
+    result = run_cli(
         "shardd",
         "migrate",
         "--dsn",
@@ -146,7 +134,7 @@ def test_unknown_prefixed_environment_variable_is_reported_at_start() -> None:
 )
 def test_unreachable_database_is_one_clear_line(command) -> None:
     port = free_port()
-    result = _run("shardd", *command, "--dsn", f"postgresql://app:hunter2@127.0.0.1:{port}/ledger")
+    result = run_cli("shardd", *command, "--dsn", f"postgresql://app:hunter2@127.0.0.1:{port}/ledger")
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.startswith("shardd:")]
     assert lines == [
@@ -159,18 +147,18 @@ def test_unreachable_database_is_one_clear_line(command) -> None:
 def test_serving_outside_dev_mode_needs_a_valid_authorization_policy(tmp_path: Path) -> None:
     """Checked before the database is reached: one line naming the setting, or the bad place."""
     dsn = f"postgresql://app@127.0.0.1:{free_port()}/ledger"
-    result = _run("shardd", "serve", "--dsn", dsn, "--listen", "127.0.0.1:0", "--metrics-port", "0")
+    result = run_cli("shardd", "serve", "--dsn", dsn, "--listen", "127.0.0.1:0", "--metrics-port", "0")
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("shardd:")]
     assert len(lines) == 1 and "authz_policy_file (SHARDD_AUTHZ_POLICY_FILE" in lines[0], result.stderr
     listen = f"127.0.0.1:{free_port()}"
-    several = _run(
+    several = run_cli(
         "shardd", "serve", "--dsn", dsn, "--listen", listen, "--metrics-port", "0", "--processes", "2"
     )
     assert several.returncode == 2 and "SHARDD_AUTHZ_POLICY_FILE" in several.stderr, several.stderr
     bad = tmp_path / "policy.json"
     bad.write_text('{"name": "p", "allow_policies": [{"name": "a", "request": {"headers": []}}]}')
-    result = _run(
+    result = run_cli(
         "shardd",
         "serve",
         "--dsn",

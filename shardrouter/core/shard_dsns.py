@@ -14,23 +14,23 @@ import yaml
 __all__ = ["parse_shard_dsn_pairs", "read_shard_dsns"]
 
 
-def read_shard_dsns(path: Path) -> dict[str, str]:
-    """Shard id -> DSN from a YAML mapping; ValueError naming the file when it is unreadable or not
-    such a mapping."""
+def read_shard_dsns(path: Path, flag: str = "--databases") -> dict[str, str]:
+    """Shard id -> DSN from a YAML mapping given by `flag`; ValueError naming the flag and the file
+    when it is unreadable or not such a mapping."""
     try:
         loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise ValueError(f"--databases {path}: cannot read it: {exc}") from exc
+        raise ValueError(f"{flag} {path}: cannot read it: {exc}") from exc
     except yaml.YAMLError as exc:
         # The parser's own message quotes the offending line: where and what, without the line.
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or "not YAML"
-        raise ValueError(f"--databases {path}: cannot read it: {problem}{where}") from None
+        raise ValueError(f"{flag} {path}: cannot read it: {problem}{where}") from None
     if not isinstance(loaded, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()
     ):
-        raise ValueError(f"--databases {path}: must be a mapping of shard id to DSN")
+        raise ValueError(f"{flag} {path}: must be a mapping of shard id to DSN")
     return dict(loaded)
 
 

@@ -176,9 +176,9 @@ def _replication_dsns(args: argparse.Namespace, dsns: dict[str, str]) -> dict[st
     given: dict[str, tuple[str, str]] = {}
     if args.replication_databases is not None:
         try:
-            from_file = read_shard_dsns(args.replication_databases)
+            from_file = read_shard_dsns(args.replication_databases, "--replication-databases")
         except ValueError as exc:
-            raise MoveError(str(exc).replace("--databases", "--replication-databases", 1)) from exc
+            raise MoveError(str(exc)) from exc
         given.update(
             (s, (f"--replication-databases {args.replication_databases}", d)) for s, d in from_file.items()
         )
