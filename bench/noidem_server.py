@@ -22,13 +22,13 @@ import grpc
 from psycopg.pq import TransactionStatus
 
 from shardrouter.core import grpcserver
-from shardrouter.core.error_interceptor import DomainErrorInterceptor
 from shardrouter.core.keys import KEY_METADATA, parse_key
 from shardrouter.core.logs import configure_logging
 from shardrouter.core.termination import TerminationSignals
 from shardrouter.shardd import server as shard_server
 from shardrouter.shardd.admission import AdmissionInterceptor
 from shardrouter.shardd.db import Database, bind_transaction, mapped_database_errors
+from shardrouter.shardd.error_interceptor import DomainErrorInterceptor
 from shardrouter.shardd.ledger.service import ShardLocator, TransferServicer
 from shardrouter.shardd.settings import parse_settings
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc

@@ -21,10 +21,10 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from shardrouter.core.authz import ALLOW_ALL_DOCUMENT
 from shardrouter.core.keys import new_key
 from shardrouter.localcluster.postgres import LocalPostgres
 from shardrouter.localcluster.tracing_ui import phoenix_installed
+from shardrouter.shardd.authorization_policy import ALLOW_ALL_DOCUMENT
 from shardrouter.shardd.idempotency import store
 from shardrouter.shardd.idempotency.record import (
     Claim,

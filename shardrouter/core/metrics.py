@@ -1,4 +1,4 @@
-"""Metrics shared by every process: OpenTelemetry instruments, exposed for Prometheus scraping.
+"""Metrics plumbing shared by every process: OpenTelemetry instruments, exposed for Prometheus scraping.
 
 Each process (each shard daemon, even two in one test process) owns a `MetricsPipeline`: an SDK
 `MeterProvider` whose only built-in reader is a `PrometheusMetricReader` writing into the
@@ -9,25 +9,21 @@ The reader runs with target_info and the instrument-scope labels off, so what Pr
 exactly the instruments: a counter named `router_requests` is `router_requests_total`, a histogram
 `router_request_duration_seconds` keeps its name (its unit "s" maps to the suffix it already has).
 
-`RouterMetrics` holds the router's instruments: `router_requests_total{method,code,shard}`,
-`router_request_duration_seconds{method,code,shard}`, `router_redirects_total{reason,shard}`, and the
-shard map in force: `router_shard_map_version` and `router_shard_map_refused_total`.
+Each process's own instruments live with it: the router's in `router/metrics.py`, the shard
+daemon's in `shardd/observability.py`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from threading import Thread
 from typing import TYPE_CHECKING
 
-import grpc
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
-from opentelemetry.metrics import CallbackOptions, Meter, Observation
+from opentelemetry.metrics import Meter
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
 from prometheus_client import CollectorRegistry, start_http_server
@@ -35,14 +31,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    from shardrouter.core.shardmap_file import ShardMapFile
 
 log = logging.getLogger(__name__)
-
-#: The router's latency buckets (seconds): prometheus_client's defaults, which the router's
-#: histogram had before it became an OpenTelemetry instrument (the SDK's own defaults are for ms).
-ROUTER_DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
-
 
 @dataclass(eq=False)
 class MetricsPipeline:
@@ -114,166 +104,9 @@ def start_metrics_server(port: int, registry: CollectorRegistry, *, host: str = 
     return MetricsServer(host, bound, server, thread)
 
 
-#: The `shard` label of a call the router answered before it chose a shard (a request whose routing
-#: account it cannot read, or a failure of its own before the shard map was consulted). A fixed
-#: value: the label only ever holds ids from the router's own shard map, or this.
-NO_SHARD = "none"
-
-_Labels = dict[str, str]
-
-
-class CallRecord:
-    """One call the router is timing, for `RouterMetrics`.
-
-    `shard` is the id of the shard the call was last forwarded to (the forwarder sets it, from its
-    own shard map, each time it picks a shard), `NO_SHARD` until it picks one. `finish(code)` counts
-    the call once, with its duration and that shard. Calling the record (`record(code)`) notes a
-    final code for `RouterMetrics.timed()`, which finishes it on the way out.
-    """
-
-    __slots__ = ("_code", "_metrics", "method", "shard", "started")
-
-    def __init__(self, metrics: RouterMetrics, method: str) -> None:
-        self._metrics = metrics
-        self.method = method
-        self.shard = NO_SHARD
-        self._code: grpc.StatusCode | None = None
-        self.started = time.perf_counter()
-
-    def __call__(self, code: grpc.StatusCode) -> None:
-        """Note `code` as the call's final code (the last one noted wins)."""
-        self._code = code
-
-    def finish(self, code: grpc.StatusCode | None = None) -> None:
-        """Count the call as answered with `code` (default: the one noted, else UNKNOWN)."""
-        if code is None:
-            code = self._code if self._code is not None else grpc.StatusCode.UNKNOWN
-        self._metrics.observe(self.method, code, time.perf_counter() - self.started, shard=self.shard)
-
-
-class RouterMetrics:
-    """The router's request counter and latency: `router_requests_total{method,code,shard}` and
-    `router_request_duration_seconds{method,code,shard}`, and its redirects:
-    `router_redirects_total{reason,shard}`.
-
-    `method` is the short method name ("Transfer"), `code` the gRPC status name the router
-    answered ("OK", "ABORTED", "UNAVAILABLE", ...), `shard` the id of the shard the call was
-    forwarded to (the last one, for a call sent on to another shard; the one that could not be
-    reached, for the router's own SHARD_UNAVAILABLE; `NO_SHARD`, "none", for a call answered before a
-    shard was chosen), `reason` the shard's refusal that sent a call on to another shard
-    (ACCOUNT_MOVED, SLOT_RANGE_MOVING) and there `shard` the shard that refused it.
-
-    The label values come from the method declarations, grpc's status codes and the router's shard
-    map, never from what a caller sent, so the series stay few: shards x methods x codes. Each label
-    set is built once and kept (the OpenTelemetry API has no bound instruments): a call looks its
-    labels up by shard, method and code, and allocates none.
-    """
-
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.pipeline = new_metrics_pipeline(registry)
-        self.registry = self.pipeline.registry
-        meter = self._meter = self.pipeline.meter(__name__)
-        self.requests = meter.create_counter(
-            "router_requests",
-            unit="{call}",
-            description="Calls the router answered, by method, gRPC status code and shard.",
-        )
-        self.duration = meter.create_histogram(
-            "router_request_duration_seconds",
-            unit="s",
-            description="Time the router took to answer a call, forwarding included, by shard.",
-            explicit_bucket_boundaries_advisory=ROUTER_DURATION_BUCKETS,
-        )
-        self.redirects = meter.create_counter(
-            "router_redirects",
-            unit="{redirect}",
-            description="Calls sent on to another shard after the shard tried said the account moved.",
-        )
-        #: shard id -> method path -> code -> the label set of a call (filled on first use).
-        self._call_labels: dict[str, dict[str, dict[grpc.StatusCode, _Labels]]] = {}
-        #: shard id -> reason -> the label set of a redirect.
-        self._redirect_labels: dict[str, dict[str, _Labels]] = {}
-
-    def follow_shard_map(self, shard_maps: ShardMapFile) -> None:
-        """Export the map in force: `router_shard_map_version` and `router_shard_map_refused_total`
-        (maps refused as older than it, from the file or the ConfigMap), both read at each scrape."""
-
-        def version(_options: CallbackOptions) -> Iterable[Observation]:
-            return [Observation(shard_maps.version)]
-
-        def refused(_options: CallbackOptions) -> Iterable[Observation]:
-            return [Observation(shard_maps.refused_total)]
-
-        self._meter.create_observable_gauge(
-            "router_shard_map_version",
-            callbacks=[version],
-            unit="{version}",
-            description="Version of the shard map in force.",
-        )
-        # A counter read from the follower: it only grows, so Prometheus may rate() it.
-        self._meter.create_observable_counter(
-            "router_shard_map_refused",
-            callbacks=[refused],
-            unit="{map}",
-            description="Shard maps refused for a version older than (or equal to, changed) the map in force.",
-        )
-
-    def redirected(self, reason: str, shard: str = NO_SHARD) -> None:
-        """Count one redirect of a call to the account's new owner; `shard` refused it."""
-        try:
-            labels = self._redirect_labels[shard][reason]
-        except KeyError:
-            labels = self._redirect_labels.setdefault(shard, {}).setdefault(
-                reason, {"reason": reason, "shard": shard}
-            )
-        self.redirects.add(1, labels)
-
-    def call_labels(self, method: str, code: grpc.StatusCode, shard: str = NO_SHARD) -> Mapping[str, str]:
-        """The label set of a call of `method` (its path or short name) answered `code`, forwarded to
-        `shard`: built on first use, then the same object every time."""
-        try:
-            return self._call_labels[shard][method][code]
-        except KeyError:
-            by_code = self._call_labels.setdefault(shard, {}).setdefault(method, {})
-            return by_code.setdefault(
-                code, {"method": method.rsplit("/", 1)[-1], "code": code.name, "shard": shard}
-            )
-
-    def observe(
-        self, method: str, code: grpc.StatusCode, seconds: float | None = None, *, shard: str = NO_SHARD
-    ) -> None:
-        """Count one answered call (and its duration, if given) under `shard`."""
-        labels = self.call_labels(method, code, shard)
-        self.requests.add(1, labels)
-        if seconds is not None:
-            self.duration.record(seconds, labels)
-
-    def start(self, method: str) -> CallRecord:
-        """Start timing a call of `method`; the caller sets its `shard` and calls `finish(code)` once."""
-        return CallRecord(self, method)
-
-    @contextmanager
-    def timed(self, method: str) -> Iterator[CallRecord]:
-        """Time a call; call the yielded record with the final code (UNKNOWN if never called), and
-        set its `shard` once the call is forwarded."""
-        record = CallRecord(self, method)
-        try:
-            yield record
-        finally:
-            record.finish()
-
-    def shutdown(self) -> None:
-        """Stop the instruments' provider and leave the registry (idempotent)."""
-        self.pipeline.shutdown()
-
-
 __all__ = [
-    "NO_SHARD",
-    "ROUTER_DURATION_BUCKETS",
-    "CallRecord",
     "MetricsPipeline",
     "MetricsServer",
-    "RouterMetrics",
     "new_metrics_pipeline",
     "start_metrics_server",
 ]

@@ -44,7 +44,7 @@ def is_shard_id(text: str) -> bool:
 
 
 #: Shard ids no shard may take: the router's metrics label a call answered before any shard was
-#: chosen `shard="none"` (core.metrics.NO_SHARD), which a shard of that name would blur.
+#: chosen `shard="none"` (the router's `metrics.NO_SHARD`), which a shard of that name would blur.
 RESERVED_SHARD_IDS = frozenset({"none"})
 
 

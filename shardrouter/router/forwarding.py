@@ -50,7 +50,6 @@ from shardrouter.core.errors import (
     Unavailable,
 )
 from shardrouter.core.keys import KEY_METADATA
-from shardrouter.core.metrics import CallRecord, RouterMetrics
 from shardrouter.core.ownership import LearnedOwners, RangeOwner, owner_of_slot
 from shardrouter.core.rpcs import RpcDeclaration
 from shardrouter.core.shardmap import Shard, ShardMap
@@ -59,6 +58,7 @@ from shardrouter.core.status import abort_with_error_async
 from shardrouter.core.wire import DETAILS_TRAILER
 from shardrouter.router.channels import ChannelPool
 from shardrouter.router.metadata import CallContext, CallerPolicy, MetadataEntry, forwardable
+from shardrouter.router.metrics import CallRecord, RouterMetrics
 from shardrouter.router.routing import METHODS_BY_PATH, routing_account
 from shardrouter.router.tracing import record_forwarded_status, record_move, router_span
 

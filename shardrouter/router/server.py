@@ -28,14 +28,15 @@ from opentelemetry import trace
 
 from shardrouter.core import grpcserver, tls, tracing
 from shardrouter.core.channels import CertificateRotation, retire_after_s
-from shardrouter.core.metrics import MetricsServer, RouterMetrics, start_metrics_server
+from shardrouter.core.metrics import MetricsServer, start_metrics_server
 from shardrouter.core.shardmap import ShardMap
 from shardrouter.core.shardmap_file import ShardMapFile
 from shardrouter.core.shardmap_watch import ConfigMapMapWatch, watch_shard_map_configmap
 from shardrouter.router.channels import ChannelPool
 from shardrouter.router.forwarding import Forwarder
-from shardrouter.router.http_front import HttpFront, HttpServer, start_http_server
+from shardrouter.router.http.front import HttpFront, HttpServer, start_http_server
 from shardrouter.router.metadata import CallerPolicy
+from shardrouter.router.metrics import RouterMetrics
 from shardrouter.router.routing import SERVICE
 from shardrouter.router.settings import RouterSettings
 

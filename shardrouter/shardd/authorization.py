@@ -1,6 +1,6 @@
 """The shard daemon's authorization: the policy file it follows, and the interceptor that enforces it.
 
-`PolicyFile` holds the policy in force (`core.authz`), re-read from its file without a restart: polled
+`PolicyFile` holds the policy in force (`authorization_policy`), re-read from its file without a restart: polled
 every `interval_s`, the file's bytes hashed, a changed file parsed and swapped in as a whole; a bad new
 file is refused with a WARNING and the last good policy stays (as the shard map's follower does,
 `core.shardmap_file`). Each reload is counted by result (`shardd_authz_policy_reloads_total{result}`),
@@ -26,13 +26,19 @@ from typing import Any, Protocol
 
 import grpc
 
-from shardrouter.core.authz import MAX_POLICY_BYTES, AuthzPolicy, AuthzPolicyError, Decision, load_policy_file
-from shardrouter.core.error_interceptor import decode_request
 from shardrouter.core.errors import PermissionDenied, Reason, ShardRouterError
 from shardrouter.core.interceptors import MethodHandler, UnaryInterceptor
 from shardrouter.core.lifecycle import Poller
 from shardrouter.core.rpcs import RPCS_BY_PATH, RpcDeclaration
 from shardrouter.core.status import abort_with_error
+from shardrouter.shardd.authorization_policy import (
+    MAX_POLICY_BYTES,
+    AuthzPolicy,
+    AuthzPolicyError,
+    Decision,
+    load_policy_file,
+)
+from shardrouter.shardd.error_interceptor import decode_request
 from shardrouter.shardd.identity import IdentityPolicy
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 import psycopg
 
 from shardrouter.core import tracing
-from shardrouter.core.authz import AuthzPolicyError, load_policy_file
 from shardrouter.core.errors import InvalidArgument
 from shardrouter.core.grpcserver import ListenError
 from shardrouter.core.keys import parse_key
@@ -20,6 +19,7 @@ from shardrouter.core.settings_source import read_command_line, unknown_environm
 from shardrouter.core.shardmap import ShardMapError
 from shardrouter.core.termination import StopDuringStartUp, TerminationSignals
 from shardrouter.shardd import retention as retention_job
+from shardrouter.shardd.authorization_policy import AuthzPolicyError, load_policy_file
 from shardrouter.shardd.migrations import MigrationLockTimeout, SchemaNewerThanCode
 from shardrouter.shardd.processes import ServingProcesses, port_is_free, stop_with_parent
 from shardrouter.shardd.server import MONTHS_AHEAD, prepare_database, start_shard

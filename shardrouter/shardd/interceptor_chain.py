@@ -15,10 +15,10 @@ The skip sets are the guard's own list of methods, so the three can never disagr
 
 from __future__ import annotations
 
-from shardrouter.core.error_interceptor import DomainErrorInterceptor
 from shardrouter.core.interceptors import ServerInterceptorBase
 from shardrouter.shardd.admission import Admission, AdmissionInterceptor
 from shardrouter.shardd.authorization import AuthorizationInterceptor
+from shardrouter.shardd.error_interceptor import DomainErrorInterceptor
 from shardrouter.shardd.idempotency import IdempotencyInterceptor
 
 

@@ -61,10 +61,10 @@ from opentelemetry.sdk.metrics.export import MetricReader
 from prometheus_client import CollectorRegistry
 
 from shardrouter.core import tracing
-from shardrouter.core.authz import AuthzPolicy
 from shardrouter.core.metrics import new_metrics_pipeline
 from shardrouter.core.moves import FINISHED_PHASES, Phase
 from shardrouter.shardd import partitions
+from shardrouter.shardd.authorization_policy import AuthzPolicy
 from shardrouter.shardd.db import Database
 from shardrouter.shardd.idempotency.outcomes import CallOutcome, OutcomeKind
 from shardrouter.shardd.ledger import store as ledger_store

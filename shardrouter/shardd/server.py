@@ -14,7 +14,6 @@ from grpc_health.v1 import health
 from opentelemetry import trace
 
 from shardrouter.core import grpcserver, tls, tracing
-from shardrouter.core.authz import AuthzPolicyError
 from shardrouter.core.interceptors import ServerInterceptorBase
 from shardrouter.core.lifecycle import Stoppable, stop_all
 from shardrouter.core.metrics import start_metrics_server
@@ -26,6 +25,7 @@ from shardrouter.internal.v1 import ledger_pb2_grpc
 from shardrouter.shardd import migrations, partitions
 from shardrouter.shardd.admission import Admission, AdmissionLimits
 from shardrouter.shardd.authorization import AuthorizationInterceptor, AuthzObserver, PolicyFile
+from shardrouter.shardd.authorization_policy import AuthzPolicyError
 from shardrouter.shardd.db import Database
 from shardrouter.shardd.idempotency import IdempotencyConfig, IdempotencyInterceptor, MutatingMethod
 from shardrouter.shardd.idempotency.outcomes import OutcomeListener

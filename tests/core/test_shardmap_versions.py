@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardrouter.core.metrics import NO_SHARD
 from shardrouter.core.shardmap import (
     RESERVED_SHARD_IDS,
     ShardMap,
@@ -23,6 +22,7 @@ from shardrouter.core.shardmap import (
     write_shard_map,
 )
 from shardrouter.core.shardmap_file import ShardMapFile
+from shardrouter.router.metrics import NO_SHARD
 
 
 def _doc(version: int | None, *addresses: str) -> dict[str, object]:

@@ -26,7 +26,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from prometheus_client import CollectorRegistry
 
 from shardrouter.core import metrics as core_metrics
-from shardrouter.core.metrics import RouterMetrics
+from shardrouter.router.metrics import RouterMetrics
 from shardrouter.shardd.observability import ShardMetrics, ShardStateCollector
 from tests.deploy.test_k8s_manifests import K8S, ROOT, objects
 

@@ -47,8 +47,8 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shardrouter.core.openapi import openapi_json
 from shardrouter.router import settings as router_settings
+from shardrouter.router.http.openapi import openapi_json
 from shardrouter.shardd import settings as shardd_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,7 +131,7 @@ ROUTER_ENV = frozenset(
         "ROUTER_SHARD_TLS_CA",
         # Read by shardrouter/router/settings.py (dev_mode): without it or ROUTER_TLS_CA every call is refused.
         "ROUTER_DEV_MODE",
-        # The HTTP/JSON front (shardrouter/router/http_front.py); empty: no front.
+        # The HTTP/JSON front (shardrouter/router/http/front.py); empty: no front.
         "ROUTER_HTTP_LISTEN",
     }
 )
@@ -1795,7 +1795,7 @@ def test_the_router_identity_comes_from_the_routers_own_issuer_only() -> None:
 
 
 def test_prod_shards_enforce_the_authorization_policy_in_the_configmap() -> None:
-    from shardrouter.core.authz import parse_policy_text
+    from shardrouter.shardd.authorization_policy import parse_policy_text
 
     configmap = one("prod", "ConfigMap", AUTHZ_CONFIGMAP)
     policy = parse_policy_text(configmap["data"]["policy.json"])
@@ -1825,7 +1825,7 @@ def test_prod_shards_enforce_the_authorization_policy_in_the_configmap() -> None
 @pytest.mark.parametrize("target", OVERLAYS)
 def test_the_shards_of_every_overlay_have_a_policy_to_serve_with(target: str) -> None:
     """Outside dev mode shardd serves only with an authorization policy file (settings.serving_problems)."""
-    from shardrouter.core.authz import parse_policy_text
+    from shardrouter.shardd.authorization_policy import parse_policy_text
 
     configmap = one(target, "ConfigMap", AUTHZ_CONFIGMAP)
     parse_policy_text(configmap["data"]["policy.json"])

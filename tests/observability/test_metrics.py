@@ -19,9 +19,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shardrouter.core.grpcserver import listen_host
-from shardrouter.core.metrics import RouterMetrics, start_metrics_server
+from shardrouter.core.metrics import start_metrics_server
 from shardrouter.core.shardmap import even_shard_map, shard_map_document
 from shardrouter.localcluster.postgres import free_port
+from shardrouter.router.metrics import RouterMetrics
 from shardrouter.shardd import partitions, retention
 from shardrouter.shardd.idempotency.outcomes import CallOutcome, OutcomeKind
 from shardrouter.shardd.observability import (

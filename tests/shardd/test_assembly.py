@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from shardrouter.core.error_interceptor import DomainErrorInterceptor
 from shardrouter.core.lifecycle import stop_all
 from shardrouter.core.rpcs import RPCS
 from shardrouter.core.tracing import server_interceptor
 from shardrouter.shardd.admission import AdmissionInterceptor
+from shardrouter.shardd.error_interceptor import DomainErrorInterceptor
 from shardrouter.shardd.idempotency import IdempotencyInterceptor
 from shardrouter.shardd.interceptor_chain import build_interceptors
 from shardrouter.shardd.ledger.service import ShardLocator
 from shardrouter.shardd.server import (
     admission_from,
-        new_database,
+    new_database,
     new_idempotency_interceptor,
 )
 from tests.helpers import make_settings

@@ -23,12 +23,12 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
-from shardrouter.core.authz import AuthzPolicyError
 from shardrouter.core.keys import new_key
 from shardrouter.core.shardmap import even_shard_map, shard_map_document
 from shardrouter.core.tls import channel_credentials
 from shardrouter.internal.v1 import ledger_pb2, ledger_pb2_grpc
 from shardrouter.localcluster.postgres import LocalPostgres, free_port
+from shardrouter.shardd.authorization_policy import AuthzPolicyError
 from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.helpers import error_info, key_metadata, make_settings, money

@@ -7,12 +7,12 @@ from typing import cast
 import grpc
 import pytest
 
-from shardrouter.core.authz import ALLOW_ALL_DOCUMENT, parse_policy_text
-from shardrouter.core.error_interceptor import DomainErrorInterceptor
 from shardrouter.core.interceptors import ServerInterceptorBase
 from shardrouter.shardd.admission import Admission, AdmissionInterceptor, AdmissionLimits
 from shardrouter.shardd.authorization import AuthorizationInterceptor
+from shardrouter.shardd.authorization_policy import ALLOW_ALL_DOCUMENT, parse_policy_text
 from shardrouter.shardd.db import Database
+from shardrouter.shardd.error_interceptor import DomainErrorInterceptor
 from shardrouter.shardd.idempotency import IdempotencyConfig, IdempotencyInterceptor, MutatingMethod
 from shardrouter.shardd.identity import IdentityPolicy
 from shardrouter.shardd.interceptor_chain import build_interceptors

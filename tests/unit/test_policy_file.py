@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from shardrouter.core.authz import ALLOW_ALL_DOCUMENT, AuthzPolicy, AuthzPolicyError
 from shardrouter.shardd.authorization import PolicyFile
+from shardrouter.shardd.authorization_policy import ALLOW_ALL_DOCUMENT, AuthzPolicy, AuthzPolicyError
 
 CLOSED = '{"name": "closed", "allow_policies": []}'
 

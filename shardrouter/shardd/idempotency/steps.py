@@ -30,7 +30,6 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from psycopg import errors
 from psycopg.pq import TransactionStatus
 
-from shardrouter.core.error_interceptor import decode_request
 from shardrouter.core.errors import (
     Aborted,
     FailedPrecondition,
@@ -45,6 +44,7 @@ from shardrouter.core.keys import KEY_FORMAT_HINT, KEY_METADATA, parse_key
 from shardrouter.core.tracing import SERVER_ERROR_CODES, span_context_of_traceparent, traceparent_of
 from shardrouter.shardd.admission import Admission
 from shardrouter.shardd.db import Database, bind_transaction, mapped_database_errors
+from shardrouter.shardd.error_interceptor import decode_request
 from shardrouter.shardd.idempotency import store
 from shardrouter.shardd.idempotency.call import (
     Answered,

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shardrouter.core.errors import Reason
-from shardrouter.core.idempotency_header import (
+from shardrouter.router.http.idempotency_header import (
     MAX_KEY_LENGTH,
     IdempotencyKeyBadCharacter,
     IdempotencyKeyBadEscape,

@@ -11,7 +11,9 @@ from grpc_status import rpc_status
 
 from shardrouter.core import errors
 from shardrouter.core.errors import FieldViolation, Reason
-from shardrouter.core.http_problems import (
+from shardrouter.core.wire import DETAILS_TRAILER
+from shardrouter.router.http.idempotency_header import IdempotencyKeyHeaderError, parse_idempotency_key
+from shardrouter.router.http.problems import (
     CODE_ROWS,
     PROBLEM_TYPE_PREFIX,
     REASON_ROWS,
@@ -22,8 +24,6 @@ from shardrouter.core.http_problems import (
     problem_from_trailers,
     retry_after_seconds,
 )
-from shardrouter.core.idempotency_header import IdempotencyKeyHeaderError, parse_idempotency_key
-from shardrouter.core.wire import DETAILS_TRAILER
 
 ALL_REASONS = sorted(v for k, v in vars(Reason).items() if k.isupper() and isinstance(v, str))
 

@@ -8,9 +8,9 @@ import re
 from openapi_spec_validator import validate
 
 from shardrouter.core.errors import Reason
-from shardrouter.core.json_mapping import COMPACT_TRANSFER_ROUTE
-from shardrouter.core.openapi import OPENAPI_PAGE, openapi_document, openapi_json, openapi_page
 from shardrouter.core.rpcs import RPCS
+from shardrouter.router.http.json_mapping import COMPACT_TRANSFER_ROUTE
+from shardrouter.router.http.openapi import OPENAPI_PAGE, openapi_document, openapi_json, openapi_page
 
 DOC = openapi_document()
 HTTP_RPCS = [d for d in RPCS if d.http is not None]

@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shardrouter.core.errors import Reason
-from shardrouter.core.http_problems import problem_from_error
-from shardrouter.core.json_mapping import (
+from shardrouter.core.rpcs import RPCS
+from shardrouter.router.http.json_mapping import (
     COMPACT_TRANSFER_ROUTE,
     CompactTransfer,
     DuplicateField,
@@ -28,7 +28,7 @@ from shardrouter.core.json_mapping import (
     request_from_http,
     response_json_from_wire,
 )
-from shardrouter.core.rpcs import RPCS
+from shardrouter.router.http.problems import problem_from_error
 from shardrouter.v1 import transfer_pb2
 
 HTTP = {d.name: d for d in RPCS if d.http is not None}

@@ -5,8 +5,8 @@ and response schemas come from the message descriptors with the proto3 JSON mapp
 names, 64-bit integers as decimal strings, enums by name, Timestamp as an RFC 3339 string). Keyed
 operations take the `Idempotency-Key` header, answer 201 (with `Location` where a GET route returns
 what they created) and mark replays with `Idempotent-Replayed: true`; failures are problem+json
-(`shardrouter.core.http_problems`). The source document's compact `POST /transfers` is added beside
-the declared routes (`shardrouter.core.json_mapping.COMPACT_TRANSFER_ROUTE`).
+(`shardrouter.router.http.problems`). The source document's compact `POST /transfers` is added beside
+the declared routes (`shardrouter.router.http.json_mapping.COMPACT_TRANSFER_ROUTE`).
 
 `openapi_json()` is the document as bytes to serve at `openapi.json`; `OPENAPI_PAGE` is a
 self-contained HTML page (no external asset) that fetches `openapi.json` from beside itself and lists
@@ -22,10 +22,14 @@ from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescript
 from google.protobuf.message import Message
 
 from shardrouter.core.errors import Reason
-from shardrouter.core.http_problems import PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_PREFIX
-from shardrouter.core.idempotency_header import IDEMPOTENCY_KEY_HEADER, MAX_KEY_LENGTH
-from shardrouter.core.json_mapping import COMPACT_TRANSFER_ROUTE, CompactTransfer, created_resource_route
 from shardrouter.core.rpcs import RPCS, HttpRoute, RpcDeclaration
+from shardrouter.router.http.idempotency_header import IDEMPOTENCY_KEY_HEADER, MAX_KEY_LENGTH
+from shardrouter.router.http.json_mapping import (
+    COMPACT_TRANSFER_ROUTE,
+    CompactTransfer,
+    created_resource_route,
+)
+from shardrouter.router.http.problems import PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_PREFIX
 
 __all__ = ["OPENAPI_PAGE", "OPENAPI_VERSION", "openapi_document", "openapi_json", "openapi_page"]
 

@@ -2,14 +2,14 @@
 
 There is no second implementation of the semantics. A request on a route that an RPC declares
 (`google.api.http` in the proto, read through `shardrouter.core.rpcs`) becomes that RPC's request
-message (`core.json_mapping`), goes through the router's own `Forwarder` (same routing, redirects,
+message (`json_mapping`), goes through the router's own `Forwarder` (same routing, redirects,
 retries, caller identity) to the shard daemon, whose idempotency interceptor claims, runs, stores
 and replays exactly as for gRPC; the shard's answer becomes the HTTP answer:
 
 * OK: the response message as deterministic JSON (the same stored response gives the same bytes),
   201 with `Location` for a keyed call (first apply and replay alike: a replay is the stored answer),
   200 for a read; `Idempotent-Replayed: true` when the shard replayed a stored outcome.
-* not OK: `application/problem+json` from the status and its rich details (`core.http_problems`: 409 +
+* not OK: `application/problem+json` from the status and its rich details (`problems`: 409 +
   Retry-After in flight, 422 key reused, 400 bad key or request, 429/503 + Retry-After, ...), with
   the same `reason` as the gRPC ErrorInfo; a replayed business refusal carries `Idempotent-Replayed`.
 
@@ -22,7 +22,7 @@ client certificate when the router serves TLS with a caller CA (the same as for 
 Every request on a declared route is counted once in the router's `router_requests_total` and
 `router_request_duration_seconds`: by the `Forwarder` when it is forwarded (as a gRPC call is), here
 when the front refuses it first, under the route's method, the refusal's gRPC code (the row of
-`core.http_problems` for an error of ours, `HTTP_ONLY_CODES` for what only HTTP says) and shard
+`problems` for an error of ours, `HTTP_ONLY_CODES` for what only HTTP says) and shard
 "none". An unknown route or verb counts as method "unknown" (never the path: the series stay
 bounded), code UNIMPLEMENTED. A refusal's duration runs from the request's first byte (the
 protocol's clock read, its only cost on the forwarding path). What uvicorn or the protocol answers
@@ -66,15 +66,12 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from shardrouter.core import tls, tracing
 from shardrouter.core.callers import CALLER_METADATA, certificate_identity
 from shardrouter.core.errors import NotFound, Reason, ShardRouterError
-from shardrouter.core.http_problems import (
-    PROBLEM_CONTENT_TYPE,
-    REASON_ROWS,
-    HttpProblem,
-    problem_from_error,
-    problem_from_trailers,
-)
-from shardrouter.core.idempotency_header import IdempotencyKeyHeaderError, parse_idempotency_key
-from shardrouter.core.json_mapping import (
+from shardrouter.core.keys import KEY_METADATA
+from shardrouter.core.rpcs import PUBLIC_SERVICE, RpcDeclaration, rpc
+from shardrouter.core.wire import MetadataEntry
+from shardrouter.router.forwarding import Forwarder, Outcome
+from shardrouter.router.http.idempotency_header import IdempotencyKeyHeaderError, parse_idempotency_key
+from shardrouter.router.http.json_mapping import (
     COMPACT_TRANSFER_ROUTE,
     CompactTransfer,
     JsonRequestError,
@@ -83,12 +80,15 @@ from shardrouter.core.json_mapping import (
     message_to_json_bytes,
     request_from_http,
 )
-from shardrouter.core.keys import KEY_METADATA
-from shardrouter.core.metrics import NO_SHARD, RouterMetrics
-from shardrouter.core.openapi import openapi_json, openapi_page
-from shardrouter.core.rpcs import PUBLIC_SERVICE, RpcDeclaration, rpc
-from shardrouter.core.wire import MetadataEntry
-from shardrouter.router.forwarding import Forwarder, Outcome
+from shardrouter.router.http.openapi import openapi_json, openapi_page
+from shardrouter.router.http.problems import (
+    PROBLEM_CONTENT_TYPE,
+    REASON_ROWS,
+    HttpProblem,
+    problem_from_error,
+    problem_from_trailers,
+)
+from shardrouter.router.metrics import NO_SHARD, RouterMetrics
 from shardrouter.router.routing import ROUTED_METHODS
 from shardrouter.router.settings import RouterSettings
 from shardrouter.v1 import transfer_pb2
@@ -123,7 +123,7 @@ _EXTENSION = "shardrouter.connection"
 #: does not take): one fixed value, never the path a caller sent, so the series stay bounded.
 UNKNOWN_METHOD = "unknown"
 #: The gRPC code `router_requests_total` counts each refusal under that exists only in HTTP (no row of
-#: `core.http_problems` says one), by the problem's reason: gRPC's own answer to the same fault.
+#: `problems` says one), by the problem's reason: gRPC's own answer to the same fault.
 HTTP_ONLY_CODES: Mapping[str, grpc.StatusCode] = MappingProxyType(
     {
         "UNSUPPORTED_MEDIA_TYPE": grpc.StatusCode.INVALID_ARGUMENT,  # 415: a request it cannot read

@@ -1,4 +1,4 @@
-"""The authorization policy (`core.authz`): gRFC A43 semantics, the account extension, strict loading."""
+"""The authorization policy (`shardd.authorization_policy`): gRFC A43 semantics, the account extension, strict loading."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shardrouter.core.authz import (
+from shardrouter.shardd.authorization_policy import (
     ALLOW_ALL_DOCUMENT,
     MAX_POLICY_BYTES,
     AuthzPolicyError,

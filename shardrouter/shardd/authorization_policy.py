@@ -16,8 +16,8 @@ has no account. A pattern is exact (`team-a`), a prefix (`team-a-*`), a suffix (
 
 The document is validated strictly: unknown keys, wrong types, empty names or lists, duplicate policy
 names and A43 fields not supported here (`headers`) are refused with an error naming the place
-(`allow_policies[1].request.accounts[0]: ...`). Shared by every part (`core`): the shard daemon
-enforces it (`shardd.authorization`).
+(`allow_policies[1].request.accounts[0]: ...`). The model only; the shard daemon enforces it
+(`authorization.py`, beside this module).
 """
 
 from __future__ import annotations
