@@ -21,6 +21,7 @@ from shardrouter.core.termination import TerminationSignals
 from shardrouter.localcluster import control, tracing_ui
 from shardrouter.localcluster.cluster import LocalCluster, default_data_dir
 from shardrouter.localcluster.pitr import Backup
+from shardrouter.localcluster.shard_restore import ShardRestores
 
 #: The request `dev add-shard` sends to the running `dev up`.
 _ADD_SHARD = "add-shard"
@@ -37,45 +38,7 @@ def main(argv: Sequence[str]) -> int:
     """Entry point of `shard-router dev ...`."""
     parser = argparse.ArgumentParser(prog="shard-router dev", description="run shard-router on this machine")
     sub = parser.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="start PostgreSQL per shard, the shard daemons and the router")
-    up.add_argument("--shards", type=int, default=2, help="number of shards (default 2)")
-    up.add_argument(
-        "--replicas",
-        type=int,
-        default=1,
-        help="shard daemons per shard, over its one database (default 1; 2 or more survive losing one)",
-    )
-    up.add_argument(
-        "--standby",
-        action="store_true",
-        help="run each shard's PostgreSQL as a primary plus a synchronous streaming standby",
-    )
-    up.add_argument(
-        "--data-dir", type=Path, default=None, help=f"where data lives (default {default_data_dir()})"
-    )
-    up.add_argument("--port", type=int, default=50051, help="router port on 127.0.0.1 (default 50051)")
-    up.add_argument(
-        "--http-port",
-        type=int,
-        default=8080,
-        help="the router's HTTP/JSON front on 127.0.0.1 (default 8080; 0: no HTTP front)",
-    )
-    up.add_argument("--wipe", action="store_true", help="delete the data directory first")
-    up.add_argument("--no-demo", action="store_true", help="do not run the demo after start")
-    up.add_argument("--exit-after-demo", action="store_true", help="stop the cluster once the demo ran")
-    traces = up.add_mutually_exclusive_group()
-    traces.add_argument(
-        "--tracing-ui",
-        action="store_true",
-        help="start a local tracing UI (Arize Phoenix, the tracing-ui extra) and send every span to it",
-    )
-    traces.add_argument(
-        "--otlp-endpoint",
-        default="",
-        metavar="URL",
-        help="send every span over OTLP/gRPC to this collector (e.g. http://127.0.0.1:4317)",
-    )
-    up.add_argument("--no-metrics", action="store_true", help="do not serve /metrics from the processes")
+    _add_up_command(sub)
     add = sub.add_parser(
         _ADD_SHARD,
         help="add a shard (PostgreSQL and daemons, owning no slots) to the running `dev up`",
@@ -152,6 +115,49 @@ def main(argv: Sequence[str]) -> int:
             phoenix.stop()
 
 
+def _add_up_command(sub: Any) -> None:
+    """`dev up`: its flags."""
+    up = sub.add_parser("up", help="start PostgreSQL per shard, the shard daemons and the router")
+    up.add_argument("--shards", type=int, default=2, help="number of shards (default 2)")
+    up.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="shard daemons per shard, over its one database (default 1; 2 or more survive losing one)",
+    )
+    up.add_argument(
+        "--standby",
+        action="store_true",
+        help="run each shard's PostgreSQL as a primary plus a synchronous streaming standby",
+    )
+    up.add_argument(
+        "--data-dir", type=Path, default=None, help=f"where data lives (default {default_data_dir()})"
+    )
+    up.add_argument("--port", type=int, default=50051, help="router port on 127.0.0.1 (default 50051)")
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=8080,
+        help="the router's HTTP/JSON front on 127.0.0.1 (default 8080; 0: no HTTP front)",
+    )
+    up.add_argument("--wipe", action="store_true", help="delete the data directory first")
+    up.add_argument("--no-demo", action="store_true", help="do not run the demo after start")
+    up.add_argument("--exit-after-demo", action="store_true", help="stop the cluster once the demo ran")
+    traces = up.add_mutually_exclusive_group()
+    traces.add_argument(
+        "--tracing-ui",
+        action="store_true",
+        help="start a local tracing UI (Arize Phoenix, the tracing-ui extra) and send every span to it",
+    )
+    traces.add_argument(
+        "--otlp-endpoint",
+        default="",
+        metavar="URL",
+        help="send every span over OTLP/gRPC to this collector (e.g. http://127.0.0.1:4317)",
+    )
+    up.add_argument("--no-metrics", action="store_true", help="do not serve /metrics from the processes")
+
+
 def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.PhoenixProcess | None) -> int:
     stop = TerminationSignals(starting=False).stop
     try:
@@ -174,23 +180,7 @@ def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.Ph
     controls = _serve_controls(cluster)
     try:
         target = f"127.0.0.1:{args.port}"
-        print(
-            f"\nRouter listening on {target} (shard map {cluster.shard_map_path}, logs in {cluster.data_dir}/logs)"
-        )
-        if cluster.http_port:
-            http = f"http://127.0.0.1:{cluster.http_port}"
-            print(f"HTTP/JSON front on {http} (API document {http}/openapi.json, reference page {http}/docs)")
-        for daemon in cluster.shard_daemons:
-            print(f"  {daemon.name}: {daemon.address}  database {daemon.env['SHARDD_DSN']}")
-        for name, url in cluster.metrics_urls.items():
-            print(f"  metrics of {name}: {url}")
-        if phoenix is not None:
-            print(f"  tracing UI: {phoenix.ui_url} (project {tracing.TRACE_PROJECT})")
-            print(
-                f"  your own callers can trace there too: OTEL_EXPORTER_OTLP_ENDPOINT={phoenix.otlp_endpoint}"
-            )
-        elif cluster.otlp_endpoint:
-            print(f"  spans go to {cluster.otlp_endpoint}")
+        _print_endpoints(cluster, target, phoenix)
         if not args.no_demo:
             print()
             from shardrouter.localcluster.demo import run_demo
@@ -200,14 +190,7 @@ def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.Ph
             )
             if phoenix is not None and demo.replay_key:
                 _show_replay_span(phoenix, demo.replay_key)
-        command = _own_command()
-        print(f"\nTry: {command} --target {target} balance alice")
-        print(f"     {command} --target {target} transfer --from alice --to bob --amount 1.50 --currency EUR")
-        if cluster.http_port:
-            print(
-                f"     curl -X POST http://127.0.0.1:{cluster.http_port}/transfers -H 'Idempotency-Key: <a UUID>'"
-                """ -H 'Content-Type: application/json' -d '{"src":"alice","dst":"bob","amount":150}'"""
-            )
+        _print_tries(cluster, target)
         if args.exit_after_demo:
             return 0
         print("\nCluster running. Ctrl-C stops it (data stays unless you pass --wipe next time).", flush=True)
@@ -221,8 +204,40 @@ def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.Ph
         print("Stopped.", flush=True)
 
 
+def _print_endpoints(cluster: LocalCluster, target: str, phoenix: tracing_ui.PhoenixProcess | None) -> None:
+    """Where the started cluster's router, daemons, metrics and spans are."""
+    print(
+        f"\nRouter listening on {target} (shard map {cluster.shard_map_path}, logs in {cluster.data_dir}/logs)"
+    )
+    if cluster.http_port:
+        http = f"http://127.0.0.1:{cluster.http_port}"
+        print(f"HTTP/JSON front on {http} (API document {http}/openapi.json, reference page {http}/docs)")
+    for daemon in cluster.shard_daemons:
+        print(f"  {daemon.name}: {daemon.address}  database {daemon.env['SHARDD_DSN']}")
+    for name, url in cluster.metrics_urls.items():
+        print(f"  metrics of {name}: {url}")
+    if phoenix is not None:
+        print(f"  tracing UI: {phoenix.ui_url} (project {tracing.TRACE_PROJECT})")
+        print(f"  your own callers can trace there too: OTEL_EXPORTER_OTLP_ENDPOINT={phoenix.otlp_endpoint}")
+    elif cluster.otlp_endpoint:
+        print(f"  spans go to {cluster.otlp_endpoint}")
+
+
+def _print_tries(cluster: LocalCluster, target: str) -> None:
+    """Commands to paste next."""
+    command = _own_command()
+    print(f"\nTry: {command} --target {target} balance alice")
+    print(f"     {command} --target {target} transfer --from alice --to bob --amount 1.50 --currency EUR")
+    if cluster.http_port:
+        print(
+            f"     curl -X POST http://127.0.0.1:{cluster.http_port}/transfers -H 'Idempotency-Key: <a UUID>'"
+            """ -H 'Content-Type: application/json' -d '{"src":"alice","dst":"bob","amount":150}'"""
+        )
+
+
 def _serve_controls(cluster: LocalCluster) -> control.ControlServer | None:
     """The control socket `dev add-shard` asks; None (and a note) where it cannot be served."""
+    restores = ShardRestores(cluster)
 
     def add_shard(_request: object) -> dict[str, Any]:
         added = cluster.add_shard()
@@ -240,26 +255,26 @@ def _serve_controls(cluster: LocalCluster) -> control.ControlServer | None:
         }
 
     def backup(request: Mapping[str, Any]) -> dict[str, Any]:
-        made = cluster.backup_shard(str(request["shard_id"]))
+        made = restores.backup_shard(str(request["shard_id"]))
         print(f"\nBase backup of {made.shard_id}: {made.path}", flush=True)
         return made.to_json()
 
     def restore_point(request: Mapping[str, Any]) -> dict[str, Any]:
-        return cluster.restore_point(str(request["shard_id"]), str(request["name"])).to_json()
+        return restores.restore_point(str(request["shard_id"]), str(request["name"])).to_json()
 
     def restore(request: Mapping[str, Any]) -> dict[str, Any]:
         shard_id = str(request["shard_id"])
         label = request.get("backup")
         chosen: Backup | None = None
         if label:
-            chosen = next((b for b in cluster.backups(shard_id) if b.label == label), None)
+            chosen = next((b for b in restores.backups(shard_id) if b.label == label), None)
             if chosen is None:
                 raise ValueError(
                     f"{shard_id} has no backup {label!r} (see `shard-router dev backups {shard_id}`)"
                 )
         when = request.get("target_time")
         print(f"\nRestoring {shard_id} (its daemons stop meanwhile) ...", flush=True)
-        done = cluster.restore_shard(
+        done = restores.restore_shard(
             shard_id,
             chosen,
             target_name=request.get("target_name") or None,
@@ -430,16 +445,17 @@ def _restore(args: argparse.Namespace) -> int:
 
 def _backups(args: argparse.Namespace) -> int:
     cluster = LocalCluster(data_dir=args.data_dir or default_data_dir())
+    restores = ShardRestores(cluster)
     if args.keep:
         try:
-            dropped = cluster.prune_backups(args.shard, args.keep)
+            dropped = restores.prune_backups(args.shard, args.keep)
         except ValueError as exc:
             print(f"shard-router dev backups: {exc}", file=sys.stderr)
             return 2
         for b in dropped:
             print(f"deleted backup {b.label}")
-    backups = cluster.backups(args.shard)
-    points = cluster.restore_points(args.shard)
+    backups = restores.backups(args.shard)
+    points = restores.restore_points(args.shard)
     if not backups and not points:
         print(f"{args.shard} has no base backup and no restore point in {cluster.data_dir}")
         return 0

@@ -10,7 +10,7 @@ directory gets an even map of `shards` shards, a later start serves the shards o
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
 import re
@@ -20,9 +20,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
@@ -39,16 +38,12 @@ from shardrouter.core.shardmap import (
     update_shard_map,
     write_shard_map,
 )
-from shardrouter.localcluster import pitr
 from shardrouter.localcluster.datadir import default_data_dir
-from shardrouter.localcluster.pitr import Backup, RestorePoint
 from shardrouter.localcluster.postgres import LocalPostgres, ReplicatedPostgres, free_port
 
 log = logging.getLogger(__name__)
 
 _NUMBERED_SHARD = re.compile(r"shard-(\d+)")
-#: The record of a shard's restore points, in its backups folder.
-_RESTORE_POINTS = "restore-points.json"
 _SHARD_DATABASE_DIR = re.compile(r"pg-shard-(\d+)(-replicated)?")
 #: How long `shardd migrate` may take on a new, empty database.
 _MIGRATE_TIMEOUT_S = 120.0
@@ -115,24 +110,6 @@ class AddedShard:
     seconds: float
 
 
-@dataclass(frozen=True)
-class RestoredShard:
-    """A shard `LocalCluster.restore_shard` put back to a point in time; its daemons serve again."""
-
-    shard_id: str
-    #: The base backup it started from.
-    backup: Backup
-    #: The target: a restore point's name, or a time (UTC); the other is None.
-    target_name: str | None
-    target_time: datetime | None
-    #: The timeline the restored database writes on (one above the history it replayed).
-    timeline: int
-    #: Where its WAL was when it accepted writes again.
-    lsn: str
-    #: From the request to its daemons serving again.
-    seconds: float
-
-
 @dataclass
 class LocalCluster:
     """PostgreSQL servers, shard daemons and a router, started and stopped together."""
@@ -153,7 +130,7 @@ class LocalCluster:
     #: OTLP/gRPC endpoint every process sends its spans to ("" = tracing off).
     otlp_endpoint: str = ""
     #: Archive every shard's WAL into `wal-archive/SHARD/` of the data directory (`archive_mode = on`),
-    #: which `restore_shard` replays from a base backup (`backup_shard`).
+    #: which a point-in-time restore of the shard replays from a base backup (`ShardRestores`).
     wal_archive: bool = True
     #: Process name -> its /metrics port, filled by `start` when `metrics` is on.
     metrics_ports: dict[str, int] = field(default_factory=dict)
@@ -320,234 +297,28 @@ class LocalCluster:
             return ReplicatedPostgres(self.data_dir / f"pg-{shard_id}-replicated", archive_dir=archive)
         return LocalPostgres(self.data_dir / f"pg-{shard_id}", archive_dir=archive)
 
-    # -- point-in-time restore of one shard ------------------------------------------------------
-
     def archive_dir(self, shard_id: str) -> Path:
-        """Where a shard's PostgreSQL archives its WAL."""
+        """Where a shard's PostgreSQL archives its WAL (for a point-in-time restore of the shard:
+        `ShardRestores` in `shard_restore.py`)."""
         return self.data_dir / "wal-archive" / shard_id
-
-    def backups_dir(self, shard_id: str) -> Path:
-        """Where a shard's base backups (a folder and a `.json` record each) and the record of its
-        restore points (`restore-points.json`) are kept."""
-        return self.data_dir / "backups" / shard_id
-
-    def backup_shard(self, shard_id: str) -> Backup:
-        """Take a base backup of a shard's running PostgreSQL (`pg_basebackup`, plain format, fast
-        checkpoint) into `backups_dir(shard_id)`; the daemons keep serving meanwhile."""
-        with self._changing:
-            server = self._running_server(shard_id)
-            started_at = datetime.now(UTC)
-            label = started_at.strftime("%Y%m%dT%H%M%S.%fZ")
-            path = self.backups_dir(shard_id) / label
-            start_lsn, end_lsn, timeline = pitr.base_backup(server, path, f"shard-router {shard_id} {label}")
-            backup = Backup(
-                shard_id=shard_id,
-                label=label,
-                path=path,
-                started_at=started_at,
-                finished_at=datetime.now(UTC),
-                start_lsn=start_lsn,
-                end_lsn=end_lsn,
-                timeline=timeline,
-            )
-            pitr.write_json(path.with_name(f"{label}.json"), backup.to_json())
-        log.info("base backup of %s: %s", shard_id, path)
-        return backup
-
-    def backups(self, shard_id: str) -> list[Backup]:
-        """A shard's base backups, oldest first (read from the data directory: no cluster needs to
-        run)."""
-        folder = self.backups_dir(shard_id)
-        if not folder.is_dir():
-            return []
-        found = [
-            Backup.from_json(json.loads(record.read_text(encoding="utf-8")))
-            for record in folder.glob("*.json")
-            if record.name != _RESTORE_POINTS
-        ]
-        return sorted((b for b in found if b.path.is_dir()), key=lambda b: b.finished_at)
-
-    def prune_backups(self, shard_id: str, keep: int = 1) -> list[Backup]:
-        """Delete all but the newest `keep` base backups of a shard, and the archived WAL before
-        the oldest one kept (the archive is otherwise never trimmed); the backups deleted."""
-        if keep < 1:
-            raise ValueError("keep at least one base backup")
-        backups = self.backups(shard_id)
-        dropped, kept = backups[:-keep], backups[-keep:]
-        for backup in dropped:
-            shutil.rmtree(backup.path, ignore_errors=True)
-            backup.path.with_name(f"{backup.label}.json").unlink(missing_ok=True)
-        if kept and self.archive_dir(shard_id).is_dir():
-            oldest = min(kept, key=lambda b: pitr.lsn_value(b.start_lsn))
-            pitr.prune_archive(self.archive_dir(shard_id), oldest.start_lsn, oldest.timeline)
-        return dropped
-
-    def restore_point(self, shard_id: str, name: str) -> RestorePoint:
-        """Make a named restore point in a shard's WAL (`pg_create_restore_point`) and record it.
-
-        A restore to a name stops at the first point of that name in the history it replays:
-        give each point its own name (a second one of the same name is refused here)."""
-        with self._changing:
-            server = self._running_server(shard_id)
-            if any(p.name == name for p in self.restore_points(shard_id)):
-                raise ValueError(f"{shard_id} has a restore point named {name!r} already")
-            lsn, created_at, timeline = pitr.create_restore_point(server, name)
-            point = RestorePoint(
-                shard_id=shard_id, name=name, lsn=lsn, created_at=created_at, timeline=timeline
-            )
-            folder = self.backups_dir(shard_id)
-            folder.mkdir(parents=True, exist_ok=True)
-            pitr.write_json(
-                folder / _RESTORE_POINTS,
-                [p.to_json() for p in [*self.restore_points(shard_id), point]],
-            )
-        return point
-
-    def restore_points(self, shard_id: str) -> list[RestorePoint]:
-        """The restore points `restore_point` made on a shard, oldest first."""
-        record = self.backups_dir(shard_id) / _RESTORE_POINTS
-        if not record.exists():
-            return []
-        return [RestorePoint.from_json(raw) for raw in json.loads(record.read_text(encoding="utf-8"))]
-
-    def restore_shard(
-        self,
-        shard_id: str,
-        backup: Backup | None = None,
-        *,
-        target_name: str | None = None,
-        target_time: datetime | None = None,
-        timeout_s: float = 120.0,
-    ) -> RestoredShard:
-        """Restore one shard's database to a point in time, the other shards untouched.
-
-        Exactly one target: `target_name`, a restore point (`restore_point`), or `target_time`
-        (timezone-aware; every commit up to and including it is kept). `backup` defaults to the
-        newest base backup that ends before the target. The shard's daemons are stopped, its
-        PostgreSQL stopped, its data directory replaced with the backup, the WAL archive replayed
-        to the target (`recovery_target_action = 'promote'`), and the daemons started again once
-        it accepts writes. With `standby` the standby is made afresh from the restored primary.
-
-        The restored shard has forgotten everything after the target: its debits, its outbox, its
-        idempotency records (a retry of a key acknowledged after the target applies again) and the
-        credits it received, while the other shards keep theirs: what `shard-router reconcile`
-        finds and repairs. ValueError (nothing stopped) for a bad target or no fitting backup;
-        pitr.RestoreError when PostgreSQL could not reach the target: the shard then runs again
-        on the data it had.
-        """
-        started = time.monotonic()
-        if (target_name is None) == (target_time is None):
-            raise ValueError("restore to exactly one target: target_name or target_time")
-        if target_time is not None and target_time.tzinfo is None:
-            raise ValueError("target_time needs a time zone (datetime.now(UTC), say)")
-        with self._changing:
-            server = self._running_server(shard_id)
-            db = self.databases[self.shard_ids.index(shard_id)]
-            if isinstance(db, ReplicatedPostgres) and db.promoted:
-                raise ValueError(
-                    f"{shard_id}'s standby was promoted: restoring after a failover is not supported"
-                )
-            # Only what lies on the history the shard lives on now can be restored to: an earlier
-            # restore left the rest on an abandoned branch.
-            timeline = pitr.current_timeline(server)
-            history = pitr.timeline_history(self.archive_dir(shard_id), timeline, server.data_dir / "pg_wal")
-            point = next((p for p in self.restore_points(shard_id) if p.name == target_name), None)
-            if point is not None and not pitr.on_history(point.timeline, point.lsn, timeline, history):
-                raise ValueError(
-                    f"restore point {point.name!r} is on a history {shard_id} left when it was restored"
-                )
-            backup = backup or self._backup_before(shard_id, target_time, point, timeline, history)
-            if backup.shard_id != shard_id:
-                raise ValueError(f"backup {backup.label} is of {backup.shard_id}, not {shard_id}")
-            if not pitr.on_history(backup.timeline, backup.end_lsn, timeline, history):
-                raise ValueError(
-                    f"backup {backup.label} is on a history {shard_id} left when it was restored"
-                )
-            if target_time is not None and target_time < backup.finished_at:
-                raise ValueError(
-                    f"{target_time.isoformat()} is before backup {backup.label} was complete"
-                    f" ({backup.finished_at.isoformat()})"
-                )
-            if point is not None and pitr.lsn_value(point.lsn) < pitr.lsn_value(backup.end_lsn):
-                raise ValueError(f"restore point {point.name!r} is older than backup {backup.label}")
-            if target_time is not None:
-                pitr.end_with_a_commit_after(server, target_time)
-            daemons = self.daemons_of(shard_id)
-            for daemon in daemons:
-                daemon.stop()
-            try:
-                if isinstance(db, ReplicatedPostgres):
-                    db.standby.stop("fast")
-                    try:
-                        restored = pitr.restore(
-                            db.primary,
-                            backup.path,
-                            target_name=target_name,
-                            target_time=target_time,
-                            timeout_s=timeout_s,
-                        )
-                    except pitr.RestoreError:
-                        db.standby.start()
-                        raise
-                    db.rebuild_standby()
-                else:
-                    restored = pitr.restore(
-                        db, backup.path, target_name=target_name, target_time=target_time, timeout_s=timeout_s
-                    )
-            finally:
-                for daemon in daemons:
-                    daemon.start()
-        result = RestoredShard(
-            shard_id=shard_id,
-            backup=backup,
-            target_name=target_name,
-            target_time=target_time,
-            timeline=restored.timeline,
-            lsn=restored.lsn,
-            seconds=round(time.monotonic() - started, 1),
-        )
-        log.info("restored %s: %s", shard_id, result)
-        return result
 
     def shard_dsn(self, shard_id: str, database: str = "shardd") -> str:
         """The connection string of a shard's database (with `standby`, naming both servers)."""
+        return self._shard_database(shard_id).dsn_for(database)
+
+    @contextlib.contextmanager
+    def holding(self, shard_id: str) -> Iterator[LocalPostgres | ReplicatedPostgres]:
+        """A shard's PostgreSQL in the running cluster, held still for the block: no `add_shard`
+        and no `stop` runs until it ends (ValueError: no such shard; RuntimeError: not running)."""
+        with self._changing:
+            if self.router is None or self._stopping:
+                raise RuntimeError("the cluster is not running")
+            yield self._shard_database(shard_id)
+
+    def _shard_database(self, shard_id: str) -> LocalPostgres | ReplicatedPostgres:
         if shard_id not in self.shard_ids:
             raise ValueError(f"no shard {shard_id!r} (shards: {', '.join(self.shard_ids)})")
-        return self.databases[self.shard_ids.index(shard_id)].dsn_for(database)
-
-    def _running_server(self, shard_id: str) -> LocalPostgres:
-        """The server of a shard of the running cluster that accepts writes (ValueError: no such
-        shard; RuntimeError: not running)."""
-        if self.router is None or self._stopping:
-            raise RuntimeError("the cluster is not running")
-        if shard_id not in self.shard_ids:
-            raise ValueError(f"no shard {shard_id!r} (shards: {', '.join(self.shard_ids)})")
-        db = self.databases[self.shard_ids.index(shard_id)]
-        return db.current_primary if isinstance(db, ReplicatedPostgres) else db
-
-    def _backup_before(
-        self,
-        shard_id: str,
-        target_time: datetime | None,
-        point: RestorePoint | None,
-        timeline: int,
-        history: dict[int, int],
-    ) -> Backup:
-        """The newest base backup on the shard's current history a restore to the target can start
-        from."""
-        candidates = [
-            b for b in self.backups(shard_id) if pitr.on_history(b.timeline, b.end_lsn, timeline, history)
-        ]
-        if target_time is not None:
-            candidates = [b for b in candidates if b.finished_at <= target_time]
-        if point is not None:
-            candidates = [b for b in candidates if pitr.lsn_value(b.end_lsn) <= pitr.lsn_value(point.lsn)]
-        if not candidates:
-            raise ValueError(
-                f"{shard_id} has no base backup before the target; take one with backup_shard "
-                "(`shard-router dev backup`) before the point to restore to"
-            )
-        return candidates[-1]
+        return self.databases[self.shard_ids.index(shard_id)]
 
     def _migrate(self, daemon: Daemon) -> None:
         """`shardd migrate` on a daemon's database, logged to that daemon's log."""
@@ -695,11 +466,8 @@ def installed_command(name: str) -> list[str]:
 
 __all__ = [
     "AddedShard",
-    "Backup",
     "Daemon",
     "LocalCluster",
-    "RestorePoint",
-    "RestoredShard",
     "default_data_dir",
     "installed_command",
 ]

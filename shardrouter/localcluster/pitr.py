@@ -3,8 +3,9 @@
 `LocalPostgres.archive_dir`), replayed up to a named restore point (`pg_create_restore_point`) or
 a time, then promoted.
 
-The cluster-level API (`LocalCluster.backup_shard`, `restore_point`, `restore_shard`) stops and
-restarts a shard's daemons around these; this module knows only the server.
+The cluster-level API (`ShardRestores` in `shard_restore.py`: `backup_shard`, `restore_point`,
+`restore_shard`) stops and restarts a shard's daemons around these; this module knows only the
+server.
 
 Restoring, as PostgreSQL's manual describes it: the server is stopped cleanly; its data directory
 is set aside (not deleted until the restore has succeeded: a failed restore puts it back and starts
@@ -295,50 +296,19 @@ def restore(
         raise ValueError("the target time needs a time zone (UTC, say)")
     if server.archive_dir is None:
         raise ValueError(f"the server of {server.data_dir} has no WAL archive")
-    archive_dir = server.archive_dir
+    recovery = _recovery_settings(server.archive_dir, target_name, target_time)
     data = server.data_dir
     aside = data.with_name(data.name + SET_ASIDE_SUFFIX)
     server.stop("fast")
-    if aside.exists():  # left by a restore that was killed: the data it set aside is the real one
-        if (data / "PG_VERSION").exists() and not (data / "recovery.signal").exists():
-            shutil.rmtree(aside)
-        else:
-            shutil.rmtree(data, ignore_errors=True)
-            os.replace(aside, data)
+    _take_back_set_aside(data, aside)
     os.replace(data, aside)
     try:
-        shutil.copytree(backup_path, data, symlinks=True)
-        os.chmod(data, 0o700)
-        (data / "backup_manifest").unlink(missing_ok=True)
-        _carry_unarchived_wal(aside / "pg_wal", data / "pg_wal", archive_dir)
-        with contextlib.suppress(FileNotFoundError):  # one log across restores
-            os.replace(aside / "server.log", data / "server.log")
-        command = f"cp {shlex.quote(str(archive_dir))}/%f %p"
-        recovery = {
-            "restore_command": command,
-            "recovery_target_action": "promote",
-        }
-        if target_name is not None:
-            recovery["recovery_target_name"] = target_name
-        else:
-            assert target_time is not None
-            recovery["recovery_target_time"] = target_time.astimezone(UTC).isoformat(sep=" ")
-        _set_recovery(data / "postgresql.auto.conf", recovery)
-        (data / "recovery.signal").touch()
-        if server._user is not None:
-            for path in [data, *data.rglob("*")]:
-                os.lchown(path, server._user.pw_uid, server._user.pw_gid)
+        _lay_out_backup(server, backup_path, aside, recovery)
         server.start(timeout_s)
         restored = _wait_promoted(server, timeout_s)
     except BaseException as exc:
         log_tail = _tail(data / "server.log")
-        server.stop("immediate")
-        if (data / "server.log").exists() and not (aside / "server.log").exists():
-            with contextlib.suppress(OSError):
-                os.replace(data / "server.log", aside / "server.log")
-        shutil.rmtree(data, ignore_errors=True)
-        os.replace(aside, data)
-        server.start()
+        _put_back(server, aside)
         if isinstance(exc, Exception):
             raise RestoreError(
                 f"restoring {data} failed, it runs on its earlier data again: {exc}\n"
@@ -348,6 +318,65 @@ def restore(
     _set_recovery(data / "postgresql.auto.conf", {})
     shutil.rmtree(aside, ignore_errors=True)
     return restored
+
+
+def _recovery_settings(
+    archive_dir: Path, target_name: str | None, target_time: datetime | None
+) -> dict[str, str]:
+    """What `postgresql.auto.conf` says for a replay of `archive_dir` to the target, then promotion."""
+    recovery = {
+        "restore_command": f"cp {shlex.quote(str(archive_dir))}/%f %p",
+        "recovery_target_action": "promote",
+    }
+    if target_name is not None:
+        recovery["recovery_target_name"] = target_name
+    else:
+        assert target_time is not None
+        recovery["recovery_target_time"] = target_time.astimezone(UTC).isoformat(sep=" ")
+    return recovery
+
+
+def _take_back_set_aside(data: Path, aside: Path) -> None:
+    """Where a restore that was killed left data set aside, the set-aside data is the real one
+    unless the data directory holds a complete, promoted server."""
+    if not aside.exists():
+        return
+    if (data / "PG_VERSION").exists() and not (data / "recovery.signal").exists():
+        shutil.rmtree(aside)
+    else:
+        shutil.rmtree(data, ignore_errors=True)
+        os.replace(aside, data)
+
+
+def _lay_out_backup(server: LocalPostgres, backup_path: Path, aside: Path, recovery: dict[str, str]) -> None:
+    """The backup copied into the (moved away) data directory, with the old server's unarchived
+    WAL, its log, the recovery settings and `recovery.signal`, owned by the server's user."""
+    data = server.data_dir
+    assert server.archive_dir is not None
+    shutil.copytree(backup_path, data, symlinks=True)
+    os.chmod(data, 0o700)
+    (data / "backup_manifest").unlink(missing_ok=True)
+    _carry_unarchived_wal(aside / "pg_wal", data / "pg_wal", server.archive_dir)
+    with contextlib.suppress(FileNotFoundError):  # one log across restores
+        os.replace(aside / "server.log", data / "server.log")
+    _set_recovery(data / "postgresql.auto.conf", recovery)
+    (data / "recovery.signal").touch()
+    if server._user is not None:
+        for path in [data, *data.rglob("*")]:
+            os.lchown(path, server._user.pw_uid, server._user.pw_gid)
+
+
+def _put_back(server: LocalPostgres, aside: Path) -> None:
+    """After a failed restore: the server stopped, the set-aside data (with the log, which tells
+    what went wrong) in its place again, and the server started on it."""
+    data = server.data_dir
+    server.stop("immediate")
+    if (data / "server.log").exists() and not (aside / "server.log").exists():
+        with contextlib.suppress(OSError):
+            os.replace(data / "server.log", aside / "server.log")
+    shutil.rmtree(data, ignore_errors=True)
+    os.replace(aside, data)
+    server.start()
 
 
 def prune_archive(archive_dir: Path, oldest_start_lsn: str, timeline: int) -> int:

@@ -23,6 +23,7 @@ from shardrouter.core.shardmap import load_shard_map
 from shardrouter.localcluster import cli, pitr
 from shardrouter.localcluster.cluster import LocalCluster
 from shardrouter.localcluster.postgres import ReplicatedPostgres, free_port
+from shardrouter.localcluster.shard_restore import ShardRestores
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.helpers import pg_data_dir
 
@@ -145,6 +146,7 @@ def _balance(stub: transfer_pb2_grpc.TransferServiceStub, account: str) -> int:
 def test_a_shard_restored_to_a_restore_point_has_exactly_what_was_committed_before_it(
     cluster: LocalCluster, stub: transfer_pb2_grpc.TransferServiceStub
 ) -> None:
+    restores = ShardRestores(cluster)
     alice, bob = _accounts_on(cluster, "shard-0", "pitr-a", 2)
     (carol,) = _accounts_on(cluster, "shard-1", "pitr-a", 1)
     _deposit(stub, alice, 10_000)
@@ -153,22 +155,22 @@ def test_a_shard_restored_to_a_restore_point_has_exactly_what_was_committed_befo
     # Before a first base backup, WAL is of no use to a restore: completed segments are not kept.
     _switch_wal_and_wait_archived(cluster, "shard-0")
     assert not _archived_segments(cluster, "shard-0")
-    backup = cluster.backup_shard("shard-0")
+    backup = restores.backup_shard("shard-0")
     assert backup.path.is_dir() and backup.timeline >= 1
-    assert cluster.backups("shard-0")[-1] == backup
+    assert restores.backups("shard-0")[-1] == backup
 
     before = [_transfer(stub, alice, bob, 100) for _ in range(3)]
     at_point = _rows(cluster, "shard-0")
-    point = cluster.restore_point("shard-0", "drill-before-more")
-    assert cluster.restore_points("shard-0")[-1] == point
+    point = restores.restore_point("shard-0", "drill-before-more")
+    assert restores.restore_points("shard-0")[-1] == point
     after = [_transfer(stub, alice, bob, 1000) for _ in range(2)]
     _deposit(stub, alice, 7)
     _deposit(stub, carol, 5)  # the other shard moves on too
     assert _rows(cluster, "shard-0") != at_point
-    late = cluster.backup_shard("shard-0")  # newer than the point: not one to restore it from
+    late = restores.backup_shard("shard-0")  # newer than the point: not one to restore it from
     other_rows, other_started = _rows(cluster, "shard-1"), _server_started(cluster, "shard-1")
 
-    restored = cluster.restore_shard("shard-0", target_name=point.name)
+    restored = restores.restore_shard("shard-0", target_name=point.name)
     print(f"restored shard-0 in {restored.seconds} s (timeline {restored.timeline})")
     assert restored.backup == backup, "the newest backup before the point"
 
@@ -187,15 +189,16 @@ def test_a_shard_restored_to_a_restore_point_has_exactly_what_was_committed_befo
     assert _balance(stub, carol) == 505
     # What the restore abandoned cannot be restored to any more: refused before anything stops.
     with pytest.raises(ValueError, match="on a history shard-0 left when it was restored"):
-        cluster.restore_shard("shard-0", late, target_time=datetime.now(UTC))
+        restores.restore_shard("shard-0", late, target_time=datetime.now(UTC))
 
 
 def test_a_shard_restored_to_a_time_keeps_the_commits_up_to_it_on_its_new_timeline(
     cluster: LocalCluster, stub: transfer_pb2_grpc.TransferServiceStub
 ) -> None:
+    restores = ShardRestores(cluster)
     (dora,) = _accounts_on(cluster, "shard-1", "pitr-t", 1)
     _deposit(stub, dora, 100)
-    backup = cluster.backup_shard("shard-1")
+    backup = restores.backup_shard("shard-1")
     kept = _deposit(stub, dora, 20)
     with psycopg.connect(_dsn(cluster, "shard-1"), autocommit=True) as conn:
         row = conn.execute("SELECT clock_timestamp()").fetchone()  # after the commit of `kept`
@@ -203,9 +206,9 @@ def test_a_shard_restored_to_a_time_keeps_the_commits_up_to_it_on_its_new_timeli
     target: datetime = row[0]
     lost = _deposit(stub, dora, 3)  # committed after `target`
     with pytest.raises(ValueError, match="before backup"):
-        cluster.restore_shard("shard-1", backup, target_time=backup.finished_at - timedelta(seconds=1))
+        restores.restore_shard("shard-1", backup, target_time=backup.finished_at - timedelta(seconds=1))
 
-    restored = cluster.restore_shard("shard-1", target_time=target)  # the newest backup before it
+    restored = restores.restore_shard("shard-1", target_time=target)  # the newest backup before it
 
     assert restored.backup == backup
     keys = _keys(cluster, "shard-1")
@@ -215,36 +218,38 @@ def test_a_shard_restored_to_a_time_keeps_the_commits_up_to_it_on_its_new_timeli
     # A time after the last commit keeps everything (no commit follows it in the WAL); a time
     # still to come is refused before anything stops.
     with pytest.raises(ValueError, match="has not passed yet"):
-        cluster.restore_shard("shard-1", target_time=datetime.now(UTC) + timedelta(hours=1))
+        restores.restore_shard("shard-1", target_time=datetime.now(UTC) + timedelta(hours=1))
     everything = _rows(cluster, "shard-1")
-    cluster.restore_shard("shard-1", target_time=datetime.now(UTC))
+    restores.restore_shard("shard-1", target_time=datetime.now(UTC))
     assert _rows(cluster, "shard-1") == everything
 
 
 def test_bad_targets_are_refused_before_anything_stops(cluster: LocalCluster) -> None:
+    restores = ShardRestores(cluster)
     started = _server_started(cluster, "shard-0")
     with pytest.raises(ValueError, match="exactly one target"):
-        cluster.restore_shard("shard-0")
+        restores.restore_shard("shard-0")
     with pytest.raises(ValueError, match="exactly one target"):
-        cluster.restore_shard("shard-0", target_name="x", target_time=datetime.now(UTC))
+        restores.restore_shard("shard-0", target_name="x", target_time=datetime.now(UTC))
     with pytest.raises(ValueError, match="time zone"):
-        cluster.restore_shard("shard-0", target_time=datetime.now())
+        restores.restore_shard("shard-0", target_time=datetime.now())
     with pytest.raises(ValueError, match="no shard 'shard-9'"):
-        cluster.restore_shard("shard-9", target_name="x")
+        restores.restore_shard("shard-9", target_name="x")
     with pytest.raises(ValueError, match="no base backup before the target"):
-        cluster.restore_shard("shard-0", target_time=datetime(2000, 1, 1, tzinfo=UTC))
+        restores.restore_shard("shard-0", target_time=datetime(2000, 1, 1, tzinfo=UTC))
     assert _server_started(cluster, "shard-0") == started
 
 
 def test_an_unreachable_target_leaves_the_shard_on_the_data_it_had(
     cluster: LocalCluster, stub: transfer_pb2_grpc.TransferServiceStub
 ) -> None:
+    restores = ShardRestores(cluster)
     (erin,) = _accounts_on(cluster, "shard-0", "pitr-u", 1)
-    cluster.backup_shard("shard-0")
+    restores.backup_shard("shard-0")
     _deposit(stub, erin, 42)
     rows = _rows(cluster, "shard-0")
     with pytest.raises(pitr.RestoreError, match="runs on its earlier data again"):
-        cluster.restore_shard("shard-0", target_name="no-such-point")
+        restores.restore_shard("shard-0", target_name="no-such-point")
     assert _rows(cluster, "shard-0") == rows
     assert _balance(stub, erin) == 42  # and its daemons serve
     assert not list(cluster.data_dir.glob(f"*{pitr.SET_ASIDE_SUFFIX}"))
@@ -253,6 +258,7 @@ def test_an_unreachable_target_leaves_the_shard_on_the_data_it_had(
 def test_the_dev_commands_back_up_mark_and_restore_through_the_running_cluster(
     cluster: LocalCluster, stub: transfer_pb2_grpc.TransferServiceStub, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    restores = ShardRestores(cluster)
     (fred,) = _accounts_on(cluster, "shard-1", "pitr-c", 1)
     controls = cli._serve_controls(cluster)
     assert controls is not None
@@ -271,14 +277,14 @@ def test_the_dev_commands_back_up_mark_and_restore_through_the_running_cluster(
         out = capsys.readouterr().out
         assert "Restored shard-1 from backup" in out and "reconcile" in out
         assert _balance(stub, fred) == 30
-        newest = cluster.backup_shard("shard-1")
+        newest = restores.backup_shard("shard-1")
         assert cli.main(["backups", "shard-1", *where]) == 0
         listed = capsys.readouterr().out
         assert "restore point 'cli-point'" in listed and listed.count("backup ") >= 2
         # Trimming: the newest backup stays, older ones and the WAL before it go.
         assert cli.main(["backups", "shard-1", "--keep", "1", *where]) == 0
         assert "deleted backup" in capsys.readouterr().out
-        assert cluster.backups("shard-1") == [newest]
+        assert restores.backups("shard-1") == [newest]
         first_kept = pitr._segment_name(newest.start_lsn, newest.timeline)
         segments = [n for n in _archived_segments(cluster, "shard-1") if not n.endswith(".history")]
         assert segments and all(n[8:24] >= first_kept[8:] for n in segments), (first_kept, segments)
@@ -298,15 +304,16 @@ def test_with_a_standby_the_standby_is_made_afresh_from_the_restored_primary() -
         metrics=False,
     )
     cluster.start()
+    restores = ShardRestores(cluster)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{cluster.router_port}") as channel:
             stub = transfer_pb2_grpc.TransferServiceStub(channel)
             _deposit(stub, "gus", 5)
-            cluster.backup_shard("shard-0")
+            restores.backup_shard("shard-0")
             _deposit(stub, "gus", 10)
-            cluster.restore_point("shard-0", "standby-drill")
+            restores.restore_point("shard-0", "standby-drill")
             _deposit(stub, "gus", 100)
-            restored = cluster.restore_shard("shard-0", target_name="standby-drill")
+            restored = restores.restore_shard("shard-0", target_name="standby-drill")
             print(f"restored shard-0 with its standby in {restored.seconds} s")
             assert _balance(stub, "gus") == 15
             _deposit(stub, "gus", 1)  # a synchronous commit: the new standby acknowledges it

@@ -11,9 +11,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-import pytest
-
 from shardrouter.localcluster.cluster import LocalCluster
+from shardrouter.localcluster.shard_restore import ShardRestores
 from tests.reconcile.drive import (
     Bank,
     Load,
@@ -35,8 +34,6 @@ def _ids(dsn: str, query: str) -> set[uuid.UUID]:
 
 
 def test_restore_one_shard_then_reconcile_and_repair() -> None:
-    if not hasattr(LocalCluster, "restore_shard"):
-        pytest.skip("the local cluster has no point-in-time restore of a shard (LocalCluster.restore_shard)")
     with running_cluster() as cluster:
         bank = Bank(cluster)
         try:
@@ -47,14 +44,15 @@ def test_restore_one_shard_then_reconcile_and_repair() -> None:
 
 def _drill(cluster: LocalCluster, bank: Bank) -> None:
     a, b = cluster.shard_ids
+    restores = ShardRestores(cluster)
     accounts = bank.open_accounts("drill", 4)
     load = Load(bank, accounts)
     load.start()
     try:
         load.wait_for(20)
-        cluster.backup_shard(a)
+        restores.backup_shard(a)
         load.wait_for(20)
-        cluster.restore_point(a, "drill")
+        restores.restore_point(a, "drill")
         load.wait_for(40)  # acknowledged after the point: shard A will forget its part of these
     finally:
         load.stop()
@@ -62,7 +60,7 @@ def _drill(cluster: LocalCluster, bank: Bank) -> None:
     settle(cluster)  # every credit delivered before the restore
     made = set(load.made)
     databases = dsns(cluster)
-    cluster.restore_shard(a, target_name="drill")
+    restores.restore_shard(a, target_name="drill")
     settle(cluster)  # A's relay re-sends what it had queued at the point; B replays those
 
     # What the restore took, read from the databases: transfers A made after the point (their credits
