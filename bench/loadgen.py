@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.procstat import Tracked, sample
 from bench.results import CellResult
@@ -143,6 +144,33 @@ def run_load(
     watcher = threading.Thread(target=watch_stderr, daemon=True)
     watcher.start()
     timeout_s = warmup_s + duration_s + spec.deadline_ms / 1000 + spec.wait_ms / 1000 + 30
+    stdout, max_rss_kb = _wait_for_exit(proc, timeout_s)
+    watcher.join(5)
+    if proc.returncode != 0 or not stdout.strip():
+        raise RuntimeError(f"load generator failed ({proc.returncode}): {''.join(stderr_lines)[-2000:]}")
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    start = samples.get("window-start")
+    end = samples.get("window-end") or sample(tracked)
+    cpu = {name: end[name] - start[name] for name in end} if start else {}
+    cpu["client"] = float(summary["cpu_s"])
+    errors, extra = _errors_and_extra(summary, spec)
+    return CellResult(
+        scenario=scenario,
+        concurrency=concurrency,
+        ok=int(summary.get("ops", summary["ok"])),
+        errors=errors,
+        throughput=float(summary["throughput"]),
+        latency={k: float(v) for k, v in summary["latency"].items()},
+        window_s=float(summary["window_s"]),
+        cpu_s=cpu,
+        peak_rss_kb={t.name: t.peak_kb() for t in tracked} | {"client": max_rss_kb},
+        extra=extra,
+    )
+
+
+def _wait_for_exit(proc: subprocess.Popen[str], timeout_s: float) -> tuple[str, int]:
+    """(its standard output, its peak RSS in KiB) once the generator has exited; killed with its
+    process group if it has not within `timeout_s`."""
     stdout = ""
     try:
         assert proc.stdout is not None
@@ -160,15 +188,12 @@ def run_load(
         if proc.returncode is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-    watcher.join(5)
-    if proc.returncode != 0 or not stdout.strip():
-        raise RuntimeError(f"load generator failed ({proc.returncode}): {''.join(stderr_lines)[-2000:]}")
-    summary = json.loads(stdout.strip().splitlines()[-1])
-    start = samples.get("window-start")
-    end = samples.get("window-end") or sample(tracked)
-    cpu = {name: end[name] - start[name] for name in end} if start else {}
-    cpu["client"] = float(summary["cpu_s"])
-    extra = {k: summary[k] for k in ("credit_lag", "transfer_latency") if k in summary}
+    return stdout, int(rusage.ru_maxrss)
+
+
+def _errors_and_extra(summary: dict[str, Any], spec: LoadSpec) -> tuple[dict[str, int], dict[str, Any]]:
+    """The cell's errors by status, and what else the generator's summary reports."""
+    extra: dict[str, Any] = {k: summary[k] for k in ("credit_lag", "transfer_latency") if k in summary}
     errors = {str(k): int(v) for k, v in summary["errors"].items()}
     if summary.get("protocol") == "http":
         # 200/201 (`ok`) and 409 (`conflicts`) come apart from the other statuses; whichever of the
@@ -178,15 +203,4 @@ def run_load(
             errors["409"] = int(summary["conflicts"])
         elif spec.expect != "OK" and summary["ok"]:
             errors["2xx"] = int(summary["ok"])
-    return CellResult(
-        scenario=scenario,
-        concurrency=concurrency,
-        ok=int(summary.get("ops", summary["ok"])),
-        errors=errors,
-        throughput=float(summary["throughput"]),
-        latency={k: float(v) for k, v in summary["latency"].items()},
-        window_s=float(summary["window_s"]),
-        cpu_s=cpu,
-        peak_rss_kb={t.name: t.peak_kb() for t in tracked} | {"client": int(rusage.ru_maxrss)},
-        extra=extra,
-    )
+    return errors, extra

@@ -349,27 +349,7 @@ def run_pgbench(
     assert system.pg is not None
     logdir = system.workdir / "pgbench" / f"{scenario}-c{concurrency}"
     logdir.mkdir(parents=True, exist_ok=True)
-    base = [
-        pgbench_binary(),
-        "-n",
-        "-M",
-        "prepared",
-        "-h",
-        "127.0.0.1",
-        "-p",
-        str(system.pg.port),
-        "-U",
-        "postgres",
-        "-c",
-        str(concurrency),
-        "-j",
-        str(min(concurrency, 2)),
-        "-f",
-        str(script),
-        "-D",
-        f"naccounts={naccounts}",
-        "--max-tries=10",
-    ]
+    base = _pgbench_command(system.pg.port, concurrency, script, naccounts)
     if warmup_s > 0:
         _run(
             [*base, "-T", str(max(1, round(warmup_s))), database],
@@ -387,15 +367,7 @@ def run_pgbench(
     )
     wall = time.monotonic() - started
     after = sample(tracked)
-    latencies: list[float] = []
-    failed = 0
-    for log_file in logdir.glob("tx.*"):
-        for line in log_file.read_text().splitlines():
-            fields = line.split()
-            if len(fields) >= 3 and fields[2].isdigit():
-                latencies.append(int(fields[2]) / 1000)
-            elif len(fields) >= 3:
-                failed += 1
+    latencies, failed = _transaction_log(logdir)
     tps = re.search(r"tps = ([\d.]+) \(without initial connection time\)", out)
     throughput = float(tps.group(1)) if tps else len(latencies) / max(duration_s, 1e-9)
     return CellResult(
@@ -409,6 +381,47 @@ def run_pgbench(
         cpu_s={name: after[name] - before[name] for name in before} | {"client": rusage},
         peak_rss_kb={t.name: t.peak_kb() for t in tracked} | {"client": maxrss},
     )
+
+
+def _pgbench_command(port: int, concurrency: int, script: Path, naccounts: int) -> list[str]:
+    """pgbench with `script` at `concurrency` against the server on `port` (prepared statements,
+    retrying serialization failures), without its duration and database."""
+    return [
+        pgbench_binary(),
+        "-n",
+        "-M",
+        "prepared",
+        "-h",
+        "127.0.0.1",
+        "-p",
+        str(port),
+        "-U",
+        "postgres",
+        "-c",
+        str(concurrency),
+        "-j",
+        str(min(concurrency, 2)),
+        "-f",
+        str(script),
+        "-D",
+        f"naccounts={naccounts}",
+        "--max-tries=10",
+    ]
+
+
+def _transaction_log(logdir: Path) -> tuple[list[float], int]:
+    """From pgbench's per-transaction logs: the latencies (ms) of the transactions that succeeded,
+    and how many failed."""
+    latencies: list[float] = []
+    failed = 0
+    for log_file in logdir.glob("tx.*"):
+        for line in log_file.read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 3 and fields[2].isdigit():
+                latencies.append(int(fields[2]) / 1000)
+            elif len(fields) >= 3:
+                failed += 1
+    return latencies, failed
 
 
 def _run(cmd: list[str], out_path: Path, timeout_s: float) -> tuple[float, int, str]:

@@ -31,10 +31,14 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
+
+if TYPE_CHECKING:
+    from shardrouter.localcluster.postgres import LocalPostgres
+    from shardrouter.shardd.server import ShardDaemon
 
 VARIANTS = ("default", "full", "index")
 ACCOUNTS = 64
@@ -146,65 +150,88 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from shardrouter.localcluster.postgres import LocalPostgres
-    from shardrouter.shardd.server import start_shard
-    from shardrouter.shardd.settings import ShardSettings
 
-    figures: dict[tuple[str, str], list[float]] = {
-        (v, m): [] for v in VARIANTS for m in ("Deposit", "Transfer")
-    }
     with tempfile.TemporaryDirectory(prefix="bench-wal-") as work:
         postgres = LocalPostgres(Path(work) / "pg")
         postgres.start()
-        daemons = {}
+        daemons: dict[str, ShardDaemon] = {}
         admin = psycopg.connect(postgres.dsn_for("postgres"), autocommit=True)
-        # Nothing but the calls' own records may be counted: no autovacuum, no timed checkpoint, and
-        # no full-page images (the first change of a page after a checkpoint logs the whole page,
-        # whatever the identity: with 64 accounts' index leaves that swung a cell by 20 %).
-        admin.execute("ALTER SYSTEM SET autovacuum = off")
-        admin.execute("ALTER SYSTEM SET checkpoint_timeout = '1h'")
-        admin.execute("ALTER SYSTEM SET full_page_writes = off")
-        admin.execute("SELECT pg_reload_conf()")
+        _count_only_the_calls(admin)
         try:
             for variant in VARIANTS:
-                postgres.create_database(f"wal_{variant}")
-                settings = ShardSettings(
-                    dsn=postgres.dsn_for(f"wal_{variant}"),
-                    listen="127.0.0.1:0",
-                    metrics_port=0,
-                    dev_mode=True,
-                    relay_workers=0,
-                    max_in_flight=64,
-                    max_waiting=64,
-                    workers=136,
-                )
-                daemons[variant] = start_shard(settings)
-                with psycopg.connect(postgres.dsn_for(f"wal_{variant}"), autocommit=True) as conn:
-                    apply_identity(conn, variant)
-                address = f"127.0.0.1:{daemons[variant].port}"
-                for account in range(ACCOUNTS):  # funds for the transfers
-                    _calls_one_deposit(address, f"wal-{account}")
-            for number in range(1, args.rounds + 1):
-                order = list(VARIANTS) if number % 2 else list(reversed(VARIANTS))
-                for variant in order:
-                    address = f"127.0.0.1:{daemons[variant].port}"
-                    for method in ("Deposit", "Transfer"):
-                        figures[(variant, method)].append(
-                            _cell(admin, address, method, args.calls, args.threads)
-                        )
-                print(
-                    f"round {number}: "
-                    + "; ".join(
-                        f"{v} {figures[(v, 'Deposit')][-1]:.0f} / {figures[(v, 'Transfer')][-1]:.0f}"
-                        for v in VARIANTS
-                    )
-                    + " WAL bytes per Deposit / Transfer",
-                    flush=True,
-                )
+                daemons[variant] = _variant_shard(postgres, variant)
+            figures = _measure(admin, {v: f"127.0.0.1:{d.port}" for v, d in daemons.items()}, args)
         finally:
             admin.close()
             for daemon in daemons.values():
                 daemon.stop(1.0)
             postgres.destroy()
+    _print_medians(figures, args)
+    return 0
+
+
+def _count_only_the_calls(admin: psycopg.Connection[Any]) -> None:
+    """Nothing but the calls' own records may be counted: no autovacuum, no timed checkpoint, and
+    no full-page images (the first change of a page after a checkpoint logs the whole page,
+    whatever the identity: with 64 accounts' index leaves that swung a cell by 20 %)."""
+    admin.execute("ALTER SYSTEM SET autovacuum = off")
+    admin.execute("ALTER SYSTEM SET checkpoint_timeout = '1h'")
+    admin.execute("ALTER SYSTEM SET full_page_writes = off")
+    admin.execute("SELECT pg_reload_conf()")
+
+
+def _variant_shard(postgres: LocalPostgres, variant: str) -> ShardDaemon:
+    """A shard daemon on a database of its own with the variant's replica identity, its accounts
+    funded for the transfers."""
+    from shardrouter.shardd.server import start_shard
+    from shardrouter.shardd.settings import ShardSettings
+
+    postgres.create_database(f"wal_{variant}")
+    settings = ShardSettings(
+        dsn=postgres.dsn_for(f"wal_{variant}"),
+        listen="127.0.0.1:0",
+        metrics_port=0,
+        dev_mode=True,
+        relay_workers=0,
+        max_in_flight=64,
+        max_waiting=64,
+        workers=136,
+    )
+    daemon = start_shard(settings)
+    with psycopg.connect(postgres.dsn_for(f"wal_{variant}"), autocommit=True) as conn:
+        apply_identity(conn, variant)
+    for account in range(ACCOUNTS):
+        _calls_one_deposit(f"127.0.0.1:{daemon.port}", f"wal-{account}")
+    return daemon
+
+
+def _measure(
+    admin: psycopg.Connection[Any], addresses: dict[str, str], args: argparse.Namespace
+) -> dict[tuple[str, str], list[float]]:
+    """(variant, method) -> WAL bytes per call of each round; every other round in reverse order."""
+    figures: dict[tuple[str, str], list[float]] = {
+        (v, m): [] for v in VARIANTS for m in ("Deposit", "Transfer")
+    }
+    for number in range(1, args.rounds + 1):
+        order = list(VARIANTS) if number % 2 else list(reversed(VARIANTS))
+        for variant in order:
+            for method in ("Deposit", "Transfer"):
+                figures[(variant, method)].append(
+                    _cell(admin, addresses[variant], method, args.calls, args.threads)
+                )
+        print(
+            f"round {number}: "
+            + "; ".join(
+                f"{v} {figures[(v, 'Deposit')][-1]:.0f} / {figures[(v, 'Transfer')][-1]:.0f}"
+                for v in VARIANTS
+            )
+            + " WAL bytes per Deposit / Transfer",
+            flush=True,
+        )
+    return figures
+
+
+def _print_medians(figures: dict[tuple[str, str], list[float]], args: argparse.Namespace) -> None:
     print(
         f"\nWAL bytes per call, median of {args.rounds} rounds of {args.calls} calls ({args.threads} in flight);"
     )
@@ -222,7 +249,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{statistics.median(figures[(variant, method)]):>9.0f} {statistics.median(ratios):>10.3f}"
             )
         print(f"{variant:<10} {' '.join(cells)}")
-    return 0
 
 
 def _calls_one_deposit(address: str, account: str) -> None:

@@ -15,7 +15,6 @@ Round trips and statements per call: the round-trips cells (bench/run.py, bench/
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,96 +69,68 @@ REPLAY_DB_TARGET = 3.0  # best replay-db / best shard-deposit, at least
 CROSS_SHARD_P50_TARGET_MS = 50.0  # cross-shard p50 until the credit landed, at most
 
 
+#: The targets that are one best row's throughput over another's: (name, numerator row, denominator
+#: row, at least this share, how the share is shown).
+_RATIO_TARGETS: tuple[tuple[str, str, str, float, str], ...] = (
+    ("shard directly vs the one-statement limit", "shard-deposit", "pgbench-limit", SHARD_SHARE_TARGET, "%"),
+    ("through the router vs the limit", "router-deposit", "pgbench-limit", ROUTER_SHARE_TARGET, "%"),
+    ("replay (memory) vs first apply", "replay-memory", "shard-deposit", REPLAY_MEMORY_TARGET, "x"),
+    ("replay (database) vs first apply", "replay-db", "shard-deposit", REPLAY_DB_TARGET, "x"),
+    *(
+        (f"HTTP vs gRPC through the router: {http_row} / {grpc_row}", http_row, grpc_row, HTTP_TARGET, "%")
+        for http_row, grpc_row in HTTP_PAIRS.items()
+    ),
+)
+
+
 def targets(result: RunResult) -> list[Target]:
     """The performance targets (replay counted twice: from memory and from the database; HTTP against
     gRPC through the router twice: deposit and replay)."""
-    out: list[Target] = []
+    return [
+        *(_ratio_target(result, *spec) for spec in _RATIO_TARGETS),
+        _interceptor_target(result),
+        _round_trips_target(result),
+        _cross_shard_target(result),
+        _growth_target(result),
+    ]
 
-    def ratio(name: str, num: str, den: str, required: str, test: Callable[[float], bool], fmt: str) -> None:
-        a, b = best(result, num), best(result, den)
-        if a is None or b is None or b.throughput == 0:
-            out.append(Target(name, "not measured", required, None))
-            return
-        value = a.throughput / b.throughput
-        figure = (
-            fmt.format(value=value)
-            + f" ({a.throughput:.0f} @c{a.concurrency} / {b.throughput:.0f} @c{b.concurrency})"
-        )
-        out.append(Target(name, figure, required, test(value)))
 
-    ratio(
-        "shard directly vs the one-statement limit",
-        "shard-deposit",
-        "pgbench-limit",
-        f">= {SHARD_SHARE_TARGET:.0%}",
-        lambda v: v >= SHARD_SHARE_TARGET,
-        "{value:.0%}",
-    )
-    ratio(
-        "through the router vs the limit",
-        "router-deposit",
-        "pgbench-limit",
-        f">= {ROUTER_SHARE_TARGET:.0%}",
-        lambda v: v >= ROUTER_SHARE_TARGET,
-        "{value:.0%}",
-    )
-    ratio(
-        "replay (memory) vs first apply",
-        "replay-memory",
-        "shard-deposit",
-        f">= {REPLAY_MEMORY_TARGET:g}x",
-        lambda v: v >= REPLAY_MEMORY_TARGET,
-        "{value:.2f}x",
-    )
-    ratio(
-        "replay (database) vs first apply",
-        "replay-db",
-        "shard-deposit",
-        f">= {REPLAY_DB_TARGET:g}x",
-        lambda v: v >= REPLAY_DB_TARGET,
-        "{value:.2f}x",
-    )
-    for http_row, grpc_row in HTTP_PAIRS.items():
-        ratio(
-            f"HTTP vs gRPC through the router: {http_row} / {grpc_row}",
-            http_row,
-            grpc_row,
-            f">= {HTTP_TARGET:.0%}",
-            lambda v: v >= HTTP_TARGET,
-            "{value:.0%}",
-        )
+def _ratio_target(result: RunResult, name: str, num: str, den: str, least: float, shown: str) -> Target:
+    """Best `num` over best `den`, at least `least`; `shown` "%" as a percentage, "x" as a factor."""
+    required = f">= {least:.0%}" if shown == "%" else f">= {least:g}x"
+    a, b = best(result, num), best(result, den)
+    if a is None or b is None or b.throughput == 0:
+        return Target(name, "not measured", required, None)
+    value = a.throughput / b.throughput
+    figure = f"{value:.0%}" if shown == "%" else f"{value:.2f}x"
+    figure += f" ({a.throughput:.0f} @c{a.concurrency} / {b.throughput:.0f} @c{b.concurrency})"
+    return Target(name, figure, required, value >= least)
+
+
+def _interceptor_target(result: RunResult) -> Target:
+    name = "interceptor overhead vs the same handler without idempotency"
+    required = f"<= {INTERCEPTOR_TARGET:.0%}"
     a, b = best(result, "shard-deposit"), best(result, "noidem-deposit")
-    interceptor = "interceptor overhead vs the same handler without idempotency"
-    if a and b and b.throughput:
-        overhead = 1 - a.throughput / b.throughput
-        out.append(
-            Target(
-                interceptor,
-                f"{overhead:.0%} ({a.throughput:.0f} vs {b.throughput:.0f} ops/s at best)",
-                f"<= {INTERCEPTOR_TARGET:.0%}",
-                overhead <= INTERCEPTOR_TARGET,
-            )
-        )
-    else:
-        out.append(Target(interceptor, "not measured", f"<= {INTERCEPTOR_TARGET:.0%}", None))
-    out.append(_round_trips_target(result))
-    out.append(_cross_shard_target(result))
+    if not (a and b and b.throughput):
+        return Target(name, "not measured", required, None)
+    overhead = 1 - a.throughput / b.throughput
+    figure = f"{overhead:.0%} ({a.throughput:.0f} vs {b.throughput:.0f} ops/s at best)"
+    return Target(name, figure, required, overhead <= INTERCEPTOR_TARGET)
+
+
+def _growth_target(result: RunResult) -> Target:
     growth = sorted(result.growth, key=lambda g: g["size"])
-    if len(growth) >= 2 and growth[0]["throughput"]:
-        first, last = growth[0], growth[-1]
-        change = last["throughput"] / first["throughput"] - 1
-        p99_change = last["p99_ms"] / first["p99_ms"] - 1 if first["p99_ms"] else 0.0
-        out.append(
-            Target(
-                f"flat from {first['size']:,} to {last['size']:,} keys",
-                f"throughput {change:+.0%}, p99 {p99_change:+.0%}",
-                "within 10%",
-                abs(change) <= 0.10,
-            )
-        )
-    else:
-        out.append(Target("flat from an empty key table to 10M rows", "not measured", "within 10%", None))
-    return out
+    if len(growth) < 2 or not growth[0]["throughput"]:
+        return Target("flat from an empty key table to 10M rows", "not measured", "within 10%", None)
+    first, last = growth[0], growth[-1]
+    change = last["throughput"] / first["throughput"] - 1
+    p99_change = last["p99_ms"] / first["p99_ms"] - 1 if first["p99_ms"] else 0.0
+    return Target(
+        f"flat from {first['size']:,} to {last['size']:,} keys",
+        f"throughput {change:+.0%}, p99 {p99_change:+.0%}",
+        "within 10%",
+        abs(change) <= 0.10,
+    )
 
 
 def round_trip_figures(result: RunResult, row: str) -> dict[str, Any] | None:
@@ -211,16 +182,21 @@ def _stand(result: RunResult, cell: CellResult) -> str:
     top = best(result, cell.scenario)
     if top is None or top is not cell:
         return ""
+    for stand in (_stand_against_target, _stand_in_round_trips, _stand_beside_others):
+        said = stand(result, cell)
+        if said is not None:
+            return said
+    return "best"
+
+
+def _stand_against_target(result: RunResult, cell: CellResult) -> str | None:
+    """A best row that has a target of its own: how far it is."""
     limit = best(result, "pgbench-limit")
     first = best(result, "shard-deposit")
-    if cell.scenario == "shard-deposit" and limit:
+    if cell.scenario in ("shard-deposit", "router-deposit") and limit:
         share = cell.throughput / limit.throughput
-        return (
-            f"best; {share:.0%} of limit (>={SHARD_SHARE_TARGET:.0%}: {_status(share >= SHARD_SHARE_TARGET)})"
-        )
-    if cell.scenario == "router-deposit" and limit:
-        share = cell.throughput / limit.throughput
-        return f"best; {share:.0%} of limit (>={ROUTER_SHARE_TARGET:.0%}: {_status(share >= ROUTER_SHARE_TARGET)})"
+        least = SHARD_SHARE_TARGET if cell.scenario == "shard-deposit" else ROUTER_SHARE_TARGET
+        return f"best; {share:.0%} of limit (>={least:.0%}: {_status(share >= least)})"
     if cell.scenario in ("replay-memory", "replay-db") and first:
         times = cell.throughput / first.throughput
         target = REPLAY_MEMORY_TARGET if cell.scenario == "replay-memory" else REPLAY_DB_TARGET
@@ -231,36 +207,43 @@ def _stand(result: RunResult, cell: CellResult) -> str:
             f"best; interceptor costs {overhead:.0%}"
             f" (<={INTERCEPTOR_TARGET:.0%}: {_status(overhead <= INTERCEPTOR_TARGET)})"
         )
-    figures = cell.extra.get("round_trips")
-    if figures:
-        stmts = figures.get("statements_per_call")
-        return f"{figures['round_trips_per_call']:.2f} round trips" + (
-            f", {stmts:.2f} statements per call" if stmts is not None else " per call"
+    grpc = best(result, HTTP_PAIRS[cell.scenario]) if cell.scenario in HTTP_PAIRS else None
+    if grpc:
+        share = cell.throughput / grpc.throughput
+        return (
+            f"best; {share:.0%} of {HTTP_PAIRS[cell.scenario]}"
+            f" (>={HTTP_TARGET:.0%}: {_status(share >= HTTP_TARGET)})"
         )
+    return None
+
+
+def _stand_in_round_trips(_result: RunResult, cell: CellResult) -> str | None:
+    """A round-trips row: what it counted per call."""
+    figures = cell.extra.get("round_trips")
+    if not figures:
+        return None
+    stmts = figures.get("statements_per_call")
+    return f"{figures['round_trips_per_call']:.2f} round trips" + (
+        f", {stmts:.2f} statements per call" if stmts is not None else " per call"
+    )
+
+
+def _stand_beside_others(result: RunResult, cell: CellResult) -> str | None:
+    """A best row without a target: beside the row it is read against, or what its ops are."""
+    first = best(result, "shard-deposit")
     if cell.scenario == "shard-deposit-nopipeline" and first:
         return f"best; {cell.throughput / first.throughput:.2f}x the pipelined shard"
     if cell.scenario == "pgbench-deposit" and first:
         return f"best; shard reaches {first.throughput / cell.throughput:.0%} of it"
-    if cell.scenario in HTTP_PAIRS:
-        grpc = best(result, HTTP_PAIRS[cell.scenario])
-        if grpc:
-            share = cell.throughput / grpc.throughput
-            return (
-                f"best; {share:.0%} of {HTTP_PAIRS[cell.scenario]}"
-                f" (>={HTTP_TARGET:.0%}: {_status(share >= HTTP_TARGET)})"
-            )
-    if cell.scenario == "router-replay":
-        router_first = best(result, "router-deposit")
-        if router_first:
-            return f"best; {cell.throughput / router_first.throughput:.2f}x router-deposit"
-    if cell.scenario == "conflict":
-        return "best; ops = ABORTED answers"
-    if cell.scenario == "http-conflict":
-        return "best; ops = 409 answers"
+    router_first = best(result, "router-deposit")
+    if cell.scenario == "router-replay" and router_first:
+        return f"best; {cell.throughput / router_first.throughput:.2f}x router-deposit"
     if cell.scenario == "cross-shard":
         lag = cell.extra.get("credit_lag", {})
         return f"best; latency = until credit landed; lag after OK p50 {lag.get('p50_ms', 0):.0f} ms"
-    return "best"
+    return {"conflict": "best; ops = ABORTED answers", "http-conflict": "best; ops = 409 answers"}.get(
+        cell.scenario
+    )
 
 
 HEADER = [

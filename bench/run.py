@@ -196,6 +196,15 @@ def _machine(system: BenchSystem) -> dict[str, Any]:
     }
 
 
+#: Scenarios that are new-key Deposits on the accounts of shard a, sent to this process.
+_DEPOSIT_TARGETS = {
+    "shard-deposit": "shard-a",
+    "shard-deposit-nopipeline": "shard-a-nopipeline",
+    "noidem-deposit": "noidem",
+    "router-deposit": "router",
+}
+
+
 class _Cells:
     """The scenario runners; they share the system, the options and the result being filled."""
 
@@ -350,66 +359,67 @@ class _Cells:
 
     def grpc_rows(self, scenario: str) -> None:
         """Every concurrency of one load-generator scenario (gRPC, or HTTP for the http-* rows)."""
+        if scenario in ("conflict", "http-conflict"):
+            self._conflict_rows(scenario)
+            return
+        spec = self._load_spec(scenario)
+        for c in self.options.concurrencies:
+            self._load(scenario, spec, c)
+
+    def _load_spec(self, scenario: str) -> LoadSpec:
+        """What the load generator sends for a scenario (all but the conflict rows)."""
         system = self.system
         accounts = system.accounts_file("a")
-        concurrencies = self.options.concurrencies
-        if scenario == "shard-deposit":
-            spec = LoadSpec(self._address("shard-a"), accounts=accounts)
-        elif scenario == "shard-deposit-nopipeline":
-            spec = LoadSpec(self._address("shard-a-nopipeline"), accounts=accounts)
-        elif scenario == "shard-transfer":
-            spec = LoadSpec(self._address("shard-a"), method="transfer", accounts=accounts, amount=1)
-        elif scenario == "noidem-deposit":
-            spec = LoadSpec(self._address("noidem"), accounts=accounts)
-        elif scenario == "router-deposit":
-            spec = LoadSpec(self._address("router"), accounts=accounts)
-        elif scenario == "http-deposit":
-            spec = LoadSpec(system.router_http_address, accounts=accounts, protocol="http")
-        elif scenario == "router-replay":
-            spec = LoadSpec(self._address("router"), keys=f"list:{self._router_replay_list()}")
-        elif scenario == "http-replay":
-            spec = LoadSpec(
+        if scenario in _DEPOSIT_TARGETS:
+            return LoadSpec(self._address(_DEPOSIT_TARGETS[scenario]), accounts=accounts)
+        if scenario == "shard-transfer":
+            return LoadSpec(self._address("shard-a"), method="transfer", accounts=accounts, amount=1)
+        if scenario == "http-deposit":
+            return LoadSpec(system.router_http_address, accounts=accounts, protocol="http")
+        if scenario == "router-replay":
+            return LoadSpec(self._address("router"), keys=f"list:{self._router_replay_list()}")
+        if scenario == "http-replay":
+            return LoadSpec(
                 system.router_http_address, keys=f"list:{self._router_replay_list()}", protocol="http"
             )
-        elif scenario in ("replay-memory", "replay-db"):
+        if scenario in ("replay-memory", "replay-db"):
             target = "shard-a" if scenario == "replay-memory" else "shard-a-nocache"
-            spec = LoadSpec(self._address(target), keys=f"list:{self._replay_list()}")
-        elif scenario == "cross-shard":
-            spec = LoadSpec(
+            return LoadSpec(self._address(target), keys=f"list:{self._replay_list()}")
+        if scenario == "cross-shard":
+            return LoadSpec(
                 self._address("router"),
                 method="transfer_e2e",
                 accounts=accounts,
                 dst_accounts=system.accounts_file("b"),
                 amount=1,
             )
-        elif scenario in ("conflict", "http-conflict"):
-            with self._key_in_flight() as key:
-                hot = system.workdir / "hot.json"
-                hot.write_text(json.dumps([system.hot_account]))
-                if scenario == "conflict":
-                    spec = LoadSpec(
-                        self._address("shard-a"),
-                        keys=f"fixed:{key}",
-                        accounts=hot,
-                        amount=1,
-                        expect="ABORTED",
-                    )
-                else:  # through the router's HTTP front, which answers the shard's ABORTED as 409
-                    spec = LoadSpec(
-                        system.router_http_address,
-                        keys=f"fixed:{key}",
-                        accounts=hot,
-                        amount=1,
-                        expect="409",
-                        protocol="http",
-                    )
-                for c in concurrencies:
-                    self._load(scenario, spec, c)
-            return
-        else:
-            raise ValueError(f"unknown scenario {scenario}")
-        for c in concurrencies:
-            self._load(scenario, spec, c)
+        raise ValueError(f"unknown scenario {scenario}")
+
+    def _conflict_rows(self, scenario: str) -> None:
+        """Every concurrency of a conflict row: calls on one key that is held in flight meanwhile."""
+        system = self.system
+        with self._key_in_flight() as key:
+            hot = system.workdir / "hot.json"
+            hot.write_text(json.dumps([system.hot_account]))
+            if scenario == "conflict":
+                spec = LoadSpec(
+                    self._address("shard-a"),
+                    keys=f"fixed:{key}",
+                    accounts=hot,
+                    amount=1,
+                    expect="ABORTED",
+                )
+            else:  # through the router's HTTP front, which answers the shard's ABORTED as 409
+                spec = LoadSpec(
+                    system.router_http_address,
+                    keys=f"fixed:{key}",
+                    accounts=hot,
+                    amount=1,
+                    expect="409",
+                    protocol="http",
+                )
+            for c in self.options.concurrencies:
+                self._load(scenario, spec, c)
 
     # --- round trips and statements per call -------------------------------------------------------
 

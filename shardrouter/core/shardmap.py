@@ -229,33 +229,9 @@ def parse_shard_map(raw: object, *, source: str) -> ShardMap:
     shards: list[Shard] = []
     ranges: list[tuple[int, int, int]] = []
     for index, entry in enumerate(entries):
-        where = f"shards[{index}]"
-        if not isinstance(entry, dict):
-            raise fail(f"{where} must be a mapping with id, address (or addresses), slot_ranges")
-        shard_id = entry.get("id")
-        if not isinstance(shard_id, str) or not is_shard_id(shard_id):
-            raise fail(f"{where}.id must be a lower-case DNS label such as shard-0")
-        if shard_id in RESERVED_SHARD_IDS:
-            raise fail(f"{where}.id {shard_id!r} is reserved (the router's metrics use it for no shard)")
-        if any(s.id == shard_id for s in shards):
-            raise fail(f"{where}.id {shard_id!r} appears twice")
-        addresses = _addresses(entry, where, fail)
-        shard_ranges = entry.get("slot_ranges")
-        # Empty: a shard that owns nothing yet (just added) or any more (moved out), still reachable.
-        if not isinstance(shard_ranges, list):
-            raise fail(f"{where}.slot_ranges must be a list of [first, last] pairs (empty: owns no slot)")
-        for pair in shard_ranges:
-            if (
-                not isinstance(pair, list)
-                or len(pair) != 2
-                or not all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
-                or not 0 <= pair[0] <= pair[1] < slots
-            ):
-                raise fail(
-                    f"{where}.slot_ranges entry {pair!r} must be [first, last] with 0 <= first <= last < {slots}"
-                )
-            ranges.append((pair[0], pair[1], index))
-        shards.append(Shard(id=shard_id, addresses=addresses))
+        shard, its_ranges = _shard_entry(entry, f"shards[{index}]", slots, [s.id for s in shards], fail)
+        shards.append(shard)
+        ranges += [(first, last, index) for first, last in its_ranges]
     owners: dict[str, str] = {}
     for shard in shards:
         for address in shard.addresses:
@@ -263,6 +239,46 @@ def parse_shard_map(raw: object, *, source: str) -> ShardMap:
                 raise fail(f"address {address} is given to both {owners[address]} and {shard.id}")
             owners[address] = shard.id
     ranges.sort()
+    _check_every_slot_owned_once(ranges, slots, shards, fail)
+    return ShardMap(slots=slots, shards=tuple(shards), ranges=tuple(ranges), version=version)
+
+
+def _shard_entry(
+    entry: object, where: str, slots: int, taken_ids: list[str], fail: Callable[[str], ShardMapError]
+) -> tuple[Shard, list[tuple[int, int]]]:
+    """One entry of `shards`: the shard and its slot ranges, each checked on its own (and its id
+    against the ids of the entries before it)."""
+    if not isinstance(entry, dict):
+        raise fail(f"{where} must be a mapping with id, address (or addresses), slot_ranges")
+    shard_id = entry.get("id")
+    if not isinstance(shard_id, str) or not is_shard_id(shard_id):
+        raise fail(f"{where}.id must be a lower-case DNS label such as shard-0")
+    if shard_id in RESERVED_SHARD_IDS:
+        raise fail(f"{where}.id {shard_id!r} is reserved (the router's metrics use it for no shard)")
+    if shard_id in taken_ids:
+        raise fail(f"{where}.id {shard_id!r} appears twice")
+    addresses = _addresses(entry, where, fail)
+    shard_ranges = entry.get("slot_ranges")
+    # Empty: a shard that owns nothing yet (just added) or any more (moved out), still reachable.
+    if not isinstance(shard_ranges, list):
+        raise fail(f"{where}.slot_ranges must be a list of [first, last] pairs (empty: owns no slot)")
+    for pair in shard_ranges:
+        if (
+            not isinstance(pair, list)
+            or len(pair) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
+            or not 0 <= pair[0] <= pair[1] < slots
+        ):
+            raise fail(
+                f"{where}.slot_ranges entry {pair!r} must be [first, last] with 0 <= first <= last < {slots}"
+            )
+    return Shard(id=shard_id, addresses=addresses), [(pair[0], pair[1]) for pair in shard_ranges]
+
+
+def _check_every_slot_owned_once(
+    ranges: list[tuple[int, int, int]], slots: int, shards: list[Shard], fail: Callable[[str], ShardMapError]
+) -> None:
+    """The sorted (first, last, shard index) ranges cover 0..slots-1 without a gap or an overlap."""
     expected = 0
     for start, end, index in ranges:
         if start < expected:
@@ -272,7 +288,6 @@ def parse_shard_map(raw: object, *, source: str) -> ShardMap:
         expected = end + 1
     if expected != slots:
         raise fail(f"slots {expected}..{slots - 1} are owned by no shard")
-    return ShardMap(slots=slots, shards=tuple(shards), ranges=tuple(ranges), version=version)
 
 
 def _addresses(entry: dict[str, Any], where: str, fail: Callable[[str], ShardMapError]) -> tuple[str, ...]:
