@@ -178,7 +178,12 @@ def write_shard_map(path: str | Path, shard_map: ShardMap) -> None:
         os.close(folder)
 
 
-def update_shard_map(path: str | Path, change: Callable[[ShardMap], ShardMap | None]) -> ShardMap:
+#: How a writer makes the next map from the one in force (None: that one says enough already);
+#: what every store of the map, a file or a ConfigMap, publishes by compare-and-swap.
+ShardMapChange = Callable[[ShardMap], ShardMap | None]
+
+
+def update_shard_map(path: str | Path, change: ShardMapChange) -> ShardMap:
     """Read the map, let `change` make the next one (None: no change), write it; the map in force.
 
     Writers of one file (a move's commit, a shard being added) take turns on an exclusive lock of
@@ -313,6 +318,7 @@ __all__ = [
     "RESERVED_SHARD_IDS",
     "Shard",
     "ShardMap",
+    "ShardMapChange",
     "ShardMapError",
     "account_hash",
     "even_shard_map",

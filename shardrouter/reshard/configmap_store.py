@@ -16,9 +16,8 @@ import logging
 import yaml
 
 from shardrouter.core.kube_configmap import ConfigMapConflict, ConfigMapError, KubeConfigMaps
-from shardrouter.core.shardmap import ShardMap, ShardMapError, shard_map_document
+from shardrouter.core.shardmap import ShardMap, ShardMapChange, ShardMapError, shard_map_document
 from shardrouter.core.shardmap_watch import ConfigMapSpec, parse_configmap_spec, shard_map_from_configmap
-from shardrouter.reshard.map_store import MapChange
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ class ConfigMapStore:
             raise ShardMapError(f"shard map {self.where}: {exc}") from exc
         return shard_map_from_configmap(found.data, self.spec)
 
-    def publish(self, change: MapChange) -> ShardMap:
+    def publish(self, change: ShardMapChange) -> ShardMap:
         """Read, `change`, replace if unchanged meanwhile, else again (at most `max_attempts` times);
         the map published afterwards. MapPublishError when every attempt met another writer,
         ShardMapError for any other failure (a replace that timed out may still have landed: the next

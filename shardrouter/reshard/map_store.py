@@ -15,17 +15,13 @@ when the published one already says enough (a newer map, or this change already 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from shardrouter.core.shardmap import ShardMap, load_shard_map, update_shard_map
+from shardrouter.core.shardmap import ShardMap, ShardMapChange, load_shard_map, update_shard_map
 
 #: How a map store is named on the command line when it is a ConfigMap.
 CONFIGMAP_PREFIX = "configmap:"
-
-MapChange = Callable[[ShardMap], ShardMap | None]
-
 
 class MapStore(Protocol):
     """The published shard map: read it, or replace it by compare-and-swap."""
@@ -39,7 +35,7 @@ class MapStore(Protocol):
         """The published map (ShardMapError if there is none or it is bad)."""
         ...
 
-    def publish(self, change: MapChange) -> ShardMap:
+    def publish(self, change: ShardMapChange) -> ShardMap:
         """Read the published map, let `change` make the next one (None: no change), write it if
         nobody wrote meanwhile (else read again and repeat); the map published afterwards."""
         ...
@@ -60,7 +56,7 @@ class FileMapStore:
         """The map in the file."""
         return load_shard_map(self.path)
 
-    def publish(self, change: MapChange) -> ShardMap:
+    def publish(self, change: ShardMapChange) -> ShardMap:
         """Replace the file under its lock (`update_shard_map`)."""
         return update_shard_map(self.path, change)
 
@@ -76,4 +72,4 @@ def map_store_from(spec: str | Path) -> MapStore:
     return FileMapStore(Path(text))
 
 
-__all__ = ["CONFIGMAP_PREFIX", "FileMapStore", "MapChange", "MapStore", "map_store_from"]
+__all__ = ["CONFIGMAP_PREFIX", "FileMapStore", "MapStore", "map_store_from"]

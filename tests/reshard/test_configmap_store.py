@@ -12,9 +12,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardrouter.core.shardmap import Shard, ShardMap, ShardMapError, even_shard_map, shard_map_document
+from shardrouter.core.shardmap import (
+    Shard,
+    ShardMap,
+    ShardMapChange,
+    ShardMapError,
+    even_shard_map,
+    shard_map_document,
+)
 from shardrouter.reshard.configmap_store import ConfigMapStore, MapPublishError
-from shardrouter.reshard.map_store import MapChange, map_store_from
+from shardrouter.reshard.map_store import map_store_from
 from tests.kube_fake import FakeKube, fake_kube
 
 NS, NAME, KEY = "shard-router", "shard-map", "shard-map.yaml"
@@ -48,7 +55,7 @@ def test_concurrent_publishes_both_land_in_turn(kube: FakeKube) -> None:
     both_read = threading.Barrier(2, timeout=5)
     calls: dict[str, int] = {"shard-2": 0, "shard-3": 0}
 
-    def adding(shard_id: str, port: int) -> MapChange:
+    def adding(shard_id: str, port: int) -> ShardMapChange:
         def change(current: ShardMap) -> ShardMap | None:
             calls[shard_id] += 1
             if current.shard_by_id(shard_id) is not None:
