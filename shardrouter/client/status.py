@@ -17,6 +17,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from shardrouter.core.errors import RETRY_PUSHBACK_TRAILER
 from shardrouter.core.wire import DETAILS_TRAILER, MetadataEntry
+from shardrouter.core.wire_names import REPLAYED_TRAILER, REPLAYED_VALUE
 
 __all__ = [
     "DETAILS_TRAILER",
@@ -29,8 +30,6 @@ __all__ = [
     "trailer",
     "was_replayed",
 ]
-
-REPLAYED_TRAILER = "idempotency-replayed"
 
 Trailers = Iterable[MetadataEntry]
 
@@ -109,4 +108,4 @@ def was_replayed(trailers: Trailers | None) -> bool:
     value = trailer(trailers, REPLAYED_TRAILER)
     if isinstance(value, bytes):
         value = value.decode("ascii", "replace")
-    return value is not None and value.lower() == "true"
+    return value is not None and value.lower() == REPLAYED_VALUE

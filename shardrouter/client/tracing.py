@@ -25,6 +25,7 @@ from opentelemetry.trace import Link, SpanKind
 
 from shardrouter.client.operation import Operation
 from shardrouter.core import tracing
+from shardrouter.core.wire_names import KEY_ATTRIBUTE
 
 MetadataPairs = tuple[tuple[str, str], ...]
 
@@ -58,7 +59,7 @@ class AttemptSpans:
             attributes={
                 "rpc.system": "grpc",
                 "rpc.method": self.method,
-                "idempotency.key": self.operation.idempotency_key,
+                KEY_ATTRIBUTE: self.operation.idempotency_key,
                 "operation.id": self.operation.id,
                 "shardrouter.client.attempt": self._count,
             },
@@ -95,7 +96,7 @@ class OperationTracer:
             "shardrouter.client.operation",
             kind=SpanKind.INTERNAL,
             attributes={
-                "idempotency.key": operation.idempotency_key,
+                KEY_ATTRIBUTE: operation.idempotency_key,
                 "operation.id": operation.id,
                 "operation.kind": str(operation.kind),
             },

@@ -30,9 +30,8 @@ from typing import Any
 
 from shardrouter.core.errors import InvalidArgument, Reason
 from shardrouter.core.wire import MetadataEntry
+from shardrouter.core.wire_names import CALLER_METADATA
 
-#: The metadata entry through which a trusted proxy (the router, a shard's relay) names its caller.
-CALLER_METADATA = "x-caller-id"
 #: Longest caller name. SPIFFE allows IDs of up to 2048 bytes, but every key's scope (`method|caller`)
 #: is stored in each idempotency record and its primary key, and travels in every forwarded call's
 #: metadata: 512 holds any Kubernetes SPIFFE ID of a sensible trust domain

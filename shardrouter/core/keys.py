@@ -28,8 +28,8 @@ from datetime import UTC, datetime
 from uuid import UUID
 
 from shardrouter.core.errors import InvalidArgument, Reason
+from shardrouter.core.wire_names import KEY_METADATA
 
-KEY_METADATA = "idempotency-key"
 #: The longest key accepted (an opaque key; a UUID has 36 characters).
 MAX_KEY_LENGTH = 255
 KEY_FORMAT_HINT = (

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardrouter.core.wire_names import KEY_ATTRIBUTE, OUTCOME_ATTRIBUTE, OutcomeKind
 from shardrouter.localcluster.postgres import free_port
 
 #: Environment for Phoenix: loopback only, nothing phoning home, no agent features.
@@ -187,7 +188,7 @@ def replay_spans(ui_url: str, project: str, key: str, *, timeout_s: float) -> li
     deadline = time.monotonic() + timeout_s
     while True:
         spans = phoenix_spans(
-            ui_url, project, attributes={"idempotency.key": key, "idempotency.outcome": "replay"}
+            ui_url, project, attributes={KEY_ATTRIBUTE: key, OUTCOME_ATTRIBUTE: OutcomeKind.REPLAY}
         )
         if spans or time.monotonic() >= deadline:
             return spans

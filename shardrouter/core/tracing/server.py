@@ -24,6 +24,7 @@ from shardrouter.core.keys import KEY_METADATA
 from shardrouter.core.tracing.propagation import MetadataEntry, extract_trace_context
 from shardrouter.core.tracing.provider import get_tracer
 from shardrouter.core.tracing.spans import rpc_attributes, set_rpc_status, span_name
+from shardrouter.core.wire_names import KEY_ATTRIBUTE
 
 if TYPE_CHECKING:
     AioServerInterceptorBase = grpc.aio.ServerInterceptor[Any, Any]
@@ -56,7 +57,7 @@ class _CallSpan:
         ) as span:
             key = next((v for k, v in metadata if k == KEY_METADATA and isinstance(v, str)), None)
             if key is not None:
-                span.set_attribute("idempotency.key", key)
+                span.set_attribute(KEY_ATTRIBUTE, key)
             yield span
 
     @staticmethod

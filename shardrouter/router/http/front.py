@@ -64,11 +64,24 @@ from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from shardrouter.core import tls, tracing
-from shardrouter.core.callers import CALLER_METADATA, certificate_identity
+from shardrouter.core.callers import certificate_identity
 from shardrouter.core.errors import NotFound, Reason, ShardRouterError
-from shardrouter.core.keys import KEY_METADATA
 from shardrouter.core.rpcs import PUBLIC_SERVICE, RpcDeclaration, rpc
 from shardrouter.core.wire import MetadataEntry
+from shardrouter.core.wire_names import (
+    CALLER_HEADER,
+    CALLER_METADATA,
+    EXPIRES_AT_TRAILER,
+    IDEMPOTENCY_KEY_HEADER,
+    KEY_METADATA,
+    LOCATION_HEADER,
+    OUTCOME_ATTRIBUTE,
+    OUTCOME_TRAILER,
+    REPLAYED_HEADER,
+    REPLAYED_TRAILER,
+    REPLAYED_VALUE,
+    OutcomeKind,
+)
 from shardrouter.router.forwarding import Forwarder, Outcome
 from shardrouter.router.http.idempotency_header import IdempotencyKeyHeaderError, parse_idempotency_key
 from shardrouter.router.http.json_mapping import (
@@ -85,6 +98,7 @@ from shardrouter.router.http.problems import (
     PROBLEM_CONTENT_TYPE,
     REASON_ROWS,
     HttpProblem,
+    http_only_problem,
     problem_from_error,
     problem_from_trailers,
 )
@@ -97,7 +111,6 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "HTTP_ONLY_CODES",
-    "REPLAYED_HEADER",
     "UNKNOWN_METHOD",
     "HttpCall",
     "HttpFront",
@@ -105,11 +118,7 @@ __all__ = [
     "start_http_server",
 ]
 
-REPLAYED_HEADER = "Idempotent-Replayed"
 _JSON = "application/json"
-_REPLAYED_TRAILER = "idempotency-replayed"
-_OUTCOME_TRAILER = "idempotency-outcome"
-_EXPIRES_TRAILER = "idempotency-expires-at"
 _TRACE_HEADERS = ("traceparent", "tracestate")
 _GET_BALANCE = rpc(PUBLIC_SERVICE, "GetBalance")
 #: Accounts whose currency the front remembers (for compact transfers that name none).
@@ -183,19 +192,13 @@ def _refusal_code(reason: str) -> grpc.StatusCode:
 
 def _http_refusal(status: int, title: str, detail: str, reason: str) -> _Refusal:
     """A refusal of the front's own (408, 413, 415, 431, a repeated X-Caller-Id), with its code."""
-    return _Refusal(_http_problem(status, title, detail, reason), _refusal_code(reason))
-
-
-def _http_problem(status: int, title: str, detail: str, reason: str) -> HttpProblem:
-    """A refusal that exists only in HTTP (no gRPC status says it): 408, 413, 415, 431."""
-    body = {"type": f"about:blank#{reason.lower()}", "title": title, "status": status, "detail": detail, "reason": reason}
-    return HttpProblem(status, (), body)
+    return _Refusal(http_only_problem(status, title, detail, reason), _refusal_code(reason))
 
 
 def _problem_response(problem: HttpProblem, replayed: bool = False) -> Response:
     headers = dict(problem.headers)
     if replayed:
-        headers[REPLAYED_HEADER] = "true"
+        headers[REPLAYED_HEADER] = REPLAYED_VALUE
     return Response(problem.body_bytes(), problem.status, headers, media_type=PROBLEM_CONTENT_TYPE)
 
 
@@ -317,7 +320,7 @@ class HttpFront:
     async def _http_exception(self, request: Request, error: HTTPException) -> Response:
         # Unknown paths (404) and verbs (405) answer problem+json like every other refusal.
         reason = "NO_SUCH_ROUTE" if error.status_code == 404 else "METHOD_NOT_ALLOWED"
-        problem = _http_problem(
+        problem = http_only_problem(
             error.status_code,
             "Not Found" if error.status_code == 404 else "Method Not Allowed",
             f"{request.method} {request.url.path}: {error.detail}; see /openapi.json for the routes",
@@ -344,12 +347,15 @@ class HttpFront:
             )
         metadata: list[MetadataEntry] = []
         if keyed:
-            metadata.append((KEY_METADATA, parse_idempotency_key(request.headers.getlist("idempotency-key"))))
-        callers = request.headers.getlist("x-caller-id")
+            key = parse_idempotency_key(request.headers.getlist(IDEMPOTENCY_KEY_HEADER))  # any letter case
+            metadata.append((KEY_METADATA, key))
+        callers = request.headers.getlist(CALLER_HEADER)
         if len(callers) == 1:
             metadata.append((CALLER_METADATA, callers[0]))
         elif callers:
-            raise _http_refusal(400, "Bad Request", "X-Caller-Id is given more than once", Reason.INVALID_CALLER)
+            raise _http_refusal(
+                400, "Bad Request", f"{CALLER_HEADER} is given more than once", Reason.INVALID_CALLER
+            )
         if not self.traced:  # traced: the forwarding span carries the trace on
             metadata += [(h, v) for h in _TRACE_HEADERS for v in request.headers.getlist(h)[:1]]
         return HttpCall(
@@ -438,20 +444,20 @@ class HttpFront:
     # --- the answer ---------------------------------------------------------------------------------
 
     def _answer(self, declaration: RpcDeclaration, outcome: Outcome) -> Response:
-        replayed = _trailer(outcome.trailing_metadata, _REPLAYED_TRAILER) == "true"
+        replayed = _trailer(outcome.trailing_metadata, REPLAYED_TRAILER) == REPLAYED_VALUE
         if outcome.code is not grpc.StatusCode.OK or outcome.response is None:
             problem = problem_from_trailers(outcome.code, outcome.details, outcome.trailing_metadata)
             return _problem_response(problem, replayed)
         response = declaration.response_type.FromString(outcome.response)
         headers: dict[str, str] = {}
         if replayed:
-            headers[REPLAYED_HEADER] = "true"
+            headers[REPLAYED_HEADER] = REPLAYED_VALUE
         status = 200
         if declaration.keyed:
             status = 201
             location = created_location(declaration, response)
             if location is not None:
-                headers["Location"] = location
+                headers[LOCATION_HEADER] = location
         return Response(message_to_json_bytes(response), status, headers, media_type=_JSON)
 
     # --- tracing ------------------------------------------------------------------------------------
@@ -477,7 +483,7 @@ class HttpFront:
             record_exception=False,
             set_status_on_exception=False,
         ) as span:
-            keys = request.headers.getlist("idempotency-key")
+            keys = request.headers.getlist(IDEMPOTENCY_KEY_HEADER)
             if len(keys) == 1:
                 span.set_attribute("idempotency.key.header", keys[0][:300])
             yield span
@@ -490,8 +496,8 @@ class HttpFront:
         if outcome is not None:
             kind = _outcome_kind(outcome)
             if kind:
-                span.set_attribute("idempotency.outcome", kind)
-                if kind != "new":
+                span.set_attribute(OUTCOME_ATTRIBUTE, str(kind))
+                if kind != OutcomeKind.NEW:
                     span.add_event(f"idempotency.{kind}")
         if response.status_code >= 500:
             span.set_status(Status(StatusCode.ERROR, f"HTTP {response.status_code}"))
@@ -500,13 +506,13 @@ class HttpFront:
 
 def _outcome_kind(outcome: Outcome) -> str | None:
     """The shard's idempotency outcome of a keyed call (as its span names it), from the trailers."""
-    refused = _trailer(outcome.trailing_metadata, _OUTCOME_TRAILER)
-    if refused:  # in_flight, key_reused, expired, ...
+    refused = _trailer(outcome.trailing_metadata, OUTCOME_TRAILER)
+    if refused:  # in_flight, key_reused, expired, ... (passed on as sent: a newer shard may say more)
         return refused
-    if _trailer(outcome.trailing_metadata, _REPLAYED_TRAILER) == "true":
-        return "replay"
-    if _trailer(outcome.trailing_metadata, _EXPIRES_TRAILER) is not None:  # only keyed calls carry it
-        return "new"
+    if _trailer(outcome.trailing_metadata, REPLAYED_TRAILER) == REPLAYED_VALUE:
+        return OutcomeKind.REPLAY
+    if _trailer(outcome.trailing_metadata, EXPIRES_AT_TRAILER) is not None:  # only keyed calls carry it
+        return OutcomeKind.NEW
     return None
 
 
@@ -573,7 +579,7 @@ class _Protocol(HttpToolsProtocol):
         self._headers_due = None
         if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
             return  # a request is being answered: its own limits apply
-        body = _http_problem(
+        body = http_only_problem(
             408,
             "Request Timeout",
             f"the request's headers did not arrive within {self.header_timeout_s:g} s",

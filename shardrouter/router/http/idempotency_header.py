@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from shardrouter.core.errors import FieldViolation, InvalidArgument, Reason
+from shardrouter.core.keys import MAX_KEY_LENGTH
+from shardrouter.core.wire_names import IDEMPOTENCY_KEY_HEADER
 
 __all__ = [
     "IDEMPOTENCY_KEY_HEADER",
@@ -40,11 +42,9 @@ __all__ = [
     "parse_idempotency_key",
 ]
 
-IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
-MAX_KEY_LENGTH = 255
-
 _HINT = (
-    "send exactly one Idempotency-Key header holding 1-255 visible ASCII characters, as a quoted string "
+    f"send exactly one {IDEMPOTENCY_KEY_HEADER} header holding 1-{MAX_KEY_LENGTH} visible ASCII characters, "
+    "as a quoted string "
     '("0192d1a8-7c1e-7b3a-9f2e-3c4d5e6f7a8b") or bare (0192d1a8-7c1e-7b3a-9f2e-3c4d5e6f7a8b), '
     "generated once per operation and sent unchanged on every retry"
 )
@@ -58,7 +58,7 @@ class IdempotencyKeyHeaderError(ValueError):
 
     def __init__(self, problem: str) -> None:
         self.problem = problem
-        self.message = f"Idempotency-Key header: {problem}; {_HINT}"
+        self.message = f"{IDEMPOTENCY_KEY_HEADER} header: {problem}; {_HINT}"
         super().__init__(self.message)
 
     def to_error(self) -> InvalidArgument:

@@ -22,8 +22,15 @@ from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescript
 from google.protobuf.message import Message
 
 from shardrouter.core.errors import Reason
+from shardrouter.core.keys import MAX_KEY_LENGTH
 from shardrouter.core.rpcs import RPCS, HttpRoute, RpcDeclaration
-from shardrouter.router.http.idempotency_header import IDEMPOTENCY_KEY_HEADER, MAX_KEY_LENGTH
+from shardrouter.core.wire_names import (
+    IDEMPOTENCY_KEY_HEADER,
+    LOCATION_HEADER,
+    REPLAYED_HEADER,
+    REPLAYED_VALUE,
+    RETRY_AFTER_HEADER,
+)
 from shardrouter.router.http.json_mapping import (
     COMPACT_TRANSFER_ROUTE,
     CompactTransfer,
@@ -34,7 +41,6 @@ from shardrouter.router.http.problems import PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_
 __all__ = ["OPENAPI_PAGE", "OPENAPI_VERSION", "openapi_document", "openapi_json", "openapi_page"]
 
 OPENAPI_VERSION = "3.1.0"
-_REPLAYED_HEADER = "Idempotent-Replayed"
 _SCHEMAS = "#/components/schemas/"
 _WELL_KNOWN: dict[str, dict[str, Any]] = {
     "google.protobuf.Timestamp": {
@@ -150,7 +156,10 @@ def _problem_schema() -> dict[str, Any]:
         "properties": {
             "type": {
                 "type": "string",
-                "description": f"{PROBLEM_TYPE_PREFIX}<reason in kebab case>, or about:blank",
+                "description": (
+                    f"{PROBLEM_TYPE_PREFIX}<reason in kebab case>, or about:blank (with the reason as its "
+                    "fragment for a refusal only HTTP has)"
+                ),
             },
             "title": {"type": "string"},
             "status": {"type": "integer"},
@@ -199,7 +208,7 @@ def _problem_response(description: str, *, retry_after: bool = False) -> dict[st
         "content": {PROBLEM_CONTENT_TYPE: {"schema": {"$ref": _SCHEMAS + "Problem"}}},
     }
     if retry_after:
-        response["headers"] = {"Retry-After": {"$ref": "#/components/headers/Retry-After"}}
+        response["headers"] = {RETRY_AFTER_HEADER: {"$ref": f"#/components/headers/{RETRY_AFTER_HEADER}"}}
     return response
 
 
@@ -244,7 +253,7 @@ def _operation(
                 }
             )
     if declaration.keyed:
-        parameters.append({"$ref": "#/components/parameters/Idempotency-Key"})
+        parameters.append({"$ref": f"#/components/parameters/{IDEMPOTENCY_KEY_HEADER}"})
     operation: dict[str, Any] = {
         "operationId": declaration.name + ("Compact" if compact else ""),
         "tags": [declaration.service],
@@ -252,8 +261,9 @@ def _operation(
         "description": (
             f"gRPC method {declaration.full_name}; routed by `{declaration.routing_field}`."
             + (
-                " Mutating and idempotent: send an Idempotency-Key, the same on every retry; a retry of a "
-                f"completed request answers the stored status and body with `{_REPLAYED_HEADER}: true`."
+                f" Mutating and idempotent: send an {IDEMPOTENCY_KEY_HEADER}, the same on every retry; a retry "
+                "of a completed request answers the stored status and body with "
+                f"`{REPLAYED_HEADER}: {REPLAYED_VALUE}`."
                 if declaration.keyed
                 else " Read-only."
             )
@@ -279,12 +289,14 @@ def _operation(
     }
     headers: dict[str, Any] = {}
     if declaration.keyed:
-        headers[_REPLAYED_HEADER] = {
-            "description": "`true` when this is the stored answer of an earlier request with the same key.",
-            "schema": {"type": "string", "enum": ["true"]},
+        headers[REPLAYED_HEADER] = {
+            "description": (
+                f"`{REPLAYED_VALUE}` when this is the stored answer of an earlier request with the same key."
+            ),
+            "schema": {"type": "string", "enum": [REPLAYED_VALUE]},
         }
         if created_resource_route(declaration) is not None:
-            headers["Location"] = {
+            headers[LOCATION_HEADER] = {
                 "description": "Path of the created resource.",
                 "schema": {"type": "string"},
             }
@@ -334,7 +346,7 @@ def openapi_document(title: str = "shard-router", version: str = "v1") -> dict[s
         "components": {
             "schemas": components_schemas,
             "parameters": {
-                "Idempotency-Key": {
+                IDEMPOTENCY_KEY_HEADER: {
                     "name": IDEMPOTENCY_KEY_HEADER,
                     "in": "header",
                     "required": True,
@@ -347,7 +359,7 @@ def openapi_document(title: str = "shard-router", version: str = "v1") -> dict[s
                 }
             },
             "headers": {
-                "Retry-After": {
+                RETRY_AFTER_HEADER: {
                     "description": "Seconds to wait before sending the same request again.",
                     "schema": {"type": "integer", "minimum": 1},
                 }

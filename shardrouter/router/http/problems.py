@@ -48,6 +48,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from shardrouter.core.errors import FieldViolation, Reason, ShardRouterError, to_status_proto
 from shardrouter.core.wire import DETAILS_TRAILER, MetadataEntry
+from shardrouter.core.wire_names import RETRY_AFTER_HEADER
 
 __all__ = [
     "CODE_ROWS",
@@ -57,6 +58,7 @@ __all__ = [
     "REASON_ROWS",
     "HttpProblem",
     "ProblemRow",
+    "http_only_problem",
     "http_status_for",
     "problem_for",
     "problem_from_error",
@@ -205,6 +207,19 @@ def problem_type(code: grpc.StatusCode | int, reason: str | None) -> str:
     return "about:blank"
 
 
+def http_only_problem(status: int, title: str, detail: str, reason: str) -> HttpProblem:
+    """A refusal that exists only in HTTP (no gRPC status says it: 408, 413, 415, 431, 404 and 405 of
+    an unknown route): `about:blank` with the reason as its fragment, as no row of the table has it."""
+    body = {
+        "type": f"about:blank#{reason.lower()}",
+        "title": title,
+        "status": status,
+        "detail": detail,
+        "reason": reason,
+    }
+    return HttpProblem(status, (), body)
+
+
 def retry_after_seconds(retry_after_ms: int) -> int:
     """Retry-After's whole seconds for a delay in milliseconds: rounded up, at least 1."""
     return max(1, math.ceil(retry_after_ms / 1000))
@@ -235,7 +250,7 @@ def problem_for(
     if retry_after_ms is not None:
         retry_after_ms = max(0, retry_after_ms)
         body["retry_after_ms"] = retry_after_ms
-        headers.append(("Retry-After", str(retry_after_seconds(retry_after_ms))))
+        headers.append((RETRY_AFTER_HEADER, str(retry_after_seconds(retry_after_ms))))
     violations = [
         {"field": v.field, "description": v.description}
         if isinstance(v, FieldViolation)

@@ -40,6 +40,14 @@ from shardrouter.core.interceptors import MethodHandler, UnaryInterceptor
 from shardrouter.core.status import abort_with_error
 from shardrouter.core.tracing import SERVER_ERROR_CODES
 from shardrouter.core.wire import DETAILS_TRAILER, StatusAnswer
+from shardrouter.core.wire_names import (
+    KEY_ATTRIBUTE,
+    OUTCOME_ATTRIBUTE,
+    OUTCOME_TRAILER,
+    REPLAYED_TRAILER,
+    REPLAYED_VALUE,
+    OutcomeKind,
+)
 from shardrouter.shardd.admission import Admission
 from shardrouter.shardd.db import Database
 from shardrouter.shardd.idempotency.call import (
@@ -52,11 +60,10 @@ from shardrouter.shardd.idempotency.call import (
     MutatingMethod,
 )
 from shardrouter.shardd.idempotency.config import IdempotencyConfig
-from shardrouter.shardd.idempotency.outcomes import CallOutcome, OutcomeKind, OutcomeListener, OutcomeReport
+from shardrouter.shardd.idempotency.outcomes import CallOutcome, OutcomeListener, OutcomeReport
 from shardrouter.shardd.idempotency.process_keys import CompletedKeys, KeyFlights
 from shardrouter.shardd.idempotency.record import StoredOutcome, Trailer
 from shardrouter.shardd.idempotency.steps import (
-    EXPIRES_AT_TRAILER,
     Admit,
     AnswerFromMemory,
     ClaimOrReplay,
@@ -71,9 +78,6 @@ from shardrouter.shardd.idempotency.steps import (
 from shardrouter.shardd.identity import IdentityPolicy
 
 log = logging.getLogger(__name__)
-
-REPLAYED_TRAILER = ("idempotency-replayed", "true")
-OUTCOME_TRAILER = "idempotency-outcome"
 
 Handler = Callable[[Any, grpc.ServicerContext], Any]
 
@@ -206,7 +210,7 @@ class GuardedMethod:
             metadata = tuple(context.invocation_metadata())
             now = self._with.clock()
             key = read_key(metadata, self._with.config, now)
-            span.set_attribute("idempotency.key", key.text)
+            span.set_attribute(KEY_ATTRIBUTE, key.text)
             check_key_age(key, now, self._with.config)
             call = self._decode_and_validate(raw, context, metadata, span, key)
             outcome, kind, dated = self._run(call)
@@ -254,7 +258,7 @@ class GuardedMethod:
         )
         trailers = [*outcome.trailers, expiry_trailer]
         if kind is OutcomeKind.REPLAY:
-            trailers.append(REPLAYED_TRAILER)
+            trailers.append((REPLAYED_TRAILER, REPLAYED_VALUE))
         if outcome.is_ok:
             context.set_trailing_metadata(tuple(trailers))
             return outcome.response
@@ -293,7 +297,7 @@ class GuardedMethod:
 
 def _trace_outcome(span: trace.Span, kind: OutcomeKind, code: grpc.StatusCode, message: str) -> None:
     """The outcome on the idempotency span; ERROR only for real (transient or internal) failures."""
-    span.set_attribute("idempotency.outcome", kind.value)
+    span.set_attribute(OUTCOME_ATTRIBUTE, kind.value)
     span.set_attribute("rpc.grpc.status_code", code.value[0])
     if kind is OutcomeKind.ERROR and code in SERVER_ERROR_CODES:
         span.set_status(Status(StatusCode.ERROR, message or code.name))
@@ -315,9 +319,6 @@ def _kind_of(error: ShardRouterError) -> OutcomeKind:
 
 
 __all__ = [
-    "EXPIRES_AT_TRAILER",
-    "OUTCOME_TRAILER",
-    "REPLAYED_TRAILER",
     "Collaborators",
     "GuardedMethod",
     "Handler",

@@ -1,34 +1,24 @@
 """What happened to one guarded call: its outcome kind, reported to listeners (metrics) and logged.
 
-The kind is one vocabulary from the interceptor to the span attribute `idempotency.outcome`, the
-`idempotency-outcome` trailer, the `outcome` label of `shardd_requests_total` and the call log.
+The kind (`OutcomeKind`, declared with the other wire names in `core.wire_names` because the router's
+HTTP front reads it too) is one vocabulary from the interceptor to the span attribute
+`idempotency.outcome`, the `idempotency-outcome` trailer, the `outcome` label of
+`shardd_requests_total` and the call log.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
 
+from shardrouter.core.wire_names import OutcomeKind
+
 log = logging.getLogger(__name__)
 #: The per-call log (one line per guarded call); its own name so it can be silenced or routed apart.
 _calls_log = logging.getLogger("shardd.calls")
-
-
-class OutcomeKind(enum.StrEnum):
-    """How a guarded call was answered."""
-
-    NEW = "new"  # the key was claimed here and the handler ran (its result is stored)
-    REPLAY = "replay"  # the key's stored outcome, returned verbatim
-    IN_FLIGHT = "in_flight"  # another attempt with the key has not committed yet: retry (ABORTED)
-    KEY_REUSED = "key_reused"  # the key was used for a different request (FAILED_PRECONDITION)
-    EXPIRED = "expired"  # the key is older than the retention window
-    INVALID = "invalid"  # bad key or request, refused before any claim
-    SHED = "shed"  # refused by admission (the shard is saturated)
-    ERROR = "error"  # a transient or internal failure; nothing was applied
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from shardrouter.core.errors import (
 from shardrouter.core.interceptors import MethodHandler
 from shardrouter.core.keys import KEY_FORMAT_HINT, KEY_METADATA, parse_key
 from shardrouter.core.tracing import SERVER_ERROR_CODES, span_context_of_traceparent, traceparent_of
+from shardrouter.core.wire_names import EXPIRES_AT_TRAILER
 from shardrouter.shardd.admission import Admission
 from shardrouter.shardd.db import Database, bind_transaction, mapped_database_errors
 from shardrouter.shardd.error_interceptor import decode_request
@@ -69,8 +70,6 @@ from shardrouter.shardd.idempotency.record import (
     Trailer,
 )
 from shardrouter.shardd.identity import IdentityPolicy
-
-EXPIRES_AT_TRAILER = "idempotency-expires-at"
 
 # --- building the input: the key rules, the request --------------------------------------------
 
