@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 #: Request codes of the untyped packets that are followed by another startup packet.
@@ -219,13 +218,3 @@ class WireProxy:
             self._thread.join(10)
         if not self._loop.is_running():
             self._loop.close()
-
-
-@contextlib.contextmanager
-def wire_proxy(upstream_host: str, upstream_port: int, name: str = "wire") -> Iterator[WireProxy]:
-    """A started WireProxy, closed on exit."""
-    proxy = WireProxy(upstream_host, upstream_port, name).start()
-    try:
-        yield proxy
-    finally:
-        proxy.close()

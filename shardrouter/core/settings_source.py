@@ -27,7 +27,6 @@ __all__ = [
     "SettingDoc",
     "UsageError",
     "closest",
-    "command_words",
     "env_names",
     "help_text",
     "parse_command",
@@ -171,19 +170,6 @@ def settings_values(
         if raw is not None:
             values[f.name] = _convert(f, raw, prefix)
     return values
-
-
-def command_words(args: Sequence[str]) -> list[str]:
-    """The command words: every argument that is neither a `--flag` nor a flag's value."""
-    words, skip = [], False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg.startswith("--"):
-            skip = "=" not in arg
-        elif arg not in HELP_FLAGS:
-            words.append(arg)
-    return words
 
 
 def env_names(cls: type[Any], prefix: str) -> tuple[str, ...]:

@@ -34,20 +34,17 @@ class KeyFlight:
     joins (under the flights' lock, which also guards the settled flag, so no wake-up is missed).
     """
 
-    __slots__ = ("_event", "_lock", "_settled", "claimed", "record")
+    __slots__ = ("_event", "_lock", "_settled", "record")
 
     def __init__(self, lock: threading.Lock) -> None:
         self._lock = lock
         self._event: threading.Event | None = None
         self._settled = False
-        #: The database gave the key to this call (its handler runs): duplicates are in flight.
-        self.claimed = False
         #: The key's completed record, once this call has seen or made it.
         self.record: IdempotencyRecord | None = None
 
     def mark_claimed(self) -> None:
         """The call claimed the key; its duplicates need not wait any longer."""
-        self.claimed = True
         self._settle()
 
     def wait_settled(self, timeout_s: float) -> bool:
