@@ -391,17 +391,8 @@ def main(argv: Sequence[str] | None = None, *, default_dir: Path | None = None) 
         settings = MoveSettings(cutover_lag_bytes=args.cutover_lag_bytes, drain_timeout_s=args.drain_timeout)
         if args.watch and args.command != "status":
             raise MoveError("--watch goes with status: shard-router reshard status --watch [MOVE]")
-        if args.command == "status" and args.watch:
-            if args.json:
-                raise MoveError("--watch prints lines; leave out --json")
-            return watch_moves(databases, args.move_id, interval_s=args.interval)
         if args.command == "status":
-            moves = [find_move(databases, args.move_id)] if args.move_id else list_moves(databases)
-            if args.json:
-                print(json.dumps([_as_json(m) for m in moves], indent=2))
-            else:
-                print("\n".join(_describe(m) for m in moves) or "no moves")
-            return 0
+            return _status(args, databases)
         store = _map_store(args, default_dir)
         if args.command == "show-map":
             return _show_map(store, databases, args.move_id)
@@ -409,24 +400,14 @@ def main(argv: Sequence[str] | None = None, *, default_dir: Path | None = None) 
             if not args.move_id:
                 raise MoveError(f"reshard {args.command} needs the move's id (see reshard status)")
             record = find_move(databases, args.move_id)
-            with Move(
-                record, map_store=store, databases=databases, settings=settings, progress=_print_progress
-            ) as mv:
-                if args.command == "abort":
-                    print(_describe(mv.abort()))
-                    return 0
-                return _run(mv, args.stop_after, args.agreement, args.agreement_timeout)
-        if not args.slots or not args.target:
-            raise MoveError("a move needs --slots FIRST-LAST and --to SHARD")
-        first, last = parse_slot_range(args.slots, store.load().slots)
-        record = start_move(store, databases, first, last, args.target)
-        _print_progress(
-            f"move {record.plan.move_id}: slots {first}-{last} from {record.plan.source} to {record.plan.target}"
-        )
-        failpoints.reached("reshard.planned")  # journaled, nothing made yet
+        else:
+            record = _start(args, store, databases)
         with Move(
             record, map_store=store, databases=databases, settings=settings, progress=_print_progress
         ) as mv:
+            if args.command == "abort":
+                print(_describe(mv.abort()))
+                return 0
             return _run(mv, args.stop_after, args.agreement, args.agreement_timeout)
     except (MoveError, ShardMapError, DrainTimeout) as exc:
         print(f"shard-router reshard: {exc}", file=sys.stderr)
@@ -436,6 +417,33 @@ def main(argv: Sequence[str] | None = None, *, default_dir: Path | None = None) 
             f"shard-router reshard: a shard database is unreachable: {exc}; resume the move", file=sys.stderr
         )
         return 2
+
+
+def _status(args: argparse.Namespace, databases: ShardDatabases) -> int:
+    """`reshard status [MOVE]`: the moves once (as text or JSON), or `--watch`ed."""
+    if args.watch:
+        if args.json:
+            raise MoveError("--watch prints lines; leave out --json")
+        return watch_moves(databases, args.move_id, interval_s=args.interval)
+    moves = [find_move(databases, args.move_id)] if args.move_id else list_moves(databases)
+    if args.json:
+        print(json.dumps([_as_json(m) for m in moves], indent=2))
+    else:
+        print("\n".join(_describe(m) for m in moves) or "no moves")
+    return 0
+
+
+def _start(args: argparse.Namespace, store: MapStore, databases: ShardDatabases) -> MoveRecord:
+    """A new move of `--slots` to `--to`, planned and journaled (nothing made yet)."""
+    if not args.slots or not args.target:
+        raise MoveError("a move needs --slots FIRST-LAST and --to SHARD")
+    first, last = parse_slot_range(args.slots, store.load().slots)
+    record = start_move(store, databases, first, last, args.target)
+    _print_progress(
+        f"move {record.plan.move_id}: slots {first}-{last} from {record.plan.source} to {record.plan.target}"
+    )
+    failpoints.reached("reshard.planned")  # journaled, nothing made yet
+    return record
 
 
 def _as_json(record: MoveRecord) -> dict[str, object]:

@@ -53,7 +53,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
@@ -431,6 +431,100 @@ def _fences(state: ShardState) -> Iterable[Observation]:
     return [Observation(n, {"kind": kind}) for kind, n in state.fences.items()]
 
 
+class _Gauge(NamedTuple):
+    """One gauge read out of the shard's state snapshot."""
+
+    name: str
+    unit: str
+    description: str
+    read: StateReader
+
+
+#: The gauges whose value is the snapshot alone (the retention lag also needs the retention window).
+_STATE_GAUGES: tuple[_Gauge, ...] = (
+    _Gauge(
+        "shardd_idempotency_records",
+        "{row}",
+        "Estimated rows (planner statistics) of each idempotency_record partition.",
+        _partition_rows,
+    ),
+    _Gauge(
+        "shardd_idempotency_partition_bytes",
+        "By",
+        "On-disk size of each idempotency_record partition, indexes and TOAST included.",
+        _partition_bytes,
+    ),
+    _Gauge(
+        "shardd_idempotency_oldest_partition_age_seconds",
+        "s",
+        "Age of the start of the oldest idempotency_record partition.",
+        _oldest_partition_age,
+    ),
+    _Gauge(
+        "shardd_retention_last_success_timestamp_seconds",
+        "s",
+        "Unix time the last retention run finished.",
+        _last_retention,
+    ),
+    _Gauge("shardd_outbox_backlog", "{credit}", "Cross-shard credits not yet delivered.", _outbox_backlog),
+    _Gauge(
+        "shardd_outbox_oldest_age_seconds",
+        "s",
+        "Age of the oldest undelivered cross-shard credit (0: none).",
+        _outbox_oldest_age,
+    ),
+    _Gauge(
+        "shardd_dead_letters",
+        "{credit}",
+        "Cross-shard credits dead-lettered here (refused for good by their destination), by whether"
+        " their refund to the source account is done or pending.",
+        _dead_letters,
+    ),
+    _Gauge(
+        "shardd_dead_letter_oldest_unrefunded_age_seconds",
+        "s",
+        "Age of the oldest dead letter whose refund has not completed (0: none).",
+        _dead_letter_oldest_unrefunded_age,
+    ),
+    _Gauge(
+        "shardd_slot_move_active",
+        "{move}",
+        "1 for each move out of this shard that is neither done nor aborted, by the phase it reached.",
+        _moves_active,
+    ),
+    _Gauge(
+        "shardd_slot_move_phase_rank",
+        "",
+        "Place of a move's phase in the order planned(0) .. done(7), aborted(8).",
+        _moves_phase_rank,
+    ),
+    _Gauge(
+        "shardd_slot_move_rows_copied",
+        "{row}",
+        "Rows of the moving range on the new owner after the initial copy (so far).",
+        _moves_rows_copied,
+    ),
+    _Gauge(
+        "shardd_slot_move_lag_bytes",
+        "By",
+        "WAL the new owner has not yet confirmed from this move's replication slot.",
+        _moves_lag,
+    ),
+    _Gauge(
+        "shardd_slot_move_write_pause_seconds",
+        "s",
+        "How long a committed move kept its range from taking writes (fence to shard map).",
+        _moves_write_pause,
+    ),
+    _Gauge(
+        "shardd_slot_fences",
+        "{fence}",
+        "Slot fences in this database by kind: incoming, outgoing, moved_out, stale.",
+        _fences,
+    ),
+)
+
+
 class ShardStateCollector:
     """Keeps the latest `ShardState` and exposes it as gauges; `start()` refreshes it periodically.
 
@@ -506,97 +600,21 @@ class ShardStateCollector:
         return callback
 
     def _register_gauges(self, meter: Meter) -> None:
-        gauges: list[tuple[str, str, str, StateReader]] = [
-            (
-                "shardd_idempotency_records",
-                "{row}",
-                "Estimated rows (planner statistics) of each idempotency_record partition.",
-                _partition_rows,
-            ),
-            (
-                "shardd_idempotency_partition_bytes",
-                "By",
-                "On-disk size of each idempotency_record partition, indexes and TOAST included.",
-                _partition_bytes,
-            ),
-            (
-                "shardd_idempotency_oldest_partition_age_seconds",
-                "s",
-                "Age of the start of the oldest idempotency_record partition.",
-                _oldest_partition_age,
-            ),
-            (
+        gauges = [
+            *_STATE_GAUGES,
+            _Gauge(
                 "shardd_retention_lag_seconds",
                 "s",
                 "How long the oldest partition has been wholly past retention without being dropped (0: on time).",
                 self._retention_lag,
             ),
-            (
-                "shardd_retention_last_success_timestamp_seconds",
-                "s",
-                "Unix time the last retention run finished.",
-                _last_retention,
-            ),
-            ("shardd_outbox_backlog", "{credit}", "Cross-shard credits not yet delivered.", _outbox_backlog),
-            (
-                "shardd_outbox_oldest_age_seconds",
-                "s",
-                "Age of the oldest undelivered cross-shard credit (0: none).",
-                _outbox_oldest_age,
-            ),
-            (
-                "shardd_dead_letters",
-                "{credit}",
-                "Cross-shard credits dead-lettered here (refused for good by their destination), by whether"
-                " their refund to the source account is done or pending.",
-                _dead_letters,
-            ),
-            (
-                "shardd_dead_letter_oldest_unrefunded_age_seconds",
-                "s",
-                "Age of the oldest dead letter whose refund has not completed (0: none).",
-                _dead_letter_oldest_unrefunded_age,
-            ),
-            (
-                "shardd_slot_move_active",
-                "{move}",
-                "1 for each move out of this shard that is neither done nor aborted, by the phase it reached.",
-                _moves_active,
-            ),
-            (
-                "shardd_slot_move_phase_rank",
-                "",
-                "Place of a move's phase in the order planned(0) .. done(7), aborted(8).",
-                _moves_phase_rank,
-            ),
-            (
-                "shardd_slot_move_rows_copied",
-                "{row}",
-                "Rows of the moving range on the new owner after the initial copy (so far).",
-                _moves_rows_copied,
-            ),
-            (
-                "shardd_slot_move_lag_bytes",
-                "By",
-                "WAL the new owner has not yet confirmed from this move's replication slot.",
-                _moves_lag,
-            ),
-            (
-                "shardd_slot_move_write_pause_seconds",
-                "s",
-                "How long a committed move kept its range from taking writes (fence to shard map).",
-                _moves_write_pause,
-            ),
-            (
-                "shardd_slot_fences",
-                "{fence}",
-                "Slot fences in this database by kind: incoming, outgoing, moved_out, stale.",
-                _fences,
-            ),
         ]
-        for name, unit, description, read in gauges:
+        for gauge in gauges:
             meter.create_observable_gauge(
-                name, callbacks=[self._observer(read)], unit=unit, description=description
+                gauge.name,
+                callbacks=[self._observer(gauge.read)],
+                unit=gauge.unit,
+                description=gauge.description,
             )
 
 
