@@ -29,17 +29,17 @@ from datetime import UTC, datetime
 from enum import StrEnum
 
 from shardrouter.reconcile.facts import (
-    DeadLetter,
     KeyRecord,
-    Leg,
-    Outbox,
+    OnShard,
     ShardFacts,
-    Transfer,
     connect,
     follow_up_records,
+    is_reversal,
     read_all,
 )
+from shardrouter.shardd.ledger.reads import TransferEntryRow
 from shardrouter.shardd.ledger.service import credit_key, refund_key
+from shardrouter.shardd.ledger.store import DeadLetterRow, OutboxRow, TransferRow
 
 
 class Kind(StrEnum):
@@ -262,19 +262,49 @@ class Report:
 
 @dataclass
 class _Story:
-    """Everything the shards hold of one transfer."""
+    """Everything the shards hold of one transfer, each row with the shard that holds it."""
 
-    transfers: list[Transfer] = field(default_factory=list)
-    outbox: list[Outbox] = field(default_factory=list)
-    dead_letters: list[DeadLetter] = field(default_factory=list)
-    legs: list[Leg] = field(default_factory=list)
+    transfers: list[OnShard[TransferRow]] = field(default_factory=list)
+    outbox: list[OnShard[OutboxRow]] = field(default_factory=list)
+    dead_letters: list[OnShard[DeadLetterRow]] = field(default_factory=list)
+    legs: list[OnShard[TransferEntryRow]] = field(default_factory=list)
 
-    def of(self, kind: str) -> list[Leg]:
-        return [leg for leg in self.legs if leg.kind == kind and not leg.is_reversal]
+    def of(self, kind: str) -> list[OnShard[TransferEntryRow]]:
+        return [leg for leg in self.legs if leg.row.kind == kind and not is_reversal(leg.row)]
 
     @property
-    def reversals(self) -> list[Leg]:
-        return [leg for leg in self.legs if leg.is_reversal]
+    def reversals(self) -> list[OnShard[TransferEntryRow]]:
+        return [leg for leg in self.legs if is_reversal(leg.row)]
+
+    @property
+    def transfer(self) -> OnShard[TransferRow] | None:
+        return self.transfers[0] if self.transfers else None
+
+    @property
+    def outbox_row(self) -> OnShard[OutboxRow] | None:
+        return self.outbox[0] if self.outbox else None
+
+    @property
+    def dead_letter(self) -> OnShard[DeadLetterRow] | None:
+        return self.dead_letters[0] if self.dead_letters else None
+
+    @property
+    def net(self) -> int:
+        """What the transfer's entries add up to, on every shard."""
+        return sum(leg.row.amount_minor for leg in self.legs)
+
+    def first_leg(self) -> OnShard[TransferEntryRow] | None:
+        """A credit, else a debit, else a refund, else a reversal."""
+        kinds = (self.of("transfer_in"), self.of("transfer_out"), self.of("refund"), self.reversals)
+        return next((legs[0] for legs in kinds if legs), None)
+
+    def amount(self) -> tuple[int, str]:
+        """The transfer's amount and currency: its row's, else its first leg's (one of them is held)."""
+        if self.transfer is not None:
+            return self.transfer.row.amount_minor, self.transfer.row.currency
+        leg = self.first_leg()
+        assert leg is not None
+        return abs(leg.row.amount_minor), leg.row.currency
 
 
 def transfer_time(transfer_id: uuid.UUID) -> datetime | None:
@@ -287,229 +317,280 @@ def transfer_time(transfer_id: uuid.UUID) -> datetime | None:
 def classify(facts: Mapping[str, ShardFacts], *, with_money: bool = True) -> Report:
     """Compare one read of every shard."""
     report = Report(shards=sorted(facts))
+    stories = _stories(facts)
+    report.transfers = len(stories)
+    money: dict[str, Money] = defaultdict(Money)
+    unknown = _judge_all(report, money, stories, facts)
+    for f in facts.values():
+        _add_shard(report, money, f)
+    if unknown:
+        report.notes.append(
+            "transfers to shard(s) " + ", ".join(sorted(unknown)) + " were not checked: give every "
+            "shard's database (--databases or --dsn)"
+        )
+    report.money = _add_up(report, money) if with_money else None
+    return report
+
+
+def _stories(facts: Mapping[str, ShardFacts]) -> dict[uuid.UUID, _Story]:
+    """Every transfer's rows, gathered from all shards."""
     stories: dict[uuid.UUID, _Story] = defaultdict(_Story)
     for f in facts.values():
         for t in f.transfers:
-            stories[t.id].transfers.append(t)
+            stories[t.id].transfers.append(OnShard(f.shard, t))
         for o in f.outbox:
-            stories[o.transfer_id].outbox.append(o)
+            stories[o.transfer_id].outbox.append(OnShard(f.shard, o))
         for d in f.dead_letters:
-            stories[d.transfer_id].dead_letters.append(d)
+            stories[d.transfer_id].dead_letters.append(OnShard(f.shard, d))
         for leg in f.legs:
-            stories[leg.transfer_id].legs.append(leg)
-    report.transfers = len(stories)
+            stories[leg.transfer_id].legs.append(OnShard(f.shard, leg))
+    return stories
+
+
+def _judge_all(
+    report: Report,
+    money: dict[str, Money],
+    stories: Mapping[uuid.UUID, _Story],
+    facts: Mapping[str, ShardFacts],
+) -> set[str]:
+    """Judge every transfer into `report` and `money`; the shards named by transfers that were not
+    judged because their credit may be on one of them, not given."""
     now = datetime.now(UTC)
-    money: dict[str, Money] = defaultdict(Money)
     unknown: set[str] = set()
     for transfer_id, story in sorted(stories.items()):
-        named = {o.destination_shard_id for o in story.outbox} | {
-            t.destination_shard_id for t in story.transfers
+        named = {o.row.destination_shard_id for o in story.outbox} | {
+            t.row.destination_shard_id for t in story.transfers
         }
         missing = {s for s in named if s not in facts}
         if missing and not story.of("transfer_in"):
             unknown |= missing  # its credit may be on a shard not given: not judged
             continue
         verdict = _judge(transfer_id, story)
-        if verdict is None:
-            continue
         if isinstance(verdict, Mismatch):
             report.mismatches.append(verdict)
             money[verdict.currency].mismatches += verdict.effect_minor
-        else:
-            state, amount, currency, since = verdict
-            report.in_flight_ids.add(transfer_id)
-            money[currency].in_flight += amount
-            if state == "pending":
-                report.pending_credits += 1
-                report.oldest_pending_s = max(report.oldest_pending_s, (now - since).total_seconds())
-            else:
-                report.refunds_owed += 1
-    for f in facts.values():
-        for u in f.unbalanced:
+        elif verdict is not None:
+            _count_in_flight(report, money, transfer_id, verdict, now)
+    return unknown
+
+
+def _count_in_flight(
+    report: Report, money: dict[str, Money], transfer_id: uuid.UUID, verdict: _InFlight, now: datetime
+) -> None:
+    state, amount, currency, since = verdict
+    report.in_flight_ids.add(transfer_id)
+    money[currency].in_flight += amount
+    if state == "pending":
+        report.pending_credits += 1
+        report.oldest_pending_s = max(report.oldest_pending_s, (now - since).total_seconds())
+    else:
+        report.refunds_owed += 1
+
+
+def _add_shard(report: Report, money: dict[str, Money], f: ShardFacts) -> None:
+    """One shard's accounts off their ledger, balances, deposits and unfinished moves."""
+    for u in f.unbalanced:
+        report.mismatches.append(
+            Mismatch(
+                Kind.BALANCE_NOT_LEDGER,
+                f"account {u.account_id} on {f.shard} holds {u.balance} but its ledger adds up to "
+                f"{u.ledger} {u.currency} (off by {u.balance - u.ledger:+d})",
+                shard=f.shard,
+                account=u.account_id,
+                amount_minor=abs(u.balance - u.ledger),
+                currency=u.currency,
+                effect_minor=u.balance - u.ledger,
+            )
+        )
+        money[u.currency].off_ledger += u.balance - u.ledger
+    for currency, (total, n) in f.balances.items():
+        money[currency].balances += total
+        money[currency].accounts += n
+    for currency, total in f.deposits.items():
+        money[currency].deposits += total
+    for move_id, phase in f.active_moves:
+        report.notes.append(
+            f"move {move_id} is {phase} on {f.shard}: rows of its range may be counted on two shards "
+            "or none; run reconcile again once it is done"
+        )
+
+
+def _add_up(report: Report, money: dict[str, Money]) -> dict[str, Money]:
+    """The totals per currency, and a mismatch for each whose money is not explained."""
+    totals = {c: m for c, m in money.items() if c}
+    for currency, m in sorted(totals.items()):
+        if m.unexplained:
             report.mismatches.append(
                 Mismatch(
-                    Kind.BALANCE_NOT_LEDGER,
-                    f"account {u.account_id} on {u.shard} holds {u.balance} but its ledger adds up to "
-                    f"{u.ledger} {u.currency} (off by {u.balance - u.ledger:+d})",
-                    shard=u.shard,
-                    account=u.account_id,
-                    amount_minor=abs(u.balance - u.ledger),
-                    currency=u.currency,
-                    effect_minor=u.balance - u.ledger,
+                    Kind.MONEY_NOT_CONSERVED,
+                    f"{currency}: balances {m.balances}, deposits {m.deposits}, in flight {m.in_flight}, "
+                    f"created/lost by the mismatches {m.mismatches:+d}, off ledger {m.off_ledger:+d}: "
+                    f"{m.unexplained:+d} unexplained",
+                    amount_minor=abs(m.unexplained),
+                    currency=currency,
+                    effect_minor=m.unexplained,
                 )
             )
-            money[u.currency].off_ledger += u.balance - u.ledger
-        for currency, (total, n) in f.balances.items():
-            money[currency].balances += total
-            money[currency].accounts += n
-        for currency, total in f.deposits.items():
-            money[currency].deposits += total
-        for move_id, phase in f.active_moves:
-            report.notes.append(
-                f"move {move_id} is {phase} on {f.shard}: rows of its range may be counted on two shards "
-                "or none; run reconcile again once it is done"
-            )
-    if unknown:
-        report.notes.append(
-            "transfers to shard(s) " + ", ".join(sorted(unknown)) + " were not checked: give every "
-            "shard's database (--databases or --dsn)"
-        )
-    if with_money:
-        report.money = {c: m for c, m in money.items() if c}
-        for currency, m in sorted(report.money.items()):
-            if m.unexplained:
-                report.mismatches.append(
-                    Mismatch(
-                        Kind.MONEY_NOT_CONSERVED,
-                        f"{currency}: balances {m.balances}, deposits {m.deposits}, in flight {m.in_flight}, "
-                        f"created/lost by the mismatches {m.mismatches:+d}, off ledger {m.off_ledger:+d}: "
-                        f"{m.unexplained:+d} unexplained",
-                        amount_minor=abs(m.unexplained),
-                        currency=currency,
-                        effect_minor=m.unexplained,
-                    )
-                )
-    else:
-        report.money = None
-    return report
+    return totals
 
 
+#: A transfer in flight: (state, amount, currency, since when).
 _InFlight = tuple[str, int, str, datetime]
 
 
 def _judge(transfer_id: uuid.UUID, story: _Story) -> Mismatch | _InFlight | None:
     """One transfer's verdict: None (settled), in flight (state, amount, currency, since), or a
     mismatch."""
-    t = story.transfers[0] if story.transfers else None
-    o = story.outbox[0] if story.outbox else None
-    d = story.dead_letters[0] if story.dead_letters else None
-    outs, ins, refunds = story.of("transfer_out"), story.of("transfer_in"), story.of("refund")
-    net = sum(leg.amount_minor for leg in story.legs)
-    any_leg = ins or outs or refunds or story.reversals
-    if t is None and not any_leg:  # an outbox or dead letter row alone: the transfer row is gone
-        return (
-            None
-            if o is None
-            else _mismatch(Kind.DEBIT_MISSING, transfer_id, story, 0, "outbox row without transfer")
-        )
-    amount = t.amount_minor if t else abs(any_leg[0].amount_minor)
-    currency = t.currency if t else any_leg[0].currency
-
-    def fits(expected: int) -> bool:
-        return net == expected
-
+    ins = story.of("transfer_in")
+    if story.transfer is None and story.first_leg() is None:
+        # An outbox or dead letter row alone: the transfer row is gone.
+        if story.outbox_row is None:
+            return None
+        return _mismatch(Kind.DEBIT_MISSING, transfer_id, story, "outbox row without transfer")
     if len(ins) > 1:
+        amount, currency = story.amount()
         return _mismatch(
             Kind.DUPLICATE_CREDIT,
             transfer_id,
             story,
-            net,
             f"{len(ins)} credits of {amount} {currency} on "
-            + ", ".join(f"{i.shard} ({i.account_id})" for i in ins),
+            + ", ".join(f"{i.shard} ({i.row.account_id})" for i in ins),
         )
-    if not outs and t is None:
-        if ins and not refunds:
-            if story.reversals and fits(0):
-                return None  # reversed by an earlier --reverse-orphan-credits
-            return _mismatch(
-                Kind.CREDIT_WITHOUT_DEBIT,
-                transfer_id,
-                story,
-                net,
-                f"{ins[0].shard} holds a credit of {ins[0].amount_minor} {currency} to {ins[0].account_id} "
-                f"(entry {ins[0].entry_id}, {ins[0].created_at:%Y-%m-%d %H:%M:%S} UTC) whose transfer and "
-                "debit no shard holds",
-            )
-        return None if fits(0) else _mismatch(Kind.LEGS_UNBALANCED, transfer_id, story, net, _legs(story))
-    if not outs:
+    if not story.of("transfer_out"):
+        return _without_debit(transfer_id, story)
+    if ins or story.of("refund"):
+        return _debited_and_settled(transfer_id, story)
+    return _debited_only(transfer_id, story)
+
+
+def _without_debit(transfer_id: uuid.UUID, story: _Story) -> Mismatch | None:
+    """A transfer no shard holds a debit of: its credit or refund alone, or its row alone."""
+    t, ins = story.transfer, story.of("transfer_in")
+    if t is not None:
         return _mismatch(
             Kind.DEBIT_MISSING,
             transfer_id,
             story,
-            net,
-            f"transfer {transfer_id} on {t.shard if t else '?'} ({t.state if t else '?'}) has no debit entry"
+            f"transfer {transfer_id} on {t.shard} ({t.row.state}) has no debit entry"
             + (f"; its credit is on {ins[0].shard}" if ins else ""),
         )
-    if ins and refunds:
-        if story.reversals and fits(0):
-            return None
-        return _mismatch(
-            Kind.CREDITED_AND_REFUNDED,
-            transfer_id,
-            story,
-            net,
-            f"credited on {ins[0].shard} ({ins[0].account_id}) and refunded on {refunds[0].shard} "
-            f"({refunds[0].account_id}): {amount} {currency} twice",
-        )
-    if ins or refunds:
-        return None if fits(0) else _mismatch(Kind.LEGS_UNBALANCED, transfer_id, story, net, _legs(story))
-    # Debited only.
-    if not fits(-amount):
-        return _mismatch(Kind.LEGS_UNBALANCED, transfer_id, story, net, _legs(story))
-    refunded = (t is not None and t.state == "refunded") or (d is not None and d.refunded_at is not None)
+    if not ins or story.of("refund"):
+        return None if story.net == 0 else _unbalanced(transfer_id, story)
+    if story.reversals and story.net == 0:
+        return None  # reversed by an earlier --reverse-orphan-credits
+    credit = ins[0]
+    return _mismatch(
+        Kind.CREDIT_WITHOUT_DEBIT,
+        transfer_id,
+        story,
+        f"{credit.shard} holds a credit of {credit.row.amount_minor} {story.amount()[1]} to "
+        f"{credit.row.account_id} (entry {credit.row.entry_id}, {credit.row.created_at:%Y-%m-%d %H:%M:%S} UTC) "
+        "whose transfer and debit no shard holds",
+    )
+
+
+def _debited_and_settled(transfer_id: uuid.UUID, story: _Story) -> Mismatch | None:
+    """A debited transfer with a credit or a refund (or both: money created, unless reversed)."""
+    ins, refunds = story.of("transfer_in"), story.of("refund")
+    if not (ins and refunds):
+        return None if story.net == 0 else _unbalanced(transfer_id, story)
+    if story.reversals and story.net == 0:
+        return None
+    amount, currency = story.amount()
+    return _mismatch(
+        Kind.CREDITED_AND_REFUNDED,
+        transfer_id,
+        story,
+        f"credited on {ins[0].shard} ({ins[0].row.account_id}) and refunded on {refunds[0].shard} "
+        f"({refunds[0].row.account_id}): {amount} {currency} twice",
+    )
+
+
+def _debited_only(transfer_id: uuid.UUID, story: _Story) -> Mismatch | _InFlight | None:
+    """A debited transfer with neither credit nor refund: in flight, or its credit or refund lost."""
+    amount, currency = story.amount()
+    if story.net != -amount:
+        return _unbalanced(transfer_id, story)
+    t, o, d = story.transfer, story.outbox_row, story.dead_letter
+    refunded = (t is not None and t.row.state == "refunded") or (
+        d is not None and d.row.refunded_at is not None
+    )
     if o is None:
-        if refunded:
-            return _mismatch(
-                Kind.REFUND_MISSING,
-                transfer_id,
-                story,
-                net,
-                f"transfer is {t.state if t else '?'} on {outs[0].shard} but no refund entry exists, and no "
-                "outbox row or dead letter either",
-                blocked="no dead letter to refund through",
-            )
-        return _mismatch(
-            Kind.CREDIT_NOT_QUEUED,
-            transfer_id,
-            story,
-            net,
-            f"{outs[0].shard} debited {outs[0].account_id} by {amount} {currency}; no outbox row and no "
-            "credit on any shard",
-            blocked="" if t is not None else "no transfer row to rebuild the credit from",
-        )
-    if o.state == "delivered":
+        return _never_queued(transfer_id, story, refunded)
+    if o.row.state == "delivered":
         return _mismatch(
             Kind.CREDIT_MISSING,
             transfer_id,
             story,
-            net,
-            f"{o.shard}'s outbox row {o.id} says delivered at {o.delivered_at:%Y-%m-%d %H:%M:%S} UTC "
-            f"(to {o.destination_shard_id}); no shard holds the credit",
+            f"{o.shard}'s outbox row {o.row.id} says delivered at {o.row.delivered_at:%Y-%m-%d %H:%M:%S} UTC "
+            f"(to {o.row.destination_shard_id}); no shard holds the credit",
         )
     if refunded:
         return _mismatch(
             Kind.REFUND_MISSING,
             transfer_id,
             story,
-            net,
             f"dead letter of {o.shard} says refunded"
-            + (f" at {d.refunded_at:%Y-%m-%d %H:%M:%S} UTC" if d is not None and d.refunded_at else "")
+            + (
+                f" at {d.row.refunded_at:%Y-%m-%d %H:%M:%S} UTC"
+                if d is not None and d.row.refunded_at
+                else ""
+            )
             + " but no refund entry exists",
             blocked="" if d is not None else "no dead letter row to refund through",
         )
-    if o.state == "dead_lettered":
-        return ("refund_owed", amount, currency, o.dead_lettered_at or o.created_at)
-    return ("pending", amount, currency, o.created_at)
+    if o.row.state == "dead_lettered":
+        return ("refund_owed", amount, currency, o.row.dead_lettered_at or o.row.created_at)
+    return ("pending", amount, currency, o.row.created_at)
+
+
+def _never_queued(transfer_id: uuid.UUID, story: _Story, refunded: bool) -> Mismatch:
+    """A debit without outbox row: its refund lost, or its credit never queued."""
+    t, debit = story.transfer, story.of("transfer_out")[0]
+    if refunded:
+        return _mismatch(
+            Kind.REFUND_MISSING,
+            transfer_id,
+            story,
+            f"transfer is {t.row.state if t else '?'} on {debit.shard} but no refund entry exists, and no "
+            "outbox row or dead letter either",
+            blocked="no dead letter to refund through",
+        )
+    amount, currency = story.amount()
+    return _mismatch(
+        Kind.CREDIT_NOT_QUEUED,
+        transfer_id,
+        story,
+        f"{debit.shard} debited {debit.row.account_id} by {amount} {currency}; no outbox row and no "
+        "credit on any shard",
+        blocked="" if t is not None else "no transfer row to rebuild the credit from",
+    )
+
+
+def _unbalanced(transfer_id: uuid.UUID, story: _Story) -> Mismatch:
+    return _mismatch(Kind.LEGS_UNBALANCED, transfer_id, story, _legs(story))
 
 
 def _legs(story: _Story) -> str:
     return "entries: " + ", ".join(
-        f"{leg.kind} {leg.amount_minor:+d} {leg.currency} {leg.account_id}@{leg.shard}" for leg in story.legs
+        f"{leg.row.kind} {leg.row.amount_minor:+d} {leg.row.currency} {leg.row.account_id}@{leg.shard}"
+        for leg in story.legs
     )
 
 
 def _mismatch(
-    kind: Kind, transfer_id: uuid.UUID, story: _Story, net: int, detail: str, *, blocked: str = ""
+    kind: Kind, transfer_id: uuid.UUID, story: _Story, detail: str, *, blocked: str = ""
 ) -> Mismatch:
-    t = story.transfers[0] if story.transfers else None
-    o = story.outbox[0] if story.outbox else None
+    t, o = story.transfer, story.outbox_row
     ins, outs = story.of("transfer_in"), story.of("transfer_out")
-    legs = story.of("transfer_in") or story.legs
-    currency = t.currency if t else (legs[0].currency if legs else "")
-    amount = t.amount_minor if t else (abs(legs[0].amount_minor) if legs else 0)
+    legs = ins or story.legs
+    currency = t.row.currency if t else (legs[0].row.currency if legs else "")
+    amount = t.row.amount_minor if t else (abs(legs[0].row.amount_minor) if legs else 0)
     source_shard = t.shard if t else (outs[0].shard if outs else (o.shard if o else None))
     destination_shard = (
-        ins[0].shard if ins else (o.destination_shard_id if o else (t.destination_shard_id if t else None))
+        ins[0].shard
+        if ins
+        else (o.row.destination_shard_id if o else (t.row.destination_shard_id if t else None))
     )
     key = str(refund_key(transfer_id)) if kind is Kind.REFUND_MISSING else str(credit_key(transfer_id))
     writes_to = ins[0] if ins and kind in REVERSIBLE else None
@@ -519,15 +600,15 @@ def _mismatch(
         transfer_id=transfer_id,
         source_shard=source_shard,
         destination_shard=destination_shard,
-        source_account=t.source_account_id if t else (outs[0].account_id if outs else None),
-        destination_account=t.destination_account_id if t else (ins[0].account_id if ins else None),
+        source_account=t.row.source_account_id if t else (outs[0].row.account_id if outs else None),
+        destination_account=t.row.destination_account_id if t else (ins[0].row.account_id if ins else None),
         shard=writes_to.shard if writes_to else source_shard,
-        account=writes_to.account_id if writes_to else None,
+        account=writes_to.row.account_id if writes_to else None,
         amount_minor=amount,
         currency=currency,
-        outbox_id=o.id if o else None,
+        outbox_id=o.row.id if o else None,
         key=key,
-        effect_minor=net
+        effect_minor=story.net
         if kind not in (Kind.CREDIT_MISSING, Kind.CREDIT_NOT_QUEUED, Kind.REFUND_MISSING)
         else -amount,
         blocked=blocked,
@@ -564,63 +645,83 @@ def _annotate(dsns: Mapping[str, str], report: Report) -> None:
     ids = [m.transfer_id for m in report.mismatches if m.transfer_id is not None]
     if not ids:
         return
-    records: list[KeyRecord] = []
-    for shard, dsn in dsns.items():
-        with connect(dsn) as conn:
-            records += follow_up_records(conn, shard, ids)
-    by_key: dict[str, list[KeyRecord]] = defaultdict(list)
-    for r in records:
-        by_key[r.key].append(r)
-    annotated: list[Mismatch] = []
+    by_key = _records_by_key(dsns, ids)
+    #: shard -> when the transfers it lost were made (the shards that look restored).
     restored: dict[str, list[datetime]] = defaultdict(list)
     lost_credits: dict[str, list[datetime]] = defaultdict(list)
-    for found in report.mismatches:
-        m = found
-        if m.transfer_id is None or m.key is None:
-            annotated.append(m)
-            continue
-        held = by_key.get(m.key, [])
-        made = transfer_time(m.transfer_id)
-        if m.kind is Kind.CREDIT_MISSING:
-            credits = [r for r in held if r.method.endswith("/CreditTransfer") and r.status_code == 0]
-            if credits:
-                m = _replace(
-                    m,
-                    blocked=f"{credits[0].shard} holds the credit key's stored outcome (OK) without "
-                    "its entry, so a redelivery would replay and apply nothing",
-                )
-            if made and m.destination_shard:
-                lost_credits[m.destination_shard].append(made)
-        elif m.kind is Kind.REFUND_MISSING and held and not m.blocked:
+    report.mismatches = [
+        _with_records(m, by_key.get(m.key, []), restored, lost_credits)
+        if m.transfer_id is not None and m.key is not None
+        else m
+        for m in report.mismatches
+    ]
+    report.notes += _restore_notes(restored, lost_credits)
+
+
+def _records_by_key(dsns: Mapping[str, str], ids: list[uuid.UUID]) -> dict[str, list[KeyRecord]]:
+    """Every shard's stored outcomes of the follow-up keys of `ids`, by key."""
+    by_key: dict[str, list[KeyRecord]] = defaultdict(list)
+    for shard, dsn in dsns.items():
+        with connect(dsn) as conn:
+            for r in follow_up_records(conn, shard, ids):
+                by_key[r.key].append(r)
+    return by_key
+
+
+def _with_records(
+    m: Mismatch,
+    held: list[KeyRecord],
+    restored: dict[str, list[datetime]],
+    lost_credits: dict[str, list[datetime]],
+) -> Mismatch:
+    """One mismatch as the stored outcomes of its key (`held`) tell it; notes when its transfer was
+    made under the shard it was lost on."""
+    assert m.transfer_id is not None
+    made = transfer_time(m.transfer_id)
+    if m.kind is Kind.CREDIT_MISSING:
+        credits = [r for r in held if r.method.endswith("/CreditTransfer") and r.status_code == 0]
+        if credits:
             m = _replace(
                 m,
-                blocked=f"{held[0].shard} holds the refund key's stored outcome without its entry, "
-                "so RefundTransfer would replay and apply nothing",
+                blocked=f"{credits[0].shard} holds the credit key's stored outcome (OK) without "
+                "its entry, so a redelivery would replay and apply nothing",
             )
-        elif m.kind is Kind.CREDIT_WITHOUT_DEBIT:
-            scopes = [r.scope for r in held if r.method.endswith("/CreditTransfer")]
-            source = scopes[0].rpartition("|")[2].removeprefix("relay:") if scopes else None
-            if source:
-                m = _replace(m, source_shard=source)
-            if made:
-                restored[source or "the source shard"].append(made)
-        annotated.append(m)
-    report.mismatches = annotated
-    for shard, times in sorted(restored.items()):
-        report.notes.append(
-            f"{shard} holds no trace of {len(times)} transfer(s) made between {min(times):%Y-%m-%d %H:%M:%S} "
-            f"and {max(times):%Y-%m-%d %H:%M:%S} UTC whose credits other shards hold: it looks restored to "
-            f"before {min(times):%Y-%m-%d %H:%M:%S}. The idempotency records it wrote after that point are "
-            "gone and cannot be seen from here: a caller retrying a call it was answered for then (these "
-            "Transfers, or any Deposit or Transfer) with its original key gets it applied again as new"
+        if made and m.destination_shard:
+            lost_credits[m.destination_shard].append(made)
+    elif m.kind is Kind.REFUND_MISSING and held and not m.blocked:
+        m = _replace(
+            m,
+            blocked=f"{held[0].shard} holds the refund key's stored outcome without its entry, "
+            "so RefundTransfer would replay and apply nothing",
         )
-    for shard, times in sorted(lost_credits.items()):
-        report.notes.append(
-            f"{shard} lost {len(times)} credit(s) of transfers made between {min(times):%Y-%m-%d %H:%M:%S} "
-            f"and {max(times):%Y-%m-%d %H:%M:%S} UTC that their sources saw delivered: it looks restored. "
-            "The credit keys went with it, so re-queued credits apply there once (not replay); callers' "
-            "keys it acknowledged after the restore point are gone too (a retry applies again)"
-        )
+    elif m.kind is Kind.CREDIT_WITHOUT_DEBIT:
+        scopes = [r.scope for r in held if r.method.endswith("/CreditTransfer")]
+        source = scopes[0].rpartition("|")[2].removeprefix("relay:") if scopes else None
+        if source:
+            m = _replace(m, source_shard=source)
+        if made:
+            restored[source or "the source shard"].append(made)
+    return m
+
+
+def _restore_notes(restored: dict[str, list[datetime]], lost_credits: dict[str, list[datetime]]) -> list[str]:
+    """What the shards that look restored lost besides the mismatches: their keys."""
+    notes = [
+        f"{shard} holds no trace of {len(times)} transfer(s) made between {min(times):%Y-%m-%d %H:%M:%S} "
+        f"and {max(times):%Y-%m-%d %H:%M:%S} UTC whose credits other shards hold: it looks restored to "
+        f"before {min(times):%Y-%m-%d %H:%M:%S}. The idempotency records it wrote after that point are "
+        "gone and cannot be seen from here: a caller retrying a call it was answered for then (these "
+        "Transfers, or any Deposit or Transfer) with its original key gets it applied again as new"
+        for shard, times in sorted(restored.items())
+    ]
+    notes += [
+        f"{shard} lost {len(times)} credit(s) of transfers made between {min(times):%Y-%m-%d %H:%M:%S} "
+        f"and {max(times):%Y-%m-%d %H:%M:%S} UTC that their sources saw delivered: it looks restored. "
+        "The credit keys went with it, so re-queued credits apply there once (not replay); callers' "
+        "keys it acknowledged after the restore point are gone too (a retry applies again)"
+        for shard, times in sorted(lost_credits.items())
+    ]
+    return notes
 
 
 def _replace(m: Mismatch, **changes: str) -> Mismatch:

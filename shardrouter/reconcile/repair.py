@@ -20,7 +20,8 @@ A kill between two repairs (failpoint `reconcile.repaired`, reached after each o
 the ones done done and the others for the next run.
 
 The first three write no balance: the daemons' own calls (`CreditTransfer`, `RefundTransfer`) do,
-under their keys. Each wakes the shard's relays (`NOTIFY`) on commit.
+under their keys. Each wakes the shard's relays (`NOTIFY`) on commit. Every statement on the
+ledger's tables is the ledger's own (`shardd.ledger.store`, `shardd.ledger.reads`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from shardrouter.core import failpoints
 from shardrouter.core.keys import new_key
 from shardrouter.reconcile.check import Kind, Mismatch
 from shardrouter.reconcile.facts import Connection, reversal_key
+from shardrouter.shardd.ledger import reads, store
 from shardrouter.shardd.ledger.service import credit_key, credit_payload
 from shardrouter.shardd.relay import OUTBOX_CHANNEL
 from shardrouter.v1 import transfer_pb2
@@ -55,18 +57,10 @@ def requeue(conn: Connection, transfer_id: uuid.UUID) -> bool:
     """CREDIT_MISSING: deliver the credit again under its original key; False if its outbox row was
     not marked delivered (already re-queued, or dead-lettered since)."""
     with conn.transaction():
-        row = conn.execute(
-            "UPDATE outbox SET delivered_at = NULL, next_attempt_at = now(), attempts = 0, last_error = %s"
-            " WHERE transfer_id = %s AND delivered_at IS NOT NULL AND dead_lettered_at IS NULL RETURNING id",
-            (_NOTE, transfer_id),
-        ).fetchone()
-        if row is None:
+        if not store.undeliver(conn, transfer_id, _NOTE):
             return False
-        conn.execute(
-            "UPDATE transfers SET state = 'pending', updated_at = now() WHERE id = %s AND state = 'completed'",
-            (transfer_id,),
-        )
-        conn.execute("SELECT pg_notify(%s, '')", (OUTBOX_CHANNEL,))
+        store.set_transfer_state(conn, transfer_id, expected="completed", new="pending")
+        _wake_relays(conn)
     return True
 
 
@@ -74,74 +68,55 @@ def queue(conn: Connection, shard: str, transfer_id: uuid.UUID) -> bool:
     """CREDIT_NOT_QUEUED: queue the transfer's credit again (its original key); False if an outbox
     row exists, a credit or refund is recorded here, or the transfer is gone."""
     with conn.transaction():
-        t = conn.execute(
-            "SELECT source_account_id, destination_account_id, destination_shard_id, amount_minor,"
-            " currency::text, state FROM transfers WHERE id = %s FOR UPDATE",
-            (transfer_id,),
-        ).fetchone()
-        if t is None or t[5] == "refunded":
+        t = store.read_transfer(conn, transfer_id, lock=True)
+        if t is None or t.state == "refunded" or _settled_here(conn, transfer_id):
             return False
-        if _settled_here(conn, transfer_id):
-            return False
-        source, destination, destination_shard, amount, currency, _ = t
         payload = credit_payload(
             transfer_id,
             source_shard_id=shard,
-            source_account_id=source,
-            destination_account_id=destination,
-            amount=transfer_pb2.Money(amount_minor=amount, currency=currency),
+            source_account_id=t.source_account_id,
+            destination_account_id=t.destination_account_id,
+            amount=transfer_pb2.Money(amount_minor=t.amount_minor, currency=t.currency),
         )
-        row = conn.execute(
-            "INSERT INTO outbox (transfer_id, destination_shard_id, idempotency_key, payload, last_error)"
-            " VALUES (%s, %s, %s, %s, %s) ON CONFLICT (transfer_id) DO NOTHING RETURNING id",
-            (
-                transfer_id,
-                destination_shard,
-                str(credit_key(transfer_id)),
-                payload,
-                "reconcile: credit queued again (no outbox row held it)",
-            ),
-        ).fetchone()
-        if row is None:
+        queued = store.insert_outbox_once(
+            conn,
+            transfer_id=transfer_id,
+            destination_shard_id=t.destination_shard_id,
+            key=str(credit_key(transfer_id)),
+            payload=payload,
+            note="reconcile: credit queued again (no outbox row held it)",
+        )
+        if not queued:
             return False
-        conn.execute(
-            "UPDATE transfers SET state = 'pending', updated_at = now() WHERE id = %s AND state = 'completed'",
-            (transfer_id,),
-        )
+        # The outbox's insert trigger wakes the relays.
+        store.set_transfer_state(conn, transfer_id, expected="completed", new="pending")
     return True
 
 
 def _settled_here(conn: Connection, transfer_id: uuid.UUID) -> bool:
     """Whether this shard's ledger already holds the transfer's credit or its refund."""
-    row = conn.execute(
-        "SELECT EXISTS (SELECT 1 FROM ledger_entries WHERE transfer_id = %s AND kind IN ('transfer_in', 'refund'))",
-        (transfer_id,),
-    ).fetchone()
-    return row is None or bool(row[0])
+    return any(
+        store.entry_of_transfer(conn, transfer_id, kind) is not None for kind in ("transfer_in", "refund")
+    )
+
+
+def _wake_relays(conn: Connection) -> None:
+    """Wake the shard's relays when this transaction commits (an UPDATE of the outbox, unlike an
+    INSERT, fires no trigger that would). Not a statement on the ledger: the relay's own signal."""
+    conn.execute("SELECT pg_notify(%s, '')", (OUTBOX_CHANNEL,))
 
 
 def refund(conn: Connection, transfer_id: uuid.UUID) -> bool:
     """REFUND_MISSING: hand the dead letter back to the relay's refund pass; False if a refund
     entry exists, or the dead letter is already waiting for its refund."""
     with conn.transaction():
-        t = conn.execute("SELECT state FROM transfers WHERE id = %s FOR UPDATE", (transfer_id,)).fetchone()
-        if t is None:
+        if store.read_transfer(conn, transfer_id, lock=True) is None or _settled_here(conn, transfer_id):
             return False
-        if _settled_here(conn, transfer_id):
+        reopened = store.reopen_dead_letter(conn, transfer_id)
+        pending = store.set_transfer_state(conn, transfer_id, expected="refunded", new="pending")
+        if not (reopened or pending):
             return False
-        letter = conn.execute(
-            "UPDATE dead_letters SET refunded_at = NULL WHERE transfer_id = %s AND refunded_at IS NOT NULL"
-            " RETURNING transfer_id",
-            (transfer_id,),
-        ).fetchone()
-        state = conn.execute(
-            "UPDATE transfers SET state = 'pending', updated_at = now() WHERE id = %s AND state = 'refunded'"
-            " RETURNING id",
-            (transfer_id,),
-        ).fetchone()
-        if letter is None and state is None:
-            return False
-        conn.execute("SELECT pg_notify(%s, '')", (OUTBOX_CHANNEL,))
+        _wake_relays(conn)
     return True
 
 
@@ -151,38 +126,29 @@ def reverse(conn: Connection, m: Mismatch) -> tuple[bool, str]:
     assert m.transfer_id is not None and m.account is not None
     try:
         with conn.transaction():
-            account = conn.execute(
-                "SELECT balance FROM accounts WHERE id = %s FOR UPDATE", (m.account,)
-            ).fetchone()
-            credit = conn.execute(
-                "SELECT amount_minor FROM ledger_entries WHERE transfer_id = %s AND kind = 'transfer_in'"
-                " AND account_id = %s",
-                (m.transfer_id, m.account),
-            ).fetchone()
-            if account is None or credit is None:
+            account = store.lock_accounts(conn, [m.account]).get(m.account)
+            credit = reads.transfer_entry(conn, m.transfer_id, "transfer_in")
+            if account is None or credit is None or credit.account_id != m.account:
                 return False, "the credit is no longer on this shard"
-            amount = int(credit[0])
-            row = conn.execute(
-                "INSERT INTO ledger_entries (id, account_id, amount_minor, kind, transfer_id, idempotency_key,"
-                " reference) VALUES (%s, %s, %s, 'transfer_out', %s, %s, %s)"
-                " ON CONFLICT (transfer_id, kind) WHERE transfer_id IS NOT NULL DO NOTHING RETURNING id",
-                (
-                    new_key(),
-                    m.account,
-                    -amount,
-                    m.transfer_id,
-                    str(reversal_key(m.transfer_id)),
-                    f"reconcile: reversal of credit without debit ({m.kind.value})"[:140],
-                ),
-            ).fetchone()
-            if row is None:
+            amount = credit.amount_minor
+            written = store.insert_entry_once(
+                conn,
+                account_id=m.account,
+                amount_minor=-amount,
+                kind="transfer_out",
+                idempotency_key=str(reversal_key(m.transfer_id)),
+                entry_id=new_key(),
+                transfer_id=m.transfer_id,
+                reference=f"reconcile: reversal of credit without debit ({m.kind.value})"[:140],
+            )
+            if not written:
                 return False, "a debit or reversal of this transfer is already recorded here"
-            if int(account[0]) < amount:
+            if account.balance < amount:
                 raise _Refused(
-                    f"account {m.account} holds {account[0]}, less than the {amount} to take back: "
+                    f"account {m.account} holds {account.balance}, less than the {amount} to take back: "
                     "reverse it by hand (or re-create the debit on the source)"
                 )
-            conn.execute("UPDATE accounts SET balance = balance - %s WHERE id = %s", (amount, m.account))
+            store.add_to_balance(conn, m.account, -amount)
     except _Refused as refused:
         return False, str(refused)
     except psycopg.errors.CheckViolation as exc:

@@ -9,51 +9,58 @@ from datetime import UTC, datetime
 
 from shardrouter.core.keys import new_key
 from shardrouter.reconcile.check import Kind, classify
-from shardrouter.reconcile.facts import DeadLetter, Leg, Outbox, ShardFacts, Transfer, reversal_key
+from shardrouter.reconcile.facts import ShardFacts, reversal_key
+from shardrouter.shardd.ledger.reads import TransferEntryRow
 from shardrouter.shardd.ledger.service import credit_key
+from shardrouter.shardd.ledger.store import DeadLetterRow, OutboxRow, TransferRow
 
 NOW = datetime.now(UTC)
 
+#: A row and the shard (a or b) that holds it.
+Held = tuple[str, object]
 
-def _transfer(tid: uuid.UUID, state: str = "completed", amount: int = 10) -> Transfer:
-    return Transfer("a", tid, "src", "dst", "b", amount, "EUR", state, NOW)
+
+def _transfer(tid: uuid.UUID, state: str = "completed", amount: int = 10) -> Held:
+    return "a", TransferRow(tid, "src", "dst", "b", amount, "EUR", "", state, NOW, NOW)
 
 
-def _outbox(tid: uuid.UUID, *, delivered: bool = True, dead: bool = False) -> Outbox:
-    return Outbox(
-        "a",
+def _outbox(tid: uuid.UUID, *, delivered: bool = True, dead: bool = False) -> Held:
+    return "a", OutboxRow(
         1,
         tid,
         "b",
         str(credit_key(tid)),
+        b"",
         1,
         NOW,
-        NOW if delivered else None,
-        NOW if dead else None,
-        None,
+        delivered_at=NOW if delivered else None,
+        dead_lettered_at=NOW if dead else None,
     )
 
 
-def _leg(shard: str, tid: uuid.UUID, kind: str, amount: int, account: str, key: str = "k") -> Leg:
-    return Leg(shard, new_key(), tid, kind, account, amount, "EUR", key, NOW)
+def _dead_letter(tid: uuid.UUID) -> Held:
+    return "a", DeadLetterRow(tid, 1, "NOT_FOUND", "r", NOW, None, 0, "src", 10, "EUR")
 
 
-def _facts(*items: object) -> dict[str, ShardFacts]:
+def _leg(shard: str, tid: uuid.UUID, kind: str, amount: int, account: str, key: str = "k") -> Held:
+    return shard, TransferEntryRow(new_key(), tid, kind, account, amount, "EUR", key, NOW)
+
+
+def _facts(*items: Held) -> dict[str, ShardFacts]:
     facts = {"a": ShardFacts("a"), "b": ShardFacts("b")}
-    for item in items:
-        shard = facts[item.shard]  # type: ignore[attr-defined]
-        if isinstance(item, Transfer):
-            shard.transfers.append(item)
-        elif isinstance(item, Outbox):
-            shard.outbox.append(item)
-        elif isinstance(item, DeadLetter):
-            shard.dead_letters.append(item)
-        elif isinstance(item, Leg):
-            shard.legs.append(item)
+    for shard, row in items:
+        if isinstance(row, TransferRow):
+            facts[shard].transfers.append(row)
+        elif isinstance(row, OutboxRow):
+            facts[shard].outbox.append(row)
+        elif isinstance(row, DeadLetterRow):
+            facts[shard].dead_letters.append(row)
+        elif isinstance(row, TransferEntryRow):
+            facts[shard].legs.append(row)
     return facts
 
 
-def _settled(tid: uuid.UUID) -> list[object]:
+def _settled(tid: uuid.UUID) -> list[Held]:
     return [
         _transfer(tid),
         _outbox(tid),
@@ -71,7 +78,7 @@ def test_settled_and_in_flight_transfers_are_no_mismatch() -> None:
         _leg("a", pending, "transfer_out", -10, "src"),
         _transfer(owed, "pending"),
         _outbox(owed, delivered=False, dead=True),
-        DeadLetter("a", owed, 1, "r", "NOT_FOUND", NOW, None),
+        _dead_letter(owed),
         _leg("a", owed, "transfer_out", -10, "src"),
     )
     facts["a"].deposits["EUR"], facts["a"].balances["EUR"] = 100, (80, 2)  # 20 in flight

@@ -35,6 +35,7 @@ the second COMMIT fails (answered as in flight; the retry replays the first).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -194,6 +195,20 @@ def find_key(
     return [_record(r) for r in rows]
 
 
+def find_keys(conn: psycopg.Connection[Any], keys: Sequence[tuple[str, datetime]]) -> list[IdempotencyRecord]:
+    """Every record of many self-dated keys (key, key_time) across scopes, in one statement: only
+    their partitions are read, each once (no index leads with the key alone)."""
+    if not keys:
+        return []
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(
+            f"SELECT {_COLUMNS} FROM idempotency_record WHERE key = ANY(%s) AND key_time = ANY(%s)",
+            ([k for k, _ in keys], sorted({t for _, t in keys})),
+        ).fetchall()
+    wanted = set(keys)
+    return [r for r in map(_record, rows) if (r.key, r.key_time) in wanted]
+
+
 def _record(row: dict[str, Any]) -> IdempotencyRecord:
     state = RecordState(str(row["state"]))
     outcome = None
@@ -228,6 +243,7 @@ __all__ = [
     "claim_key",
     "complete_key",
     "find_key",
+    "find_keys",
     "lookup_key",
     "release_claim",
 ]

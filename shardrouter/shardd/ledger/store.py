@@ -1,7 +1,9 @@
-"""Every SQL statement on accounts, ledger entries, transfers, the outbox and dead letters.
+"""Every SQL statement on accounts, ledger entries, transfers, the outbox and dead letters, but for
+the reads of the ledger as a whole, which are in `reads`.
 
 Functions take the caller's connection and never commit: the idempotency interceptor owns the
-transaction. Accounts are locked in id order so two transfers between the same pair cannot deadlock.
+transaction (or, for the repairs of `shard-router reconcile` at the end, the repair's own). Accounts
+are locked in id order so two transfers between the same pair cannot deadlock.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class AttemptRow:
 
 @dataclass(frozen=True)
 class OutboxRow:
-    """A credit waiting to be delivered to another shard."""
+    """A credit to deliver to another shard (the relay claims only undelivered ones)."""
 
     id: int
     transfer_id: uuid.UUID
@@ -64,6 +66,16 @@ class OutboxRow:
     payload: bytes
     attempts: int
     created_at: datetime
+    delivered_at: datetime | None = None
+    dead_lettered_at: datetime | None = None
+    last_error: str | None = None
+
+    @property
+    def state(self) -> str:
+        """delivered, dead_lettered or pending."""
+        if self.delivered_at is not None:
+            return "delivered"
+        return "dead_lettered" if self.dead_lettered_at is not None else "pending"
 
 
 @dataclass(frozen=True)
@@ -184,6 +196,28 @@ def insert_entry(
     )
 
 
+def insert_entry_once(
+    conn: Connection,
+    *,
+    account_id: str,
+    amount_minor: int,
+    kind: str,
+    idempotency_key: str,
+    entry_id: uuid.UUID,
+    transfer_id: uuid.UUID,
+    reference: str,
+) -> bool:
+    """Append a transfer's entry of one kind unless this shard holds one already (the ledger's
+    unique index on (transfer_id, kind)); whether this appended it."""
+    row = conn.execute(
+        "INSERT INTO ledger_entries (id, account_id, amount_minor, kind, transfer_id, idempotency_key, reference)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s)"
+        " ON CONFLICT (transfer_id, kind) WHERE transfer_id IS NOT NULL DO NOTHING RETURNING id",
+        (entry_id, account_id, amount_minor, kind, transfer_id, idempotency_key, reference),
+    ).fetchone()
+    return row is not None
+
+
 def entry_of_transfer(conn: Connection, transfer_id: uuid.UUID, kind: str) -> uuid.UUID | None:
     """The id of a transfer's ledger entry of one kind, if written."""
     row = conn.execute(
@@ -228,16 +262,29 @@ def insert_transfer(conn: Connection, transfer: TransferRow) -> None:
     )
 
 
+_TRANSFER_SELECT = (
+    "SELECT id, source_account_id, destination_account_id, destination_shard_id, amount_minor,"
+    " currency, reference, state, created_at, updated_at FROM transfers"
+)
+
+
 def read_transfer(conn: Connection, transfer_id: uuid.UUID, *, lock: bool = False) -> TransferRow | None:
     """A transfer by id (optionally locked for update)."""
     with conn.cursor(row_factory=dict_row) as cur:
         r = cur.execute(
-            "SELECT id, source_account_id, destination_account_id, destination_shard_id, amount_minor,"
-            " currency, reference, state, created_at, updated_at FROM transfers WHERE id = %s"
-            + (" FOR UPDATE" if lock else ""),
-            (transfer_id,),
+            _TRANSFER_SELECT + " WHERE id = %s" + (" FOR UPDATE" if lock else ""), (transfer_id,)
         ).fetchone()
     return None if r is None else TransferRow(**r)
+
+
+def list_transfers(conn: Connection, transfer_ids: Sequence[uuid.UUID] | None = None) -> list[TransferRow]:
+    """Every transfer recorded here (None), or those of `transfer_ids`."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        if transfer_ids is None:
+            rows = cur.execute(_TRANSFER_SELECT).fetchall()
+        else:
+            rows = cur.execute(_TRANSFER_SELECT + " WHERE id = ANY(%s)", (list(transfer_ids),)).fetchall()
+    return [TransferRow(**r) for r in rows]
 
 
 def set_transfer_state(conn: Connection, transfer_id: uuid.UUID, *, expected: str, new: str) -> bool:
@@ -271,11 +318,59 @@ def insert_outbox(
     )
 
 
+def insert_outbox_once(
+    conn: Connection,
+    *,
+    transfer_id: uuid.UUID,
+    destination_shard_id: str,
+    key: str,
+    payload: bytes,
+    note: str,
+) -> bool:
+    """Queue a transfer's credit again unless an outbox row of it exists (one per transfer), saying
+    why in its last error; whether this queued it."""
+    row = conn.execute(
+        "INSERT INTO outbox (transfer_id, destination_shard_id, idempotency_key, payload, last_error)"
+        " VALUES (%s, %s, %s, %s, %s) ON CONFLICT (transfer_id) DO NOTHING RETURNING id",
+        (transfer_id, destination_shard_id, key, payload, note),
+    ).fetchone()
+    return row is not None
+
+
+def undeliver(conn: Connection, transfer_id: uuid.UUID, note: str) -> bool:
+    """Hand a credit marked delivered (and not dead-lettered) back to the relay, due now and with its
+    attempts reset; whether it was marked delivered."""
+    row = conn.execute(
+        "UPDATE outbox SET delivered_at = NULL, next_attempt_at = now(), attempts = 0, last_error = %s"
+        " WHERE transfer_id = %s AND delivered_at IS NOT NULL AND dead_lettered_at IS NULL RETURNING id",
+        (note, transfer_id),
+    ).fetchone()
+    return row is not None
+
+
+_OUTBOX_COLUMNS = (
+    "id, transfer_id, destination_shard_id, idempotency_key, payload, attempts, created_at,"
+    " delivered_at, dead_lettered_at, last_error"
+)
+
+
+def list_outbox(conn: Connection, transfer_ids: Sequence[uuid.UUID] | None = None) -> list[OutboxRow]:
+    """Every outbox row, delivered or not (None), or those of `transfer_ids`."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        if transfer_ids is None:
+            rows = cur.execute(f"SELECT {_OUTBOX_COLUMNS} FROM outbox").fetchall()
+        else:
+            rows = cur.execute(
+                f"SELECT {_OUTBOX_COLUMNS} FROM outbox WHERE transfer_id = ANY(%s)", (list(transfer_ids),)
+            ).fetchall()
+    return [OutboxRow(**r) for r in rows]
+
+
 def claim_due_outbox(conn: Connection, limit: int) -> list[OutboxRow]:
     """Lock up to `limit` due credits, oldest first, skipping rows other relay workers hold."""
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(
-            "SELECT id, transfer_id, destination_shard_id, idempotency_key, payload, attempts, created_at"
+            f"SELECT {_OUTBOX_COLUMNS}"
             " FROM outbox WHERE delivered_at IS NULL AND dead_lettered_at IS NULL AND next_attempt_at <= now()"
             # A fenced slot (moving, or moved out) takes no writes here: its rows wait for the
             # move, and then for their new owner's relay.
@@ -330,6 +425,17 @@ def mark_refunded(conn: Connection, transfer_id: uuid.UUID) -> None:
     )
 
 
+def reopen_dead_letter(conn: Connection, transfer_id: uuid.UUID) -> bool:
+    """Mark a dead letter's refund as not applied, for the relay's refund pass to send it again;
+    whether it was marked applied."""
+    row = conn.execute(
+        "UPDATE dead_letters SET refunded_at = NULL WHERE transfer_id = %s AND refunded_at IS NOT NULL"
+        " RETURNING transfer_id",
+        (transfer_id,),
+    ).fetchone()
+    return row is not None
+
+
 def note_replay(conn: Connection, transfer_id: uuid.UUID) -> None:
     """Count a manual replay of a dead letter."""
     conn.execute(
@@ -346,11 +452,18 @@ _DEAD_LETTER_SELECT = (
 )
 
 
-def list_dead_letters(conn: Connection, *, unrefunded_only: bool = False) -> list[DeadLetterRow]:
-    """Dead letters, oldest first."""
-    where = " WHERE d.refunded_at IS NULL" if unrefunded_only else ""
+def list_dead_letters(
+    conn: Connection, *, unrefunded_only: bool = False, transfer_ids: Sequence[uuid.UUID] | None = None
+) -> list[DeadLetterRow]:
+    """Dead letters (only those of `transfer_ids`, unless None), oldest first."""
+    conditions = ["d.refunded_at IS NULL"] if unrefunded_only else []
+    params: tuple[object, ...] = ()
+    if transfer_ids is not None:
+        conditions.append("d.transfer_id = ANY(%s)")
+        params = (list(transfer_ids),)
+    where = " WHERE " + " AND ".join(conditions) if conditions else ""
     with conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(_DEAD_LETTER_SELECT + where + " ORDER BY d.created_at").fetchall()
+        rows = cur.execute(_DEAD_LETTER_SELECT + where + " ORDER BY d.created_at", params).fetchall()
     return [DeadLetterRow(**r) for r in rows]
 
 
@@ -400,9 +513,13 @@ __all__ = [
     "deposit",
     "entry_of_transfer",
     "insert_entry",
+    "insert_entry_once",
     "insert_outbox",
+    "insert_outbox_once",
     "insert_transfer",
     "list_dead_letters",
+    "list_outbox",
+    "list_transfers",
     "lock_accounts",
     "mark_delivered",
     "mark_refunded",
@@ -413,7 +530,9 @@ __all__ = [
     "read_dead_letter",
     "read_transfer",
     "record_attempt",
+    "reopen_dead_letter",
     "set_transfer_state",
     "slot_fenced",
+    "undeliver",
     "void_credit",
 ]
