@@ -10,8 +10,9 @@ the first network call and sent unchanged on every retry, so the shard applies i
         result = client.send_with_retries(op)
         print(result.state, result.replayed)
 
-Modules: `operation` (the record), `store` (durability), `retry` (rules), `client` (sending),
-`status` (reading rich errors), `wire` (protobuf mapping), `money` (decimal text), `service_config`.
+Modules: `operation` (the record), `kinds` (one operation kind per keyed RPC, from the proto's
+declarations), `store` (durability), `retry` (rules), `client` (sending), `status` (reading rich
+errors), `wire` (protobuf mapping), `money` (decimal text), `service_config` (made from the declarations).
 """
 
 from shardrouter.client.client import SendResult, TransferClient

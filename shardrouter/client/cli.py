@@ -8,6 +8,12 @@
     shard-router resume             # send every pending operation again, with its original key
     shard-router dev up ...         # local cluster (the `localcluster` package handles `dev`)
 
+Every keyed RPC of the public API is an operation subcommand: its name is the RPC's operation kind
+(`shardrouter.client.kinds`, read from the proto's declarations; `refund_all` -> `refund-all`).
+`transfer` and `deposit` have the hand-written flags above (a decimal `--amount`, `--from`/`--to`);
+any other's flags are its request's string and integer fields by name (`--account-id`,
+`--amount-amount-minor`), the routing field required.
+
 Global flags (before or after the subcommand): --target (default $SHARD_ROUTER_TARGET or
 127.0.0.1:50051), --store (default $SHARD_ROUTER_STORE, else
 $XDG_DATA_HOME/shard-router/operations.db or ~/.local/share/shard-router/operations.db), --caller
@@ -36,22 +42,25 @@ import enum
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 
 from shardrouter.client.client import SendResult, TransferClient
+from shardrouter.client.kinds import OPERATION_TYPES, Argument, OperationKind, OperationType
 from shardrouter.client.money import AmountError, format_amount, parse_amount
 from shardrouter.client.operation import Operation, OperationState
 from shardrouter.client.status import RpcFailure
 from shardrouter.client.store import SqliteOperationStore
-from shardrouter.client.wire import InvalidOperation, message_to_dict
+from shardrouter.client.wire import InvalidOperation, deposit_arguments, message_to_dict, transfer_arguments
 from shardrouter.core import tracing
 from shardrouter.v1 import transfer_pb2
 
-__all__ = ["ExitCode", "build_parser", "check_flags", "default_store_path", "main"]
+__all__ = ["OPERATION_COMMANDS", "ExitCode", "build_parser", "check_flags", "default_store_path", "main"]
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -92,18 +101,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         _add_global_options(p, env, suppress=True)
         return p
 
-    transfer = command("transfer", "move money from one account to another")
-    transfer.add_argument("--from", dest="source", required=True, metavar="ACCOUNT")
-    transfer.add_argument("--to", dest="destination", required=True, metavar="ACCOUNT")
-    transfer.add_argument("--amount", required=True, help="decimal amount, e.g. 25.00")
-    transfer.add_argument("--currency", required=True, help="ISO 4217 code, e.g. EUR")
-    transfer.add_argument("--reference", default="", help="free text, at most 140 characters")
-
-    deposit = command("deposit", "credit an account from outside (opens it on the first deposit)")
-    deposit.add_argument("--account", required=True)
-    deposit.add_argument("--amount", required=True, help="decimal amount, e.g. 10.00")
-    deposit.add_argument("--currency", required=True, help="ISO 4217 code, e.g. EUR")
-    deposit.add_argument("--reference", default="", help="free text, at most 140 characters")
+    for name, (_, kind_command) in OPERATION_COMMANDS.items():
+        kind_command.add_flags(command(name, kind_command.help))
 
     balance = command("balance", "show an account's balance")
     balance.add_argument("account")
@@ -206,6 +205,105 @@ def check_flags(parser: argparse.ArgumentParser, args: Sequence[str]) -> str | N
     return f"{parser.prog}: unknown flag {unknown} ({hint})"
 
 
+@dataclass(frozen=True, slots=True)
+class _KindCommand:
+    """The subcommand of one operation kind: its help, its flags, and the operation they make."""
+
+    help: str
+    add_flags: Callable[[argparse.ArgumentParser], None]
+    arguments: Callable[[argparse.Namespace], dict[str, Argument]]
+    describe: Callable[[Mapping[str, Argument]], str]
+
+
+def _transfer_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--from", dest="source", required=True, metavar="ACCOUNT")
+    parser.add_argument("--to", dest="destination", required=True, metavar="ACCOUNT")
+    _money_flags(parser, "25.00")
+
+
+def _deposit_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--account", required=True)
+    _money_flags(parser, "10.00")
+
+
+def _money_flags(parser: argparse.ArgumentParser, example: str) -> None:
+    parser.add_argument("--amount", required=True, help=f"decimal amount, e.g. {example}")
+    parser.add_argument("--currency", required=True, help="ISO 4217 code, e.g. EUR")
+    parser.add_argument("--reference", default="", help="free text, at most 140 characters")
+
+
+def _transfer_arguments(ns: argparse.Namespace) -> dict[str, Argument]:
+    currency = ns.currency.upper()
+    amount = parse_amount(ns.amount, currency)
+    return transfer_arguments(ns.source, ns.destination, amount, currency, ns.reference)
+
+
+def _deposit_arguments(ns: argparse.Namespace) -> dict[str, Argument]:
+    currency = ns.currency.upper()
+    return deposit_arguments(ns.account, parse_amount(ns.amount, currency), currency, ns.reference)
+
+
+def _describe_transfer(a: Mapping[str, Argument]) -> str:
+    return f"{_money(int(a['amount_minor']), str(a['currency']))} {a['source']} -> {a['destination']}"
+
+
+def _describe_deposit(a: Mapping[str, Argument]) -> str:
+    return f"{_money(int(a['amount_minor']), str(a['currency']))} to {a['account']}"
+
+
+#: The operation kinds whose flags are written by hand (decimal amounts, short account flags), by
+#: kind; every other kind's subcommand is derived from its request (`_derived_command`).
+_HAND_WRITTEN: Mapping[OperationKind, _KindCommand] = {
+    "transfer": _KindCommand(
+        "move money from one account to another", _transfer_flags, _transfer_arguments, _describe_transfer
+    ),
+    "deposit": _KindCommand(
+        "credit an account from outside (opens it on the first deposit)",
+        _deposit_flags,
+        _deposit_arguments,
+        _describe_deposit,
+    ),
+}
+
+
+def _flag(argument: str) -> str:
+    return "--" + argument.replace("_", "-").replace(".", "-")
+
+
+def _derived_command(op_type: OperationType) -> _KindCommand:
+    """A subcommand whose flags are the kind's arguments: one per string or integer request field."""
+    routing = op_type.declaration.routing_field
+
+    def add_flags(parser: argparse.ArgumentParser) -> None:
+        for argument, (path, field) in op_type.arguments.items():
+            integer = field.type != FieldDescriptor.TYPE_STRING
+            parser.add_argument(
+                _flag(argument),
+                dest=f"argument:{argument}",
+                type=int if integer else str,
+                required=path == routing,
+                metavar="N" if integer else "TEXT",
+                help=f"the request's {path}",
+            )
+
+    def arguments(ns: argparse.Namespace) -> dict[str, Argument]:
+        given = {a: getattr(ns, f"argument:{a}", None) for a in op_type.arguments}
+        return {a: value for a, value in given.items() if value is not None}
+
+    def describe(a: Mapping[str, Argument]) -> str:
+        return ", ".join(f"{name}={value}" for name, value in a.items()) or "no arguments"
+
+    help_text = f"send {op_type.declaration.name} (stored with a new idempotency key, then sent)"
+    return _KindCommand(help_text, add_flags, arguments, describe)
+
+
+#: Subcommand name -> (operation kind, its subcommand), one per keyed RPC of the public API.
+OPERATION_COMMANDS: Mapping[str, tuple[OperationKind, _KindCommand]] = {
+    kind.replace("_", "-"): (kind, _HAND_WRITTEN.get(kind) or _derived_command(op_type))
+    for kind, op_type in OPERATION_TYPES.items()
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `shard-router`; returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -241,17 +339,9 @@ def _operations(
     ns: argparse.Namespace, client: TransferClient, store: SqliteOperationStore, out: _Output
 ) -> int:
     timing = {"budget_s": ns.budget_s, "attempt_timeout_s": ns.attempt_timeout_s}
-    if ns.command == "transfer":
-        currency = ns.currency.upper()
-        op = client.create_transfer(
-            ns.source, ns.destination, parse_amount(ns.amount, currency), currency, reference=ns.reference
-        )
-        return out.send_result(client.send_with_retries(op, **timing))
-    if ns.command == "deposit":
-        currency = ns.currency.upper()
-        op = client.create_deposit(
-            ns.account, parse_amount(ns.amount, currency), currency, reference=ns.reference
-        )
+    if ns.command in OPERATION_COMMANDS:
+        kind, kind_command = OPERATION_COMMANDS[ns.command]
+        op = client.create_operation(kind, kind_command.arguments(ns))
         return out.send_result(client.send_with_retries(op, **timing))
     if ns.command == "pending":
         unfinished = store.list_operations({OperationState.PENDING, OperationState.NEEDS_RECONCILIATION})
@@ -300,11 +390,13 @@ def _exit_code_of(result: SendResult) -> ExitCode:
 
 def _describe(op: Operation) -> str:
     """A short human description of an operation's arguments."""
-    a = op.arguments
-    amount = _money(int(a["amount_minor"]), str(a["currency"]))
-    if op.kind == "transfer":
-        return f"{amount} {a['source']} -> {a['destination']}"
-    return f"{amount} to {a['account']}"
+    for kind, kind_command in OPERATION_COMMANDS.values():
+        if kind == op.kind:
+            try:
+                return kind_command.describe(op.arguments)
+            except (KeyError, ValueError):  # stored without a field its description shows
+                break
+    return ", ".join(f"{name}={value}" for name, value in op.arguments.items())
 
 
 def _money(amount_minor: int, currency: str) -> str:
@@ -420,6 +512,7 @@ def _summary(result: SendResult) -> str:
             return (
                 f"deposit entry {response.entry_id} OK: {_describe(op)}, balance {balance}{replayed}; {ids}"
             )
+        return f"{op.kind} OK: {_describe(op)}{replayed}; {ids}"
     problem = f"{result.code.name}{f' ({result.reason})' if result.reason else ''}: {result.message}"
     if result.state is OperationState.PENDING:
         why = "retry budget exhausted" if result.budget_exhausted else "no definite answer"

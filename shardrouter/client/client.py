@@ -7,6 +7,10 @@
 Every attempt carries the operation's `idempotency-key` (and `x-caller-id`, if the operation has a
 caller), a per-attempt deadline, and is recorded in the store before the next one starts. After a
 crash, `resume_pending()` sends every unfinished operation again with its original key and caller.
+
+Every keyed RPC of the public API is an operation kind (`shardrouter.client.kinds`, read from the
+proto's declarations): `create_operation(kind, arguments)` stores any of them; `create_transfer` and
+`create_deposit` are typed helpers over the same plumbing.
 """
 
 from __future__ import annotations
@@ -14,14 +18,16 @@ from __future__ import annotations
 import base64
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import grpc
+from google.protobuf.message import Message
 from opentelemetry import trace
 
-from shardrouter.client.operation import KINDS, Attempt, Operation, OperationState, Outcome, utc_now
+from shardrouter.client.kinds import OPERATION_TYPES, Argument, OperationKind, OperationType, kind_name
+from shardrouter.client.operation import Attempt, Operation, OperationState, Outcome, utc_now
 from shardrouter.client.retry import RetryPolicy, Verdict, backoff_s, classify, server_delay_s
 from shardrouter.client.status import (
     ErrorDetails,
@@ -33,7 +39,6 @@ from shardrouter.client.status import (
 from shardrouter.client.store import OperationStore, UnknownOperation
 from shardrouter.client.tracing import AttemptSpans, OperationTracer, record_attempt, record_operation
 from shardrouter.client.wire import (
-    MutatingResponse,
     build_request,
     decode_response_bytes,
     deposit_arguments,
@@ -48,8 +53,14 @@ from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 
 __all__ = ["SendResult", "TransferClient"]
 
-# An operation kind is the lower-case name of a keyed public RPC ("transfer" -> Transfer).
-_METHODS = {kind: rpc(PUBLIC_SERVICE, kind.capitalize()).full_name for kind in KINDS}
+
+def _declared_kind(method_name: str) -> OperationType:
+    """The operation kind of a keyed public RPC a typed helper sends (fails at import if not declared)."""
+    return OPERATION_TYPES[kind_name(rpc(PUBLIC_SERVICE, method_name).name)]
+
+
+_TRANSFER = _declared_kind("Transfer")
+_DEPOSIT = _declared_kind("Deposit")
 _RESERVED_METADATA = frozenset({KEY_METADATA, CALLER_METADATA})
 _MIN_ATTEMPT_S = 0.01  # below this, an attempt cannot finish: stop and report the budget exhausted
 _SERVER_DELAY_JITTER = 0.1  # wait up to 10 % longer than asked, so conflicting retries spread out
@@ -63,7 +74,7 @@ class SendResult:
     operation: Operation  # as stored after the last attempt
     code: grpc.StatusCode  # of the last attempt
     message: str
-    response: MutatingResponse | None  # TransferResponse / DepositResponse when code is OK
+    response: Message | None  # the RPC's response (TransferResponse, DepositResponse, ...) when OK
     error: ErrorDetails | None  # decoded rich status when code is not OK
     replayed: bool  # the shard answered with the stored outcome of an earlier attempt
     attempts: int  # attempts made by this call
@@ -134,8 +145,10 @@ class TransferClient:
         self._stub = transfer_pb2_grpc.TransferServiceStub(channel)
         # Raw-bytes callables: the response bytes are recorded exactly as the shard sent them.
         self._raw: dict[str, grpc.UnaryUnaryMultiCallable[Any, bytes]] = {
-            kind: channel.unary_unary(method, request_serializer=_serialize, response_deserializer=None)
-            for kind, method in _METHODS.items()
+            kind: channel.unary_unary(
+                op_type.method, request_serializer=_serialize, response_deserializer=None
+            )
+            for kind, op_type in OPERATION_TYPES.items()
         }
         self._sleep = sleep
         self._clock = clock
@@ -155,19 +168,33 @@ class TransferClient:
 
     # -- operations: store first, send later -------------------------------------------------------
 
+    def create_operation(self, kind: OperationKind, arguments: Mapping[str, Argument]) -> Operation:
+        """Validate locally, store a new operation of any kind durably and return it (no network).
+
+        `kind` is one of `shardrouter.client.kinds.KINDS` (a keyed RPC of the public API); `arguments`
+        name its request's fields (see `shardrouter.client.kinds`). ValueError for an unknown kind,
+        InvalidOperation for arguments the shard would refuse.
+        """
+        validate(kind, arguments)
+        op = Operation.new(kind, arguments, caller_id=self.caller_id)
+        self._require_store().create(op)  # durable before any network call
+        return op
+
     def create_transfer(
         self, source: str, destination: str, amount_minor: int, currency: str, *, reference: str = ""
     ) -> Operation:
         """Validate locally, store a new transfer operation durably and return it (no network)."""
-        return self._create(
-            "transfer", transfer_arguments(source, destination, amount_minor, currency, reference)
+        return self.create_operation(
+            _TRANSFER.kind, transfer_arguments(source, destination, amount_minor, currency, reference)
         )
 
     def create_deposit(
         self, account: str, amount_minor: int, currency: str, *, reference: str = ""
     ) -> Operation:
         """Validate locally, store a new deposit operation durably and return it (no network)."""
-        return self._create("deposit", deposit_arguments(account, amount_minor, currency, reference))
+        return self.create_operation(
+            _DEPOSIT.kind, deposit_arguments(account, amount_minor, currency, reference)
+        )
 
     def transfer(
         self,
@@ -214,7 +241,7 @@ class TransferClient:
             raise UnknownOperation(
                 f"operation {operation.id} is not in the store; create it there before sending"
             )
-        with self._tracing.operation(op, _METHODS[op.kind]) as spans:
+        with self._tracing.operation(op, OPERATION_TYPES[op.kind].method) as spans:
             result = self._send(op, policy, spans)
             record_operation(result.state.value, result.attempts)
         return result
@@ -302,12 +329,6 @@ class TransferClient:
         )
 
     # -- internals ---------------------------------------------------------------------------------
-
-    def _create(self, kind: Any, arguments: dict[str, str | int]) -> Operation:
-        validate(kind, arguments)
-        op = Operation.new(kind, arguments, caller_id=self.caller_id)
-        self._require_store().create(op)  # durable before any network call
-        return op
 
     def _require_store(self) -> OperationStore:
         if self.store is None:

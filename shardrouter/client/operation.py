@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
+from shardrouter.client.kinds import KINDS, Argument, OperationKind
 from shardrouter.core.keys import new_key
 
 __all__ = [
@@ -25,10 +26,6 @@ __all__ = [
     "Outcome",
     "utc_now",
 ]
-
-OperationKind = Literal["transfer", "deposit"]
-Argument = str | int
-KINDS: tuple[OperationKind, ...] = ("transfer", "deposit")
 
 
 class OperationState(enum.StrEnum):
@@ -133,10 +130,12 @@ class Outcome:
 
 @dataclass(frozen=True, slots=True)
 class Operation:
-    """One business operation (a transfer or a deposit) and everything known about it.
+    """One business operation (a transfer, a deposit, ...: a keyed RPC) and everything known about it.
 
-    `arguments` holds, for a transfer: source, destination, amount_minor, currency, reference; for a
-    deposit: account, amount_minor, currency, reference. It is read-only, and so is the whole record.
+    `kind` is one of `shardrouter.client.kinds.KINDS`. `arguments` holds the request's fields by
+    argument name (`shardrouter.client.kinds`), for a transfer: source, destination, amount_minor,
+    currency, reference; for a deposit: account, amount_minor, currency, reference. It is read-only,
+    and so is the whole record.
     """
 
     id: str

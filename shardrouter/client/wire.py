@@ -1,28 +1,30 @@
-"""The mapping between an `Operation`'s arguments and the generated protobuf messages.
+"""The mapping between an `Operation`'s arguments and the protobuf messages of its RPC.
 
-The request is rebuilt from the stored arguments on every attempt; protobuf's deterministic
+The request and response types are the ones the operation kind's RPC declares (its method's input
+and output descriptors, `shardrouter.client.kinds`); each argument sets the request field its name
+maps to. The request is rebuilt from the stored arguments on every attempt; protobuf's deterministic
 serialisation of the same fields gives the same bytes, so the shard's request hash matches and a
 resend replays instead of being refused as IDEMPOTENCY_KEY_REUSED.
 """
 
 from __future__ import annotations
 
-import base64
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from shardrouter.client.operation import Argument, Operation, OperationKind
+from shardrouter.client.kinds import Argument, OperationKind, operation_type
 from shardrouter.core.errors import InvalidArgument
 from shardrouter.core.validation import validate_deposit, validate_transfer
-from shardrouter.v1 import transfer_pb2
 
 __all__ = [
+    "LOCAL_VALIDATORS",
     "InvalidOperation",
     "build_request",
-    "decode_response",
     "decode_response_bytes",
     "deposit_arguments",
     "message_to_dict",
@@ -30,8 +32,12 @@ __all__ = [
     "validate",
 ]
 
-MutatingRequest = transfer_pb2.TransferRequest | transfer_pb2.DepositRequest
-MutatingResponse = transfer_pb2.TransferResponse | transfer_pb2.DepositResponse
+#: The state-free checks this library runs before it stores an operation, by RPC name: the shard's
+#: own (`shardrouter.core.validation`), so an operation that can never succeed is refused before it
+#: is stored. A kind without one is checked by the shard alone.
+LOCAL_VALIDATORS: Mapping[str, Callable[[Any], None]] = MappingProxyType(
+    {"Transfer": validate_transfer, "Deposit": validate_deposit}
+)
 
 
 class InvalidOperation(ValueError):
@@ -62,53 +68,62 @@ def deposit_arguments(
     return {"account": account, "amount_minor": amount_minor, "currency": currency, "reference": reference}
 
 
-def build_request(kind: OperationKind, arguments: Mapping[str, Argument]) -> MutatingRequest:
-    """The request message for an operation's arguments."""
-    try:
-        money = transfer_pb2.Money(
-            amount_minor=int(arguments["amount_minor"]), currency=str(arguments["currency"])
+def build_request(kind: OperationKind, arguments: Mapping[str, Argument]) -> Message:
+    """The request message of an operation kind's RPC, with each argument in its field.
+
+    An argument left out leaves its field unset; a name the request has no field for, or a value
+    that is not of its field's type, is an InvalidOperation.
+    """
+    op_type = operation_type(kind)
+    request = op_type.declaration.request_type()
+    unknown = sorted(set(arguments) - set(op_type.arguments))
+    if unknown:
+        raise InvalidOperation(
+            f"{kind} has no argument {', '.join(unknown)}; its arguments are {', '.join(op_type.arguments)}"
         )
-        reference = str(arguments.get("reference", ""))
-        if kind == "transfer":
-            return transfer_pb2.TransferRequest(
-                source_account_id=str(arguments["source"]),
-                destination_account_id=str(arguments["destination"]),
-                amount=money,
-                reference=reference,
-            )
-        return transfer_pb2.DepositRequest(
-            account_id=str(arguments["account"]), amount=money, reference=reference
-        )
-    except (KeyError, ValueError) as exc:
-        raise InvalidOperation(f"incomplete {kind} arguments: {exc}") from exc
+    for name, value in arguments.items():
+        path, field = op_type.arguments[name]
+        *parents, leaf = path.split(".")
+        target = request
+        for parent in parents:
+            target = getattr(target, parent)
+        try:
+            setattr(target, leaf, _field_value(field, value))
+        except (TypeError, ValueError) as exc:
+            raise InvalidOperation(f"{kind} argument {name}: {exc}", ((path, str(exc)),)) from exc
+    return request
+
+
+def _field_value(field: FieldDescriptor, value: Argument) -> Argument | bool:
+    if field.type == FieldDescriptor.TYPE_STRING:
+        return str(value)
+    if isinstance(value, str) and not value.lstrip("-").isdigit():
+        raise ValueError(f"{value!r} is not an integer")
+    if field.type == FieldDescriptor.TYPE_BOOL:
+        return bool(int(value))
+    return int(value)
 
 
 def validate(kind: OperationKind, arguments: Mapping[str, Argument]) -> None:
-    """Raise InvalidOperation if the shard would answer INVALID_ARGUMENT to these arguments."""
+    """Raise InvalidOperation if the shard would answer INVALID_ARGUMENT to these arguments.
+
+    Runs the kind's local validator (`LOCAL_VALIDATORS`) if it has one.
+    """
     request = build_request(kind, arguments)
+    check = LOCAL_VALIDATORS.get(operation_type(kind).declaration.name)
+    if check is None:
+        return
     try:
-        if isinstance(request, transfer_pb2.TransferRequest):
-            validate_transfer(request)
-        else:
-            validate_deposit(request)
+        check(request)
     except InvalidArgument as exc:
         raise InvalidOperation(
             exc.message, tuple((v.field, v.description) for v in exc.field_violations)
         ) from exc
 
 
-def decode_response(operation: Operation) -> MutatingResponse | None:
-    """The response message recorded as the operation's last outcome, if it succeeded."""
-    if operation.outcome is None or operation.outcome.response_b64 is None:
-        return None
-    return decode_response_bytes(operation.kind, base64.b64decode(operation.outcome.response_b64))
-
-
-def decode_response_bytes(kind: OperationKind, raw: bytes) -> MutatingResponse:
-    """The response message of an operation kind, from its wire bytes."""
-    if kind == "transfer":
-        return transfer_pb2.TransferResponse.FromString(raw)
-    return transfer_pb2.DepositResponse.FromString(raw)
+def decode_response_bytes(kind: OperationKind, raw: bytes) -> Message:
+    """The response message of an operation kind's RPC, from its wire bytes."""
+    return operation_type(kind).declaration.response_type.FromString(raw)
 
 
 def message_to_dict(message: Message | None) -> dict[str, Any] | None:

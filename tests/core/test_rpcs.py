@@ -9,7 +9,8 @@ from google.api import annotations_pb2
 from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.descriptor import ServiceDescriptor
 
-from shardrouter.client import client as client_module
+from shardrouter.client.kinds import OPERATION_TYPES, operation_types
+from shardrouter.client.service_config import service_config
 from shardrouter.core.rpcs import (
     INTERNAL_SERVICE,
     PUBLIC_SERVICE,
@@ -44,7 +45,9 @@ def _service(*methods: tuple[str, options_pb2.CallRule | None, str | None]) -> S
     request.field.add(name="count", number=2, type=descriptor_pb2.FieldDescriptorProto.TYPE_INT64)
     service = proto.service.add(name="Service")
     for name, rule, get_path in methods:
-        method = service.method.add(name=name, input_type=f".{package}.Request", output_type=f".{package}.Request")
+        method = service.method.add(
+            name=name, input_type=f".{package}.Request", output_type=f".{package}.Request"
+        )
         if rule is not None:
             method.options.Extensions[options_pb2.call].CopyFrom(rule)
         if get_path is not None:
@@ -91,8 +94,10 @@ def test_router_shard_and_client_read_the_same_declarations() -> None:
     assert [(m.full_name, m.scope_prefix, m.routing_field) for m in guarded] == [
         (d.full_name, d.scope_prefix, d.routing_field) for d in RPCS if d.keyed
     ]
-    for path in client_module._METHODS.values():
-        assert RPCS_BY_PATH[path].keyed
+    keyed_public = [d.full_name for d in RPCS if d.keyed and d.service == PUBLIC_SERVICE]
+    assert [t.method for t in OPERATION_TYPES.values()] == keyed_public
+    for op_type in OPERATION_TYPES.values():
+        assert RPCS_BY_PATH[op_type.method] is op_type.declaration
 
 
 @pytest.mark.parametrize(
@@ -100,12 +105,31 @@ def test_router_shard_and_client_read_the_same_declarations() -> None:
     [
         (None, None, "has no (shardrouter.v1.call) option"),
         (options_pb2.CallRule(keyed=True), None, "routing_field is empty"),
-        (options_pb2.CallRule(keyed=True, routing_field="acount"), None, "'acount' is not a singular string field"),
-        (options_pb2.CallRule(keyed=True, routing_field="count"), None, "'count' is not a singular string field"),
+        (
+            options_pb2.CallRule(keyed=True, routing_field="acount"),
+            None,
+            "'acount' is not a singular string field",
+        ),
+        (
+            options_pb2.CallRule(keyed=True, routing_field="count"),
+            None,
+            "'count' is not a singular string field",
+        ),
         (options_pb2.CallRule(routing_field="account", scope="shared"), None, "only for keyed methods"),
-        (options_pb2.CallRule(routing_field="account"), "/v1/things/{thing_id}", "{thing_id} is not a string field"),
+        (
+            options_pb2.CallRule(routing_field="account"),
+            "/v1/things/{thing_id}",
+            "{thing_id} is not a string field",
+        ),
     ],
-    ids=["no-rule", "keyed-without-routing-field", "unknown-field", "not-a-string", "scope-on-a-read", "http-path"],
+    ids=[
+        "no-rule",
+        "keyed-without-routing-field",
+        "unknown-field",
+        "not-a-string",
+        "scope-on-a-read",
+        "http-path",
+    ],
 )
 def test_a_badly_declared_rpc_is_refused_naming_the_method(
     rule: options_pb2.CallRule | None, get_path: str | None, problem: str
@@ -133,3 +157,39 @@ def test_a_keyed_rpc_without_a_request_validator_stops_the_shard() -> None:
     assert isinstance(declaration, RpcDeclaration)
     with pytest.raises(RpcDeclarationError, match="Unvalidated is keyed but has no request validator"):
         server._guarded_method(declaration, None)
+
+
+def test_a_new_keyed_rpc_is_a_new_operation_kind_with_a_retrying_service_config() -> None:
+    """What the caller library derives from a declaration, for an RPC it has never heard of."""
+    service = _service(
+        ("WithdrawAll", options_pb2.CallRule(routing_field="account", keyed=True), None),
+        ("Peek", options_pb2.CallRule(routing_field="account"), None),
+    )
+    declarations = declarations_of([service])
+    kinds = operation_types(declarations, service=service.full_name, argument_names={})
+    assert list(kinds) == ["withdraw_all"]
+    withdraw = kinds["withdraw_all"]
+    assert withdraw.method == f"/{service.full_name}/WithdrawAll"
+    assert {name: path for name, (path, _) in withdraw.arguments.items()} == {
+        "account": "account",
+        "count": "count",
+    }
+    config = service_config(declarations, service=service.full_name)
+    by_method = {n["method"]: entry for entry in config["methodConfig"] for n in entry["name"]}
+    assert by_method["WithdrawAll"]["retryPolicy"]["retryableStatusCodes"] == ["ABORTED", "UNAVAILABLE"]
+    assert "retryPolicy" not in by_method["Peek"] and by_method["Peek"]["waitForReady"] is True
+
+
+def test_argument_names_of_an_undeclared_kind_or_field_are_refused() -> None:
+    service = _service(("Withdraw", options_pb2.CallRule(routing_field="account", keyed=True), None))
+    declarations = declarations_of([service])
+    with pytest.raises(RpcDeclarationError, match="ARGUMENT_NAMES has refund, which no keyed RPC"):
+        operation_types(declarations, service=service.full_name, argument_names={"refund": {}})
+    with pytest.raises(
+        RpcDeclarationError, match=r"names amount\.currency, which .* has no string or integer"
+    ):
+        operation_types(
+            declarations,
+            service=service.full_name,
+            argument_names={"withdraw": {"currency": "amount.currency"}},
+        )

@@ -1,11 +1,13 @@
 """Bad input sent straight to a shard daemon, for every RPC.
 
-Every RPC of the shard - public Transfer, Deposit, GetTransfer, GetBalance and internal CreditTransfer,
-VoidCredit, RefundTransfer - gets bad idempotency keys, bad caller ids, bad fields, oversized metadata
-and messages, bytes that are not protobuf, unknown fields and wrong HTTP/2 framing. Each must get one
-specific status with a clear message and rich details, and must write nothing (a stored NOT_FOUND
-writes exactly its idempotency record). `tests/shardd/test_interceptor_outcomes.py` covers the Deposit
-basics; this file extends them to every RPC and to what arrives below the gRPC client library.
+Every RPC the proto declares (public and internal, read from `shardrouter.core.rpcs`, so a new one is
+in the matrices with no edit here) gets bad idempotency keys, bad caller ids, bad fields, oversized
+metadata and messages, bytes that are not protobuf, unknown fields and wrong HTTP/2 framing; and
+`test_every_declared_rpc_has_bad_input_coverage` fails while a declared RPC lacks a valid request or
+bad-field cases of its own. Each must get one specific status with a clear message and rich details,
+and must write nothing (a stored NOT_FOUND writes exactly its idempotency record).
+`tests/shardd/test_interceptor_outcomes.py` covers the Deposit basics; this file extends them to every
+RPC and to what arrives below the gRPC client library.
 
 All tests share one module-scoped shard (real gRPC server on loopback, real PostgreSQL) so the matrix
 stays fast; each test snapshots the tables right before its call and compares right after it.
@@ -49,14 +51,16 @@ from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 
 from shardrouter.core.keys import new_key
+from shardrouter.core.rpcs import INTERNAL_SERVICE, PUBLIC_SERVICE, RpcDeclaration
+from shardrouter.core.rpcs import RPCS as DECLARED_RPCS
 from shardrouter.internal.v1 import ledger_pb2
 from shardrouter.localcluster.postgres import LocalPostgres
 from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.helpers import deposit, make_settings, money
 
-PUBLIC = "/shardrouter.v1.TransferService/"
-INTERNAL = "/shardrouter.internal.v1.ShardLedgerService/"
+PUBLIC = f"/{PUBLIC_SERVICE}/"
+INTERNAL = f"/{INTERNAL_SERVICE}/"
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
 KEY = "idempotency-key"
@@ -203,20 +207,7 @@ def assert_nothing_written(lab: Lab, before: dict[str, object]) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# The seven RPCs and a valid request for each
-
-
-@dataclass(frozen=True)
-class Rpc:
-    """One RPC of the shard with a builder of a request it would accept."""
-
-    name: str
-    path: str
-    mutating: bool
-    valid: Callable[[Lab], Message]
-
-    def __str__(self) -> str:
-        return self.name
+# Every declared RPC and a valid request for each
 
 
 def _credit(**overrides: Any) -> ledger_pb2.CreditTransferRequest:
@@ -231,51 +222,62 @@ def _credit(**overrides: Any) -> ledger_pb2.CreditTransferRequest:
     return ledger_pb2.CreditTransferRequest(**values)
 
 
-RPCS = [
-    Rpc(
-        "Transfer",
-        PUBLIC + "Transfer",
-        True,
-        lambda lab: transfer_pb2.TransferRequest(
-            source_account_id="alice", destination_account_id="bob", amount=money(10), reference="rent"
-        ),
+#: A request each declared RPC accepts, by method path: the baseline every bad input below departs
+#: from. A newly declared RPC is fuzzed by every test below that needs no valid request as it is;
+#: the others fail for it (and so does `test_every_declared_rpc_has_bad_input_coverage`) until its
+#: valid request is added here.
+VALID_REQUESTS: dict[str, Callable[[Lab], Message]] = {
+    PUBLIC + "Transfer": lambda lab: transfer_pb2.TransferRequest(
+        source_account_id="alice", destination_account_id="bob", amount=money(10), reference="rent"
     ),
-    Rpc(
-        "Deposit",
-        PUBLIC + "Deposit",
-        True,
-        lambda lab: transfer_pb2.DepositRequest(account_id="alice", amount=money(5), reference="top-up"),
+    PUBLIC + "Deposit": lambda lab: transfer_pb2.DepositRequest(
+        account_id="alice", amount=money(5), reference="top-up"
     ),
-    Rpc(
-        "GetTransfer",
-        PUBLIC + "GetTransfer",
-        False,
-        lambda lab: transfer_pb2.GetTransferRequest(
-            source_account_id="alice", transfer_id=lab.completed_transfer_id
-        ),
+    PUBLIC + "GetTransfer": lambda lab: transfer_pb2.GetTransferRequest(
+        source_account_id="alice", transfer_id=lab.completed_transfer_id
     ),
-    Rpc(
-        "GetBalance",
-        PUBLIC + "GetBalance",
-        False,
-        lambda lab: transfer_pb2.GetBalanceRequest(account_id="bob"),
+    PUBLIC + "GetBalance": lambda lab: transfer_pb2.GetBalanceRequest(account_id="bob"),
+    INTERNAL + "CreditTransfer": lambda lab: _credit(),
+    INTERNAL + "VoidCredit": lambda lab: ledger_pb2.VoidCreditRequest(
+        transfer_id=str(new_key()), reason="gave up"
     ),
-    Rpc("CreditTransfer", INTERNAL + "CreditTransfer", True, lambda lab: _credit()),
-    Rpc(
-        "VoidCredit",
-        INTERNAL + "VoidCredit",
-        True,
-        lambda lab: ledger_pb2.VoidCreditRequest(transfer_id=str(new_key()), reason="gave up"),
+    INTERNAL + "RefundTransfer": lambda lab: ledger_pb2.RefundTransferRequest(
+        transfer_id=lab.pending_transfer(), reason="credit failed for good"
     ),
-    Rpc(
-        "RefundTransfer",
-        INTERNAL + "RefundTransfer",
-        True,
-        lambda lab: ledger_pb2.RefundTransferRequest(
-            transfer_id=lab.pending_transfer(), reason="credit failed for good"
-        ),
-    ),
-]
+}
+
+
+@dataclass(frozen=True)
+class Rpc:
+    """One RPC of the shard, as the proto declares it (`shardrouter.core.rpcs`)."""
+
+    declaration: RpcDeclaration
+
+    @property
+    def name(self) -> str:
+        return self.declaration.name
+
+    @property
+    def path(self) -> str:
+        return self.declaration.full_name
+
+    @property
+    def mutating(self) -> bool:
+        return self.declaration.keyed
+
+    def valid(self, lab: Lab) -> Message:
+        """A request this RPC accepts (from VALID_REQUESTS)."""
+        build = VALID_REQUESTS.get(self.path)
+        if build is None:
+            pytest.fail(f"{self.path} is declared but VALID_REQUESTS has no valid request for it: add one")
+        return build(lab)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+#: Every RPC the proto declares, public and internal: a new one is in every matrix below.
+RPCS = [Rpc(d) for d in DECLARED_RPCS]
 MUTATING = [r for r in RPCS if r.mutating]
 READS = [r for r in RPCS if not r.mutating]
 BY_NAME = {r.name: r for r in RPCS}
@@ -938,6 +940,23 @@ def _case_id(case: FieldCase) -> str:
     return f"{case.rpc}-{case.id}"
 
 
+def test_every_declared_rpc_has_bad_input_coverage():
+    """Each RPC the proto declares is in the matrices, has a valid request to depart from and bad-field
+    cases of its own (public ones with field violations); nothing here names an RPC no longer declared."""
+    declared = {d.full_name for d in DECLARED_RPCS}
+    assert {r.path for r in RPCS} == declared
+    assert {r.path for r in MUTATING} == {d.full_name for d in DECLARED_RPCS if d.keyed}
+    assert len(BY_NAME) == len(RPCS), "two declared RPCs share a name: the cases below name RPCs by name"
+    assert not declared - set(VALID_REQUESTS), "declared RPCs without a valid request in VALID_REQUESTS"
+    assert not set(VALID_REQUESTS) - declared, "VALID_REQUESTS names RPCs that are not declared"
+    for cases, service in ((PUBLIC_FIELD_CASES, PUBLIC_SERVICE), (INTERNAL_FIELD_CASES, INTERNAL_SERVICE)):
+        named = {case.rpc for case in cases}
+        assert named <= set(BY_NAME), f"field cases name RPCs that are not declared: {named - set(BY_NAME)}"
+        assert {BY_NAME[n].path for n in named} == {
+            d.full_name for d in DECLARED_RPCS if d.service == service
+        }, f"every RPC of {service} needs bad-field cases, and only those"
+
+
 @pytest.mark.parametrize("case", PUBLIC_FIELD_CASES, ids=_case_id)
 def test_bad_public_fields_are_invalid_request_with_field_violations(lab, case):
     rpc = BY_NAME[case.rpc]
@@ -1157,25 +1176,15 @@ def test_unknown_things_read_are_not_found_and_nothing_is_stored(lab, rpc_name, 
 # Messages too large, bytes that are not protobuf
 
 
-def _with_megabyte(rpc: Rpc, lab: Lab) -> Message:
-    request = rpc.valid(lab)
-    big = "m" * 1_000_000
-    field_name = {
-        "Transfer": "reference",
-        "Deposit": "reference",
-        "GetTransfer": "source_account_id",
-        "GetBalance": "account_id",
-        "CreditTransfer": "source_shard_id",
-        "VoidCredit": "reason",
-        "RefundTransfer": "reason",
-    }[rpc.name]
-    setattr(request, field_name, big)
-    return request
+def _with_megabyte(rpc: Rpc) -> Message:
+    """The RPC's request with a megabyte in its routing field (a string on every RPC, by declaration):
+    grpc core refuses the size before anything reads a field, so no valid request is needed."""
+    return rpc.declaration.request_type(**{rpc.declaration.routing_field: "m" * 1_000_000})
 
 
 @pytest.mark.parametrize("rpc", RPCS, ids=str)
 def test_megabyte_message_is_resource_exhausted(lab, rpc):
-    body = _with_megabyte(rpc, lab).SerializeToString()
+    body = _with_megabyte(rpc).SerializeToString()
     before = snapshot(lab)
     answer = call(lab, rpc.path, body, fresh_key())
     assert answer.code == grpc.StatusCode.RESOURCE_EXHAUSTED
