@@ -1,5 +1,6 @@
-"""Shared fixtures and hooks: one real PostgreSQL per test session, a fresh database per test, shard
-daemons. The plain helpers they use, and tests import by name, are in `tests/helpers.py`."""
+"""Shared fixtures and hooks: one real PostgreSQL per test session, a fresh database per test (a copy
+of a template migrated once per session), shard daemons, and the test tiers. The plain helpers they
+use, and tests import by name, are in `tests/helpers.py`."""
 
 from __future__ import annotations
 
@@ -10,18 +11,25 @@ import os
 # captured phases lands among the progress dots. It reads GRPC_VERBOSITY when it initialises: set
 # before anything imports grpc. Processes the tests start inherit it; errors are still printed.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+# Every PostgreSQL server the tests start (here or in a process they start) runs without fsync:
+# a killed process loses nothing that way, and no test cuts the power (see localcluster/postgres.py).
+os.environ.setdefault("SHARD_ROUTER_PG_FSYNC", "off")
 
+import functools
 import itertools
+import re
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import grpc
 import psycopg
 import pytest
+from psycopg import sql
 
 from shardrouter.localcluster.postgres import LocalPostgres
-from shardrouter.shardd.server import ShardDaemon, start_shard
+from shardrouter.shardd.server import ShardDaemon, prepare_database, start_shard
 from shardrouter.v1 import transfer_pb2_grpc
 from tests.helpers import make_settings, own_postgres
 from tests.processes import ServiceProcess
@@ -33,13 +41,34 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="also run long soak / chaos variants")
 
 
+#: Folders whose tests start processes of their own (daemons, routers, clusters, kubectl, promtool,
+#: the bench) or servers beyond the session's PostgreSQL.
+_PROCESS_FOLDERS = frozenset({"bench", "deploy", "e2e", "faults", "localcluster", "reconcile", "reshard"})
+#: Words in a test module's source that mean it starts processes or servers of its own.
+_PROCESS_WORDS = re.compile(
+    r"\b(subprocess|tests\.processes|run_shardd|ServiceProcess|LocalCluster|own_postgres|sys\.executable|Popen)\b"
+)
+
+
+@functools.cache
+def _starts_processes(path: Path) -> bool:
+    relative = path.relative_to(Path(__file__).parent)
+    if relative.parts[0] in _PROCESS_FOLDERS or path.name == "test_readme.py":
+        return True
+    return _PROCESS_WORDS.search(path.read_text()) is not None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--run-slow"):
-        return
+    """Derive the tiers from what a test needs: `fast` unless its module starts processes (by its
+    folder or its source) or the test is a slow variant. `pytest -m fast` is the inner loop."""
+    run_slow = config.getoption("--run-slow")
     skip = pytest.mark.skip(reason="long variant: run with --run-slow")
     for item in items:
-        if "slow" in item.keywords:
+        slow = "slow" in item.keywords
+        if slow and not run_slow:
             item.add_marker(skip)
+        if not slow and not _starts_processes(item.path):
+            item.add_marker(pytest.mark.fast)
 
 
 @pytest.fixture(scope="session")
@@ -48,10 +77,37 @@ def postgres() -> Iterator[LocalPostgres]:
     yield from own_postgres()
 
 
+#: The session server's database that every `database` is copied from: migrated, partitions made.
+TEMPLATE_DATABASE = "shard_template"
+
+
+@pytest.fixture(scope="session")
+def migrated_template(postgres: LocalPostgres) -> str:
+    """Name of a database migrated once per session (schema and partitions, as a daemon's start-up
+    leaves them), for `database` to copy: a copy costs one statement, a migration sixteen."""
+    postgres.create_database(TEMPLATE_DATABASE)
+    prepare_database(postgres.dsn_for(TEMPLATE_DATABASE), timedelta(days=30))
+    return TEMPLATE_DATABASE
+
+
 @pytest.fixture
-def database(postgres: LocalPostgres) -> str:
-    """DSN of a fresh, empty database on the session server."""
+def database(postgres: LocalPostgres, migrated_template: str) -> str:
+    """DSN of a fresh database on the session server, already migrated (a copy of the template):
+    what a shard daemon's start-up would make of an empty one."""
     name = f"t{next(_counter)}_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(postgres.dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(name), sql.Identifier(migrated_template)
+            )
+        )
+    return postgres.dsn_for(name)
+
+
+@pytest.fixture
+def empty_database(postgres: LocalPostgres) -> str:
+    """DSN of a fresh, empty database on the session server (no schema: for migration tests)."""
+    name = f"e{next(_counter)}_{uuid.uuid4().hex[:8]}"
     postgres.create_database(name)
     return postgres.dsn_for(name)
 

@@ -35,6 +35,22 @@ def postgres_bin_path() -> Path:
     return Path(POSTGRES_BIN_PATH)
 
 
+#: Set to `off` to run every server this process starts without fsync (and full-page writes): for
+#: throwaway servers, such as the tests'. A process killed, PostgreSQL's own crash included, loses
+#: nothing that way (the kernel still holds what was written); only a machine that loses power would.
+FSYNC_ENV = "SHARD_ROUTER_PG_FSYNC"
+
+
+def _durability_options() -> str:
+    """Server options for `pg_ctl -o`, from `FSYNC_ENV`."""
+    value = os.environ.get(FSYNC_ENV, "on").strip().lower()
+    if value == "on":
+        return ""
+    if value == "off":
+        return " -c fsync=off -c full_page_writes=off"
+    raise ValueError(f"{FSYNC_ENV} must be 'on' or 'off', not {value!r}")
+
+
 #: Ports this process has handed out: never handed out twice, though a port is bound only later.
 _HANDED_OUT: set[int] = set()
 _HANDED_OUT_LOCK = threading.Lock()
@@ -147,7 +163,7 @@ class LocalPostgres:
                 "-t",
                 str(int(timeout_s)),
                 "-o",
-                f"-p {self.port} -c listen_addresses=127.0.0.1",
+                f"-p {self.port} -c listen_addresses=127.0.0.1{_durability_options()}",
                 "start",
             ]
         )

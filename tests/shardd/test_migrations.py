@@ -15,6 +15,12 @@ from shardrouter.shardd.server import prepare_database
 from tests.processes import run_shardd
 
 
+@pytest.fixture
+def database(empty_database: str) -> str:
+    """These tests migrate themselves: an empty database, not a copy of the migrated template."""
+    return empty_database
+
+
 def test_migrating_twice_applies_nothing_the_second_time(database):
     with psycopg.connect(database, autocommit=True) as conn:
         first = migrations.apply_migrations(conn)
