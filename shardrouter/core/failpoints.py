@@ -16,9 +16,30 @@ Spaces around names, actions and commas are ignored; an empty value arms nothing
 value, an unknown action or a name given twice is refused when the module is imported (with
 `FailpointError`), so a mistyped arming never lets a test run past the point it meant to stop at.
 
-The points are named `<part>.<where>`; `shard-router reshard` has one after each phase it journals
-(`reshard.planned`, `reshard.prepared`, ..., `reshard.committed`) and `reshard.map_written`,
-between replacing the shard map file and journaling the commit (see `shardrouter/reshard/move.py`).
+The pause blocks the thread that reached the point; the process's other threads go on, and any of
+them that reaches an armed point pauses there too (a daemon's other calls). The announced pid is the
+process's own: a shard daemon serving with several processes (`shardd/processes.py`) is one of its
+serving processes, which a test kills by that pid (its parent starts it again, armed again).
+
+The points are named `<part>.<where>`:
+
+- `shard-router reshard`: one after each phase it journals (`reshard.planned`, `reshard.prepared`,
+  ..., `reshard.committed`), `reshard.start_checked` (checked, start lock held, nothing journaled)
+  and `reshard.published` (handed over and the map written, not yet cleaned up); see
+  `shardrouter/reshard/move.py`.
+- `shard-router reconcile --repair`: `reconcile.repaired`, one repair committed, the next not begun
+  (`shardrouter/reconcile/repair.py`).
+- the shard daemon, every guarded (keyed) call (`shardrouter/shardd/idempotency/steps.py`):
+  `shardd.claimed_before_commit`, the key claimed and the handler's writes sent in its open
+  transaction, nothing committed; `shardd.committed_before_answer`, the record committed with the
+  writes, the answer not yet sent.
+- the shard daemon's relay (`shardrouter/shardd/relay.py`): `shardd.relay_delivered_before_marked`,
+  the destination answered a credit OK, the outbox row not yet marked delivered (its transaction
+  open); `shardd.relay_dead_lettered_before_refund`, a pass's dead letters committed, their refunds
+  not yet sent.
+- the shard daemon's `RefundTransfer` (`shardrouter/shardd/ledger/service.py`):
+  `shardd.refund_applied_before_marked`, the refund's entry, balance and transfer state written in
+  the call's open transaction, the dead letter not yet marked refunded.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ import grpc
 import psycopg
 from opentelemetry import trace
 
-from shardrouter.core import rpcs, tls, tracing
+from shardrouter.core import failpoints, rpcs, tls, tracing
 from shardrouter.core.callers import CALLER_METADATA
 from shardrouter.core.channels import (
     CERT_POLL_S,
@@ -259,6 +259,10 @@ class OutboxRelay:
     def run_once(self) -> RelayStats:
         """Deliver one batch of due credits, then retry refunds still owed."""
         stats = self._deliver_batch()
+        if stats.dead_lettered:
+            # Dead letters committed, their refunds not yet sent: the next pass (of whichever daemon)
+            # must find them owed (crash tests stop here).
+            failpoints.reached("shardd.relay_dead_lettered_before_refund")
         refunded = self.refund_owed()
         return RelayStats(stats.delivered, stats.postponed, stats.dead_lettered, refunded)
 
@@ -420,6 +424,10 @@ class OutboxRelay:
             )
             store.record_attempt(conn, row.transfer_id, code.name, message)
             if code is grpc.StatusCode.OK:
+                # Delivered, not yet marked in the outbox (the claiming transaction is open): after a
+                # crash here the credit is sent again, and the destination's key makes that harmless
+                # (crash tests stop here).
+                failpoints.reached("shardd.relay_delivered_before_marked")
                 store.mark_delivered(conn, row.id)
                 if store.set_transfer_state(conn, row.transfer_id, expected="pending", new="completed"):
                     completed.append(row.transfer_id)

@@ -30,6 +30,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from psycopg import errors
 from psycopg.pq import TransactionStatus
 
+from shardrouter.core import failpoints
 from shardrouter.core.errors import (
     Aborted,
     FailedPrecondition,
@@ -232,6 +233,9 @@ class AnswerFromMemory:
             self._flights.land(scoped, flight, record)
         assert record.outcome is not None
         if made:
+            # Committed, the flight landed, the answer not yet written: a crash here leaves the caller
+            # without its answer, and its retry must replay the stored one (crash tests stop here).
+            failpoints.reached("shardd.committed_before_answer")
             return record.outcome, OutcomeKind.NEW, record.key_time
         return replay(record, call, source="database"), OutcomeKind.REPLAY, record.key_time
 
@@ -304,6 +308,9 @@ class StoreOutcome:
     def __call__(self, call: GuardedCall, conn: Any, claimed: IdempotencyRecord) -> IdempotencyRecord:
         """The completed record: the next step's outcome, stored in the transaction."""
         record = dataclasses.replace(claimed, state=RecordState.COMPLETED, outcome=self._next(call, conn))
+        # The key claimed and the handler's writes sent in its open transaction, nothing committed: a
+        # crash here must let the key go with every write (crash tests stop here).
+        failpoints.reached("shardd.claimed_before_commit")
         self._keys.complete(conn, call, record)
         return record
 

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 from google.protobuf import timestamp_pb2
 
+from shardrouter.core import failpoints
 from shardrouter.core.errors import (
     Aborted,
     FailedPrecondition,
@@ -381,6 +382,9 @@ class ShardLedgerServicer(ledger_pb2_grpc.ShardLedgerServiceServicer):
             reference=request.reason[:140],
         )
         store.set_transfer_state(call.conn, transfer_id, expected="pending", new="refunded")
+        # The refund applied in the call's open transaction, its dead letter not yet marked refunded:
+        # both commit together or neither does (crash tests stop here).
+        failpoints.reached("shardd.refund_applied_before_marked")
         store.mark_refunded(call.conn, transfer_id)
         return ledger_pb2.RefundTransferResponse(entry_id=str(entry_id))
 
