@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import os
 import re
-import select
-import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from shardrouter.core import failpoints
 from shardrouter.core.failpoints import Action, FailpointError, parse
+from tests.processes import Paused, run_to_failpoint
 
 #: A process that passes an unarmed point, then reaches `stop.here`.
 SCRIPT = """
@@ -75,25 +75,26 @@ def test_unarmed_points_cost_nothing_here() -> None:
 
 
 def test_an_armed_point_pauses_the_process_until_it_is_killed() -> None:
-    process = _start("stop.here=pause")
-    assert process.stdout is not None
-    try:
-        lines = [process.stdout.readline() for _ in range(3)]
-        assert lines == [
-            "before\n",
-            "passed the unarmed point\n",
-            f"failpoint stop.here: paused (pid {process.pid})\n",
-        ]
-        # It stays at the point: alive, and nothing more is written.
-        ready, _, _ = select.select([process.stdout], [], [], 0.5)
-        assert ready == [] and process.poll() is None
-        process.send_signal(signal.SIGKILL)
-        assert process.wait(10) == -signal.SIGKILL
-        assert process.stdout.read() == ""
-    finally:
-        process.kill()
-        process.wait(10)
-        process.stdout.close()
+    def stays_there(paused: Paused) -> None:
+        time.sleep(0.5)  # it stays at the point: alive (checked here), and writes nothing more (below)
+        os.kill(paused.pid, 0)
+
+    env = {k: v for k, v in os.environ.items() if k != failpoints.ENV}
+    killed = run_to_failpoint(
+        [sys.executable, "-c", SCRIPT], "stop.here", env=env, timeout_s=30, while_paused=stays_there
+    )
+    assert killed.output.splitlines() == [
+        "before",
+        "passed the unarmed point",
+        f"failpoint stop.here: paused (pid {killed.pid})",
+    ]
+    assert killed.after == ""
+
+
+def test_the_kill_helper_fails_a_process_that_never_reaches_the_point() -> None:
+    """`run_to_failpoint` proves the kill landed at the point: a process that ends first fails it."""
+    with pytest.raises(AssertionError, match=re.escape("ended with 0 before failpoint not.there")):
+        run_to_failpoint([sys.executable, "-c", SCRIPT], "not.there", timeout_s=30)
 
 
 def test_without_the_variable_every_point_is_passed() -> None:

@@ -9,9 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -25,7 +23,6 @@ from typing import Any
 import grpc
 import psycopg
 
-from shardrouter.core import failpoints
 from shardrouter.core.keys import new_key
 from shardrouter.core.shardmap import load_shard_map
 from shardrouter.localcluster.cluster import LocalCluster
@@ -34,6 +31,7 @@ from shardrouter.reconcile import cli
 from shardrouter.shardd.ledger.service import credit_key, refund_key
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.helpers import key_metadata, money, pg_data_dir
+from tests.processes import run_to_failpoint
 
 SEEDED = 100_000  # what each account gets first
 
@@ -277,28 +275,11 @@ def reconcile_command(cluster: LocalCluster, *args: str) -> subprocess.Popen[str
 def reconcile_killed_after_first_repair(cluster: LocalCluster, *args: str) -> None:
     """`shard-router reconcile --repair ARGS`, SIGKILLed right after its first repair committed
     (failpoint `reconcile.repaired`)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", failpoints.ENV: "reconcile.repaired=pause"}
     command = Path(sys.executable).with_name("shard-router")
-    process = subprocess.Popen(
+    run_to_failpoint(
         [str(command), "reconcile", "--databases", str(cluster.databases_path), "--repair", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
+        "reconcile.repaired",
     )
-    assert process.stderr is not None
-    try:
-        for line in process.stderr:
-            if line.startswith("failpoint reconcile.repaired: paused"):
-                process.send_signal(signal.SIGKILL)
-                break
-        else:
-            raise AssertionError("reconcile --repair ended before its first repair")
-    finally:
-        process.kill()
-        process.wait(10)
-        process.stderr.close()
-    assert process.returncode == -signal.SIGKILL
 
 
 def kinds(report: dict[str, Any]) -> dict[str, str]:

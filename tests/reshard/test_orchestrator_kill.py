@@ -9,9 +9,7 @@ then is it killed, so the kill lands exactly there, never a step later.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -20,10 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardrouter.core import failpoints
 from shardrouter.core.shardmap import load_shard_map, parse_shard_map, write_shard_map
 from shardrouter.reshard.move import find_move
 from shardrouter.reshard.plan import Phase
+from tests.processes import run_to_failpoint
 from tests.reshard.cluster import FIRST, LAST, Load, Pair, accounts, assert_no_leftovers, check_ledger, seed
 
 #: The failpoint of each step: the process stops right after it journaled the phase (committed: the
@@ -50,34 +48,13 @@ def _reshard(pair: Pair, databases: Path, *args: str) -> list[str]:
 def _kill_at(pair: Pair, databases: Path, point: str) -> str:
     """Start a move and SIGKILL its process once it is paused at the failpoint of step `point`; the
     move's id."""
-    failpoint, version = KILL_POINTS[point], load_shard_map(pair.map_path).version
-    process = subprocess.Popen(
-        _reshard(pair, databases, "--slots", f"{FIRST}-{LAST}", "--to", "shard-1"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", failpoints.ENV: f"{failpoint}=pause"},
+    version = load_shard_map(pair.map_path).version
+    killed = run_to_failpoint(
+        _reshard(pair, databases, "--slots", f"{FIRST}-{LAST}", "--to", "shard-1"), KILL_POINTS[point]
     )
-    assert process.stdout is not None
-    move_id, seen = "", []
-    deadline = time.monotonic() + 60
-    try:
-        for line in process.stdout:
-            seen.append(line)
-            found = re.search(r"move (m\w+):", line)
-            move_id = move_id or (found[1] if found else "")
-            if line.startswith(f"failpoint {failpoint}: paused"):
-                process.send_signal(signal.SIGKILL)
-                break
-            assert time.monotonic() < deadline, "".join(seen)
-        else:
-            raise AssertionError(f"the move ended before {point}: {''.join(seen)}")
-    finally:
-        process.kill()
-        process.wait(10)
-        process.stdout.close()
-    assert process.returncode == -signal.SIGKILL
-    assert move_id, "".join(seen)
+    found = re.search(r"move (m\w+):", killed.output)
+    assert found, killed.output
+    move_id = found[1]
     # Killed exactly at the step: the journal shows it, not the next one; the map file is written
     # only after the commit (and the hand-over).
     assert find_move(pair.databases, move_id).phase is (
