@@ -7,6 +7,14 @@ acknowledged is there exactly once, nothing was applied twice, the balances add 
 applied, and acknowledged keys sent again are replayed with the answer their callers first got.
 Figures are printed: operations, acknowledged, lost, applied twice, seconds of unavailability.
 
+A shard daemon killed mid-call across a failover is shown deterministically, at a named failpoint
+(`core/failpoints.py`): one of the shard's two daemons is paused at `shardd.claimed_before_commit`
+(a keyed Deposit's claim and writes in an open transaction) or `shardd.committed_before_answer`
+(committed, not answered) when the primary is killed and the standby promoted, then SIGKILLed there.
+The caller's retry at the other daemon, whose pool must find the new primary, applies the deposit
+once (nothing had committed) or replays the stored outcome byte for byte (the synchronous standby
+has it).
+
 That the drill would catch asynchronous replication is shown separately and deterministically:
 with the standby down, an asynchronous primary acknowledges a commit the promoted standby never had,
 while a synchronous one never acknowledges it. The drill also checks that the standby was the
@@ -28,9 +36,18 @@ import grpc
 import psycopg
 import pytest
 
-from shardrouter.core.keys import KEY_METADATA
+from shardrouter.core.keys import KEY_METADATA, new_key
 from shardrouter.localcluster.postgres import ReplicatedPostgres
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
+from tests.faults.daemons import (
+    DEPOSIT,
+    balances,
+    call,
+    call_in_background,
+    deposit_request,
+    entries,
+    stored_response,
+)
 from tests.faults.load import TRANSIENT, DepositLoad, Ledger
 from tests.helpers import pg_data_dir
 from tests.processes import shardd_process
@@ -181,6 +198,60 @@ def test_database_failover_loses_no_acknowledged_deposit(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_database_failover_loses_no_acknowledged_deposit_long(tmp_path: Path) -> None:
     _drill(tmp_path, before_s=20.0, after_s=20.0, seed=13)
+
+
+@pytest.mark.parametrize("point", ["shardd.claimed_before_commit", "shardd.committed_before_answer"])
+def test_a_daemon_killed_at_a_failpoint_across_a_failover_applies_the_retry_once(
+    tmp_path: Path, point: str
+) -> None:
+    """Failpoints `shardd.claimed_before_commit` and `shardd.committed_before_answer`, the primary
+    killed and the standby promoted while the daemon is paused there."""
+    rep = ReplicatedPostgres(pg_data_dir())
+    rep.start()
+    env = {"SHARDD_POOL_TIMEOUT_S": "1", "SHARDD_LOG_LEVEL": "WARNING", "SHARDD_RELAY_WORKERS": "0"}
+    armed, other = (
+        shardd_process(tmp_path, shard_id="shard-0", dsn=rep.dsn, extra_env=env) for _ in range(2)
+    )
+    armed.name, armed.log_path = "shard-0-armed", tmp_path / "shard-0-armed.log"
+    armed.arm(point)
+    try:
+        armed.start()
+        other.start()
+        key, request = str(new_key()), deposit_request("acct-f", 250)
+        first = call_in_background(armed.address, DEPOSIT, request, key)
+        paused = armed.wait_paused(point)
+        committed = point == "shardd.committed_before_answer"
+        stored = stored_response(rep.dsn, key)
+        assert (stored is not None) is committed
+        standby = [r for r in rep.replication() if r["application_name"] == rep.STANDBY_NAME]
+        assert [(r["state"], r["sync_state"]) for r in standby] == [("streaming", "sync")]
+
+        rep.kill_primary()
+        rep.promote()
+        armed.kill_paused(paused)
+        assert first.result(10).code is grpc.StatusCode.UNAVAILABLE  # the caller never got an answer
+
+        retry = call(other.address, DEPOSIT, request, key)  # its pool finds the new primary
+        for _ in range(50):  # until it has: a call on a connection to the dead primary fails first
+            if retry.code is grpc.StatusCode.OK:
+                break
+            assert retry.code in SHARD_TRANSIENT, retry
+            time.sleep(0.2)
+            retry = call(other.address, DEPOSIT, request, key)
+        assert retry.code is grpc.StatusCode.OK, (retry, other.log_text()[-3000:])
+        with psycopg.connect(rep.dsn, autocommit=True) as conn:  # the DSN now reaches the standby
+            assert conn.info.port == rep.standby.port
+        assert retry.replayed is committed
+        if committed:
+            assert retry.response == stored
+        assert stored_response(rep.dsn, key) == retry.response
+        assert entries(rep.dsn, key) == [("deposit", "acct-f", 250)]
+        assert balances(rep.dsn, "acct-f") == [250]
+    finally:
+        armed.kill()
+        other.kill()
+        rep.destroy()
+        shutil.rmtree(rep.base_dir.parent, ignore_errors=True)
 
 
 @pytest.mark.parametrize("synchronous", [False, True], ids=["asynchronous", "synchronous"])

@@ -1,7 +1,14 @@
-"""Faults on the caller's path: the router killed -9 and restarted, and the connection between the
-router and a shard cut and restored, under steady keyed load with duplicates, through real processes.
+"""Faults on the caller's path, through real processes:
 
-Afterwards every operation either completed exactly once or was reported failed; figures are printed.
+- a shard daemon killed -9 in the middle of a keyed call the router forwarded to it, at a named
+  failpoint (`core/failpoints.py`): `shardd.claimed_before_commit` (claimed, writes sent, nothing
+  committed) or `shardd.committed_before_answer` (committed, not answered). The router sees the
+  daemon's connection break, resends the same bytes and key to the shard's other daemon within the
+  caller's one call, and the caller gets the deposit applied once, or its stored outcome replayed.
+- the router killed -9 and restarted, and the connection between the router and a shard cut and
+  restored, under steady keyed load with duplicates (no shard daemon is killed: these faults are the
+  router's and the network's, wherever the calls are); afterwards every operation either completed
+  exactly once or was reported failed; figures are printed.
 """
 
 from __future__ import annotations
@@ -15,9 +22,19 @@ import grpc
 import pytest
 import yaml
 
+from shardrouter.core.keys import new_key
 from shardrouter.core.shardmap import even_shard_map, shard_map_document
 from shardrouter.localcluster.postgres import LocalPostgres, free_port
 from shardrouter.v1 import transfer_pb2_grpc
+from tests.faults.daemons import (
+    DEPOSIT,
+    OneShard,
+    balances,
+    call_in_background,
+    deposit_request,
+    entries,
+    stored_response,
+)
 from tests.faults.load import DepositLoad, Ledger
 from tests.faults.tcp_proxy import TcpProxy
 from tests.processes import router_process, shardd_process
@@ -86,6 +103,40 @@ def _run(postgres: LocalPostgres, tmp_path: Path, seconds: float, seed: int) -> 
             p.kill()
         for proxy in proxies.values():
             proxy.close()
+
+
+@pytest.mark.parametrize("point", ["shardd.claimed_before_commit", "shardd.committed_before_answer"])
+def test_the_router_resends_a_call_whose_daemon_was_killed_at_a_failpoint(
+    postgres: LocalPostgres, tmp_path: Path, point: str
+) -> None:
+    """Failpoints `shardd.claimed_before_commit` and `shardd.committed_before_answer`: a keyed
+    Deposit through the router, whose first call goes to the shard's first daemon (its turns over a
+    shard's daemons start there), the armed one."""
+    shard = OneShard.build(postgres, tmp_path)
+    armed, _ = shard.daemons
+    armed.arm(point)
+    try:
+        shard.start()
+        key, request = str(new_key()), deposit_request("acct-r", 250)
+        answer = call_in_background(shard.router.address, DEPOSIT, request, key)
+        paused = armed.wait_paused(point)
+        committed = point == "shardd.committed_before_answer"
+        stored = stored_response(shard.dsn, key)
+        assert (stored is not None) is committed
+        assert not answer.done()
+        armed.kill_paused(paused)
+
+        # One call for the caller: the router resent it to the other daemon.
+        got = answer.result(20)
+        assert got.code is grpc.StatusCode.OK, (got, shard.logs())
+        assert got.replayed is committed
+        if committed:
+            assert got.response == stored
+        assert stored_response(shard.dsn, key) == got.response
+        assert entries(shard.dsn, key) == [("deposit", "acct-r", 250)]
+        assert balances(shard.dsn, "acct-r") == [250]
+    finally:
+        shard.stop()
 
 
 def test_router_killed_and_router_shard_links_cut(postgres, tmp_path):

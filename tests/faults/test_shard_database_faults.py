@@ -1,8 +1,13 @@
 """Faults between a shard daemon (a real process) and its PostgreSQL, under steady keyed load with
-duplicates: the connection cut and restored, PostgreSQL restarted (crash-like), the daemon killed -9.
+duplicates: the connection cut and restored, PostgreSQL restarted (crash-like), and the daemon
+killed -9 in the middle of a call, at a named failpoint (`core/failpoints.py`): it is stopped
+gracefully, started again with `shardd.claimed_before_commit` (a claimed key's writes sent, nothing
+committed) or `shardd.committed_before_answer` (committed, not answered) armed, SIGKILLed on the first
+call that reaches the point, and started again unarmed.
 
 Afterwards every operation either completed exactly once or was reported failed to its caller, and
-nothing is left half-done. Figures are printed.
+nothing is left half-done. Figures are printed. The long soak (`--run-slow`) kills the daemon at a
+moment of the clock instead, wherever its calls are.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from tests.processes import shardd_process
 SHARD_TRANSIENT = TRANSIENT | {grpc.StatusCode.INTERNAL}
 
 
-def _run(tmp_path: Path, seconds: float, seed: int) -> None:
+def _run(tmp_path: Path, seconds: float, seed: int, kill_at: str | None) -> None:
+    """The load for `seconds`, with the three faults spread over it; the daemon's kill lands at the
+    failpoint `kill_at` (None: at whatever its calls are doing)."""
     pg = LocalPostgres(pg_data_dir())
     pg.start()
     proxy = TcpProxy("127.0.0.1", pg.port)
@@ -43,7 +50,11 @@ def _run(tmp_path: Path, seconds: float, seed: int) -> None:
     faults: Counter[str] = Counter()
     try:
         with DepositLoad(stub, seed=seed, accounts=10, transient=SHARD_TRANSIENT) as load:
-            plan = ["cut shard<->database", "restart PostgreSQL", "kill -9 shardd"]
+            plan = [
+                "cut shard<->database",
+                "restart PostgreSQL",
+                f"kill -9 shardd at {kill_at or 'a moment'}",
+            ]
             start = time.monotonic()
             step = seconds / (len(plan) + 1)
             for i, fault in enumerate(plan):
@@ -57,8 +68,16 @@ def _run(tmp_path: Path, seconds: float, seed: int) -> None:
                     pg.stop("immediate")
                     time.sleep(0.5)
                     pg.start()
-                else:
+                elif kill_at is None:
                     shard.kill()
+                    shard.start()
+                else:
+                    shard.terminate()  # a graceful stop: its calls in flight finish
+                    shard.arm(kill_at)
+                    shard.start(wait=False)  # the load's calls may take every thread to the point
+                    killed = shard.kill_at_failpoint(kill_at)  # the first call that reaches it
+                    assert killed.point == kill_at
+                    shard.arm()
                     shard.start()
             time.sleep(1.0)
         result = load.stop()
@@ -81,10 +100,11 @@ def _run(tmp_path: Path, seconds: float, seed: int) -> None:
         shutil.rmtree(pg.data_dir.parent, ignore_errors=True)
 
 
-def test_faults_between_shard_and_database(tmp_path):
-    _run(tmp_path, seconds=8.0, seed=3)
+@pytest.mark.parametrize("point", ["shardd.claimed_before_commit", "shardd.committed_before_answer"])
+def test_faults_between_shard_and_database_and_a_kill_at_a_failpoint(tmp_path: Path, point: str) -> None:
+    _run(tmp_path, seconds=6.0, seed=3, kill_at=point)
 
 
 @pytest.mark.slow
-def test_faults_between_shard_and_database_long(tmp_path):
-    _run(tmp_path, seconds=60.0, seed=5)
+def test_faults_between_shard_and_database_long(tmp_path: Path) -> None:
+    _run(tmp_path, seconds=60.0, seed=5, kill_at=None)
