@@ -259,6 +259,32 @@ def test_a_duplicate_of_a_key_a_thread_here_works_on_joins_its_flight() -> None:
     assert shard.handled == 0
 
 
+def test_a_duplicate_whose_leader_is_slow_to_reach_the_database_looks_for_itself() -> None:
+    """A leader that has neither claimed nor ended within the follow bound (queued for admission,
+    or its read slowed by a busy machine): the duplicate goes to the store on its own, so a completed
+    key is replayed rather than answered ABORTED, and a key held elsewhere is still ABORTED."""
+    key = new_key(_ms(NOW))
+    scoped = (f"{DEPOSIT}|anonymous", str(key))
+    first = Shard()
+    first.call(deposit(), keyed(key))
+    shard = Shard(first.keys)  # the same store: the key is committed there
+    flight, leads = shard.collaborators.flights.join(scoped)  # a leader that never settles
+    assert leads
+    answer = shard.call(deposit(), keyed(key))
+    assert answer.code is grpc.StatusCode.OK and answer.trailers["idempotency-replayed"] == "true"
+    assert shard.keys.transactions == 2 and shard.handled == 0  # the first call's, and this look
+    assert len(shard.collaborators.flights) == 1  # the leader's flight stays listed, untouched
+    # The same, with the key claimed by another connection and not yet committed: ABORTED.
+    other = new_key(_ms(NOW))
+    shard.keys.held.add((f"{DEPOSIT}|anonymous", str(other)))
+    slow, leads = shard.collaborators.flights.join((f"{DEPOSIT}|anonymous", str(other)))
+    assert leads
+    answer = shard.call(deposit(), keyed(other))
+    assert answer.code is grpc.StatusCode.ABORTED and answer.reason == "IDEMPOTENCY_KEY_IN_FLIGHT"
+    shard.collaborators.flights.land(scoped, flight, None)
+    shard.collaborators.flights.land((f"{DEPOSIT}|anonymous", str(other)), slow, None)
+
+
 @pytest.mark.parametrize(
     ("metadata", "reason"),
     [
@@ -390,7 +416,7 @@ def test_the_chain_leaves_admission_out_when_there_are_no_limits() -> None:
 
 
 @pytest.mark.parametrize(
-    "key", [str(uuid.uuid4()), "order-7781/attempt:A", "{0192d1a8-7c1e-7b3a-9f2e-3c4d5e6f7a8b}"]
+    "key", ["c8a3e5f1-7d2b-4e6a-9f0c-1b3d5e7f9a2c", "order-7781/attempt:A", "{0192d1a8-7c1e-7b3a-9f2e-3c4d5e6f7a8b}"]
 )
 def test_a_key_dated_by_receipt_applies_once_and_its_replays_expire_with_the_first_receipt(key: str) -> None:
     shard = Shard()
@@ -420,7 +446,7 @@ def test_a_uuid_key_is_one_key_in_either_case() -> None:
 @pytest.mark.parametrize(
     ("key", "kind"),
     [
-        (str(uuid.uuid4()), "a version 4 UUID"),
+        ("3b241101-e2bb-4255-8caf-4136c566a962", "a version 4 UUID"),
         (str(uuid.uuid1()), "a version 1 UUID"),
         ("abc", "an opaque key"),
     ],

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import datetime, timedelta
@@ -215,22 +216,28 @@ class AnswerFromMemory:
         if cached is not None:
             return replay(cached, call, source="memory"), OutcomeKind.REPLAY, cached.key_time
         flight, leads = self._flights.join(scoped)
-        if not leads:
-            flight.wait_settled(self._follow_timeout_s)
-            if flight.record is not None:
-                return (
-                    replay(flight.record, call, source="memory"),
-                    OutcomeKind.REPLAY,
-                    flight.record.key_time,
-                )
+        if leads:
+            return self._lead(call, flight)
+        settled = flight.wait_settled(self._follow_timeout_s)
+        if flight.record is not None:
+            return replay(flight.record, call, source="memory"), OutcomeKind.REPLAY, flight.record.key_time
+        if settled:  # the leader claimed the key (in flight), or ended without a completed record
             raise in_flight(call.span, self._in_flight_retry_ms)
+        # The leader is still on its way to the database (queued for admission, or its read slowed
+        # by a busy machine): look for ourselves rather than answer a completed key ABORTED.
+        return self._lead(call, KeyFlight(threading.Lock()), listed=False)
+
+    def _lead(self, call: GuardedCall, flight: KeyFlight, *, listed: bool = True) -> Answered:
+        """Go to the database for the call; `flight` is listed in the process's flights unless the
+        call goes alone (a duplicate that waited out a slow leader)."""
         record: IdempotencyRecord | None = None
         try:
             record, made = self._next(call, flight)
         finally:
             if record is not None:
-                self._completed.put(scoped, record)
-            self._flights.land(scoped, flight, record)
+                self._completed.put(call.scoped_key, record)
+            if listed:
+                self._flights.land(call.scoped_key, flight, record)
         assert record.outcome is not None
         if made:
             # Committed, the flight landed, the answer not yet written: a crash here leaves the caller
