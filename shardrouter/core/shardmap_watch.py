@@ -248,12 +248,25 @@ def watch_shard_map_configmap(spec: str, shard_maps: ShardMapFile) -> ConfigMapM
     return watch
 
 
+
+def configmap_spec_problems(spec: str) -> list[str]:
+    """A settings check of `--shard-map-configmap`: what is wrong with `spec` (empty: not set, fine)."""
+    if not spec:
+        return []
+    try:
+        parse_configmap_spec(spec)
+    except ValueError as exc:
+        return [f"shard_map_configmap: {exc}"]
+    return []
+
+
 __all__ = [
     "BACKOFF_INITIAL_S",
     "BACKOFF_MAX_S",
     "DEFAULT_KEY",
     "ConfigMapMapWatch",
     "ConfigMapSpec",
+    "configmap_spec_problems",
     "parse_configmap_spec",
     "shard_map_from_configmap",
     "watch_shard_map_configmap",

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shardrouter.core.settings_source import env_names, settings_values
-from shardrouter.core.shardmap_watch import parse_configmap_spec
+from shardrouter.core.shardmap_watch import configmap_spec_problems
 
 ENV_PREFIX = "ROUTER_"
 MAX_FORWARD_RETRIES = 5
@@ -124,53 +124,58 @@ class RouterSettings:
 
     def problems(self) -> list[str]:
         """Every reason these settings are unusable."""
-        out = []
-        if ":" not in self.listen:
-            out.append("listen must be host:port")
-        if not self.shard_map:
-            out.append("shard_map must name the shard map file")
-        if self.reload_interval_s <= 0:
-            out.append("reload_interval_s must be positive")
-        if self.shard_map_configmap:
-            try:
-                parse_configmap_spec(self.shard_map_configmap)
-            except ValueError as exc:
-                out.append(f"shard_map_configmap: {exc}")
-        if self.max_calls < 1:
-            out.append("max_calls must be at least 1")
-        if not 1 <= self.shard_connections <= 64:
-            out.append("shard_connections must be between 1 and 64")
-        if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_ca and not self.tls_cert):
-            out.append("tls_cert and tls_key go together, and tls_ca needs them")
-        if bool(self.shard_tls_cert) != bool(self.shard_tls_key):
-            out.append("shard_tls_cert and shard_tls_key go together")
-        if self.max_message_bytes < 1024 or self.max_metadata_bytes < 1024:
-            out.append("max_message_bytes and max_metadata_bytes must be at least 1024")
-        if self.max_deadline_s <= 0:
-            out.append("max_deadline_s must be positive")
-        if not 0 <= self.forward_retries <= MAX_FORWARD_RETRIES:
-            out.append(f"forward_retries must be between 0 and {MAX_FORWARD_RETRIES}")
-        if not 0 <= self.move_wait_s <= self.max_deadline_s:
-            out.append("move_wait_s must be between 0 and max_deadline_s")
-        if self.shutdown_grace_s < 0:
-            out.append("shutdown_grace_s must not be negative")
-        if self.max_connection_age_s < 0 or self.max_connection_age_grace_s < 0:
-            out.append("max_connection_age_s and max_connection_age_grace_s must not be negative")
-        if self.http_listen and ":" not in self.http_listen:
-            out.append("http_listen must be host:port (or empty: no HTTP front)")
-        if self.http_listen and self.http_listen == self.listen and not self.listen.endswith(":0"):
-            out.append("http_listen must differ from listen")
-        if self.http_max_body_bytes < 1024:
-            out.append("http_max_body_bytes must be at least 1024")
-        if self.http_body_timeout_s <= 0 or self.http_keep_alive_s <= 0:
-            out.append("http_body_timeout_s and http_keep_alive_s must be positive")
-        if self.http_deadline_s <= 0:
-            out.append("http_deadline_s must be positive")
-        if self.http_max_connections < 1:
-            out.append("http_max_connections must be at least 1")
-        if self.log_format not in ("json", "text"):
-            out.append("log_format must be json or text")
-        return out
+        checks = [
+            (":" not in self.listen, "listen must be host:port"),
+            (not self.shard_map, "shard_map must name the shard map file"),
+            (self.reload_interval_s <= 0, "reload_interval_s must be positive"),
+            (self.max_calls < 1, "max_calls must be at least 1"),
+            (not 1 <= self.shard_connections <= 64, "shard_connections must be between 1 and 64"),
+            (
+                bool(self.tls_cert) != bool(self.tls_key) or (self.tls_ca and not self.tls_cert),
+                "tls_cert and tls_key go together, and tls_ca needs them",
+            ),
+            (
+                bool(self.shard_tls_cert) != bool(self.shard_tls_key),
+                "shard_tls_cert and shard_tls_key go together",
+            ),
+            (
+                self.max_message_bytes < 1024 or self.max_metadata_bytes < 1024,
+                "max_message_bytes and max_metadata_bytes must be at least 1024",
+            ),
+            (self.max_deadline_s <= 0, "max_deadline_s must be positive"),
+            (
+                not 0 <= self.forward_retries <= MAX_FORWARD_RETRIES,
+                f"forward_retries must be between 0 and {MAX_FORWARD_RETRIES}",
+            ),
+            (
+                not 0 <= self.move_wait_s <= self.max_deadline_s,
+                "move_wait_s must be between 0 and max_deadline_s",
+            ),
+            (self.shutdown_grace_s < 0, "shutdown_grace_s must not be negative"),
+            (
+                self.max_connection_age_s < 0 or self.max_connection_age_grace_s < 0,
+                "max_connection_age_s and max_connection_age_grace_s must not be negative",
+            ),
+            (
+                self.http_listen and ":" not in self.http_listen,
+                "http_listen must be host:port (or empty: no HTTP front)",
+            ),
+            (
+                self.http_listen and self.http_listen == self.listen and not self.listen.endswith(":0"),
+                "http_listen must differ from listen",
+            ),
+            (self.http_max_body_bytes < 1024, "http_max_body_bytes must be at least 1024"),
+            (
+                self.http_body_timeout_s <= 0 or self.http_keep_alive_s <= 0,
+                "http_body_timeout_s and http_keep_alive_s must be positive",
+            ),
+            (self.http_deadline_s <= 0, "http_deadline_s must be positive"),
+            (self.http_max_connections < 1, "http_max_connections must be at least 1"),
+            (self.log_format not in ("json", "text"), "log_format must be json or text"),
+        ]
+        return [message for broken, message in checks if broken] + configmap_spec_problems(
+            self.shard_map_configmap
+        )
 
 
 def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> RouterSettings:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from shardrouter.core.settings_source import env_names, settings_values
-from shardrouter.core.shardmap_watch import parse_configmap_spec
+from shardrouter.core.shardmap_watch import configmap_spec_problems
 
 ENV_PREFIX = "SHARDD_"
 
@@ -170,43 +170,48 @@ class ShardSettings:
 
     def problems(self) -> list[str]:
         """Every reason these settings are unusable."""
-        out = []
-        if self.workers < 1 or self.max_calls < 1:
-            out.append("workers and max_calls must be at least 1")
-        if not 1 <= self.processes <= 64 or not 0 <= self.process_index <= self.processes:
-            out.append("processes must be between 1 and 64, process_index between 0 and processes")
-
-        if not 1 <= self.pool_min <= self.pool_max:
-            out.append("pool sizes must satisfy 1 <= pool_min <= pool_max")
-        if self.max_connection_age_s < 0 or self.max_connection_age_grace_s < 0:
-            out.append("max_connection_age_s and max_connection_age_grace_s must not be negative")
-        if self.shard_map_reload_s <= 0:
-            out.append("shard_map_reload_s must be positive")
-        if not 0 < self.migration_lock_timeout_s <= 600:
-            out.append("migration_lock_timeout_s must be positive and at most 600")
-        if self.shard_map_configmap:
-            try:
-                parse_configmap_spec(self.shard_map_configmap)
-            except ValueError as exc:
-                out.append(f"shard_map_configmap: {exc}")
-            if not self.shard_map:
-                out.append(
-                    "shard_map_configmap needs shard_map: the file is the start-up map and the fallback"
-                )
-        if not 0 < self.authz_policy_reload_s <= 60:
-            out.append("authz_policy_reload_s must be positive and at most 60")
-        if self.max_in_flight < 1 or self.max_waiting < 0:
-            out.append("max_in_flight must be at least 1 and max_waiting at least 0")
-        if self.replay_cache_entries < 0 or self.replay_cache_mb < 0:
-            out.append("replay_cache_entries and replay_cache_mb must not be negative")
-        if self.transient_retry_ms < 1:
-            out.append("transient_retry_ms must be at least 1")
-        if self.retention_days < 1:
-            out.append("retention_days must be at least 1")
-        if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_ca and not self.tls_cert):
-            out.append("tls_cert and tls_key go together, and tls_ca needs them")
-        if self.log_format not in ("json", "text"):
-            out.append("log_format must be json or text")
+        checks = [
+            (self.workers < 1 or self.max_calls < 1, "workers and max_calls must be at least 1"),
+            (
+                not 1 <= self.processes <= 64 or not 0 <= self.process_index <= self.processes,
+                "processes must be between 1 and 64, process_index between 0 and processes",
+            ),
+            (not 1 <= self.pool_min <= self.pool_max, "pool sizes must satisfy 1 <= pool_min <= pool_max"),
+            (
+                self.max_connection_age_s < 0 or self.max_connection_age_grace_s < 0,
+                "max_connection_age_s and max_connection_age_grace_s must not be negative",
+            ),
+            (self.shard_map_reload_s <= 0, "shard_map_reload_s must be positive"),
+            (
+                not 0 < self.migration_lock_timeout_s <= 600,
+                "migration_lock_timeout_s must be positive and at most 600",
+            ),
+            (
+                bool(self.shard_map_configmap) and not self.shard_map,
+                "shard_map_configmap needs shard_map: the file is the start-up map and the fallback",
+            ),
+            (
+                not 0 < self.authz_policy_reload_s <= 60,
+                "authz_policy_reload_s must be positive and at most 60",
+            ),
+            (
+                self.max_in_flight < 1 or self.max_waiting < 0,
+                "max_in_flight must be at least 1 and max_waiting at least 0",
+            ),
+            (
+                self.replay_cache_entries < 0 or self.replay_cache_mb < 0,
+                "replay_cache_entries and replay_cache_mb must not be negative",
+            ),
+            (self.transient_retry_ms < 1, "transient_retry_ms must be at least 1"),
+            (self.retention_days < 1, "retention_days must be at least 1"),
+            (
+                bool(self.tls_cert) != bool(self.tls_key) or bool(self.tls_ca and not self.tls_cert),
+                "tls_cert and tls_key go together, and tls_ca needs them",
+            ),
+            (self.log_format not in ("json", "text"), "log_format must be json or text"),
+        ]
+        out = [message for broken, message in checks if broken]
+        out += configmap_spec_problems(self.shard_map_configmap)
         # The source document's late-replay failure: a key that expires before its slowest retry
         # path (relay redelivery, then a manual dead-letter replay) lets that retry apply twice.
         slowest = timedelta(seconds=self.relay_max_age_s) + timedelta(days=self.dead_letter_replay_days)

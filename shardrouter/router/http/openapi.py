@@ -232,28 +232,79 @@ _ERROR_RESPONSES: dict[str, dict[str, Any]] = {
 }
 
 
-def _operation(
-    declaration: RpcDeclaration, route: HttpRoute, schemas: _Schemas, *, compact: bool = False
-) -> dict[str, Any]:
+def _parameters(declaration: RpcDeclaration, route: HttpRoute, schemas: _Schemas) -> list[dict[str, Any]]:
+    """Path fields, then (for a route without a body) the request's scalar fields as query
+    parameters, then the key header of a keyed call."""
     request = _descriptor(declaration.request_type)
     parameters: list[dict[str, Any]] = [
         {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
         for name in route.path_fields
     ]
     if not route.body:
-        for field in request.fields:
-            if field.name in route.path_fields or field.message_type is not None or field.is_repeated:
-                continue
-            parameters.append(
-                {
-                    "name": field.json_name,
-                    "in": "query",
-                    "required": False,
-                    "schema": schemas._single(field, request=True),
-                }
-            )
+        parameters += [
+            {
+                "name": field.json_name,
+                "in": "query",
+                "required": False,
+                "schema": schemas._single(field, request=True),
+            }
+            for field in request.fields
+            if field.name not in route.path_fields and field.message_type is None and not field.is_repeated
+        ]
     if declaration.keyed:
         parameters.append({"$ref": f"#/components/parameters/{IDEMPOTENCY_KEY_HEADER}"})
+    return parameters
+
+
+def _request_body(
+    declaration: RpcDeclaration, route: HttpRoute, schemas: _Schemas, *, compact: bool
+) -> dict[str, Any] | None:
+    """The request body's schema: the compact transfer, the whole request, or one of its fields."""
+    if not route.body:
+        return None
+    request = _descriptor(declaration.request_type)
+    if compact:
+        schema: dict[str, Any] = {"$ref": _SCHEMAS + "CompactTransfer"}
+    elif route.body == "*":
+        schema = schemas.ref(request, request=True)
+    else:
+        schema = schemas._field(request.fields_by_name[route.body], request=True)
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+def _responses(declaration: RpcDeclaration, schemas: _Schemas) -> dict[str, Any]:
+    """201 (keyed: with the replay marker and, for a created resource, its Location) or 200, then
+    the problem answers that can occur (409 and 422 only for keyed calls)."""
+    success: dict[str, Any] = {
+        "description": "Applied." if declaration.keyed else "OK.",
+        "content": {"application/json": {"schema": schemas.ref(_descriptor(declaration.response_type))}},
+    }
+    if declaration.keyed:
+        headers: dict[str, Any] = {
+            REPLAYED_HEADER: {
+                "description": (
+                    f"`{REPLAYED_VALUE}` when this is the stored answer of an earlier request with the same key."
+                ),
+                "schema": {"type": "string", "enum": [REPLAYED_VALUE]},
+            }
+        }
+        if created_resource_route(declaration) is not None:
+            headers[LOCATION_HEADER] = {
+                "description": "Path of the created resource.",
+                "schema": {"type": "string"},
+            }
+        success["headers"] = headers
+    responses: dict[str, Any] = {"201" if declaration.keyed else "200": success}
+    for status in ("400", "404", "409", "422", "429", "503", "504", "default"):
+        if status in ("409", "422") and not declaration.keyed:
+            continue
+        responses[status] = {"$ref": f"#/components/responses/Problem{status.capitalize()}"}
+    return responses
+
+
+def _operation(
+    declaration: RpcDeclaration, route: HttpRoute, schemas: _Schemas, *, compact: bool = False
+) -> dict[str, Any]:
     operation: dict[str, Any] = {
         "operationId": declaration.name + ("Compact" if compact else ""),
         "tags": [declaration.service],
@@ -270,44 +321,13 @@ def _operation(
         ),
         "x-grpc-method": declaration.full_name,
     }
+    parameters = _parameters(declaration, route, schemas)
     if parameters:
         operation["parameters"] = parameters
-    if compact:
-        body_schema: dict[str, Any] = {"$ref": _SCHEMAS + "CompactTransfer"}
-    elif route.body == "*":
-        body_schema = schemas.ref(request, request=True)
-    elif route.body:
-        body_schema = schemas._field(request.fields_by_name[route.body], request=True)
-    if route.body:
-        operation["requestBody"] = {
-            "required": True,
-            "content": {"application/json": {"schema": body_schema}},
-        }
-    success: dict[str, Any] = {
-        "description": "Applied." if declaration.keyed else "OK.",
-        "content": {"application/json": {"schema": schemas.ref(_descriptor(declaration.response_type))}},
-    }
-    headers: dict[str, Any] = {}
-    if declaration.keyed:
-        headers[REPLAYED_HEADER] = {
-            "description": (
-                f"`{REPLAYED_VALUE}` when this is the stored answer of an earlier request with the same key."
-            ),
-            "schema": {"type": "string", "enum": [REPLAYED_VALUE]},
-        }
-        if created_resource_route(declaration) is not None:
-            headers[LOCATION_HEADER] = {
-                "description": "Path of the created resource.",
-                "schema": {"type": "string"},
-            }
-    if headers:
-        success["headers"] = headers
-    responses: dict[str, Any] = {"201" if declaration.keyed else "200": success}
-    for status in ("400", "404", "409", "422", "429", "503", "504", "default"):
-        if status in ("409", "422") and not declaration.keyed:
-            continue
-        responses[status] = {"$ref": f"#/components/responses/Problem{status.capitalize()}"}
-    operation["responses"] = responses
+    body = _request_body(declaration, route, schemas, compact=compact)
+    if body is not None:
+        operation["requestBody"] = body
+    operation["responses"] = _responses(declaration, schemas)
     return operation
 
 
