@@ -34,6 +34,23 @@ from shardrouter.v1 import transfer_pb2_grpc
 from tests.helpers import make_settings, own_postgres
 from tests.processes import ServiceProcess
 
+
+def _worker_port_range() -> str | None:
+    """Under pytest-xdist, this worker's share of the ports below the kernel's ephemeral range, so
+    that no two workers (nor the processes they start) hand out the same port."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker or not count:
+        return None
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+        ephemeral_low = int(ranges.read().split()[0])
+    span = (min(ephemeral_low, 32768) - 10_000) // int(count)
+    low = 10_000 + int(worker.removeprefix("gw")) * span
+    return f"{low}-{low + span - 1}"
+
+
+if (_ports := _worker_port_range()) is not None:
+    os.environ["SHARD_ROUTER_PORT_RANGE"] = _ports
+
 _counter = itertools.count()
 
 

@@ -66,22 +66,46 @@ def _ephemeral_range() -> tuple[int, int]:
         return 0, 0
 
 
+#: `LOW-HIGH`: draw ports from this range alone (inclusive). Processes that start servers side by
+#: side, such as parallel test workers, each take a range of their own, so none hands out a port
+#: another is about to bind.
+PORT_RANGE_ENV = "SHARD_ROUTER_PORT_RANGE"
+
+
+def _port_range() -> tuple[int, int] | None:
+    """The range `PORT_RANGE_ENV` sets, or None; a malformed one is refused by name."""
+    value = os.environ.get(PORT_RANGE_ENV, "").strip()
+    if not value:
+        return None
+    low, sep, high = value.partition("-")
+    try:
+        bounds = (int(low), int(high))
+    except ValueError:
+        bounds = (0, 0)
+    if not sep or not 1024 <= bounds[0] <= bounds[1] <= 65535:
+        raise ValueError(f"{PORT_RANGE_ENV} must be LOW-HIGH with 1024 <= LOW <= HIGH <= 65535, not {value!r}")
+    return bounds
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now and that this process has not handed out before.
 
     A port is bound only later (by a server started with it, often another process), and meanwhile
     nothing holds it. So it is drawn from below the kernel's ephemeral range when there is room:
     the kernel gives ports from that range to every outgoing connection and every bind to port 0,
-    and one of those could take it in between ("address already in use" seconds later).
+    and one of those could take it in between ("address already in use" seconds later). Where
+    `PORT_RANGE_ENV` is set, it is drawn from that range alone.
     """
+    chosen = _port_range()
     low, _ = _ephemeral_range()
     with _HANDED_OUT_LOCK:
-        if low - _LOWEST_PORT >= 1_000:
-            for _ in range(200):
-                port = random.randrange(_LOWEST_PORT, low)
-                if port not in _HANDED_OUT and _bindable(port):
-                    _HANDED_OUT.add(port)
-                    return port
+        if chosen is not None:
+            port = _draw(*chosen)
+            if port is None:
+                raise RuntimeError(f"{PORT_RANGE_ENV}: no free port left in {chosen[0]}-{chosen[1]}")
+            return port
+        if low - _LOWEST_PORT >= 1_000 and (port := _draw(_LOWEST_PORT, low - 1)) is not None:
+            return port
         while True:  # no room below the range (or no such range here): the kernel's choice
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
@@ -89,6 +113,17 @@ def free_port() -> int:
             if port not in _HANDED_OUT:
                 _HANDED_OUT.add(port)
                 return port
+
+
+def _draw(low: int, high: int) -> int | None:
+    """A bindable port of [low, high] not handed out before (called under the lock); None when 200
+    draws found none."""
+    for _ in range(200):
+        port = random.randint(low, high)
+        if port not in _HANDED_OUT and _bindable(port):
+            _HANDED_OUT.add(port)
+            return port
+    return None
 
 
 def _bindable(port: int) -> bool:
