@@ -25,7 +25,11 @@ from shardrouter.shardd.settings import ShardSettings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ServingProcesses", "port_is_free", "stop_with_parent"]
+__all__ = ["PARENT_PID_ENV", "ServingProcesses", "port_is_free", "stop_with_parent"]
+
+#: The parent's pid, in each serving process's environment: the process checks its parent against
+#: it, so one started just as its parent died (already handed to init) still sees the parent gone.
+PARENT_PID_ENV = "SHARD_ROUTER_SERVING_PARENT_PID"
 
 #: A process that dies sooner than this after its start is restarted only after a pause, so a
 #: process that cannot start (a bad certificate, say) is not restarted in a tight loop.
@@ -113,7 +117,8 @@ class ServingProcesses:
             str(index),
         ]
         process = subprocess.Popen(
-            [sys.executable, "-m", "shardrouter.shardd.cli", *args], env=os.environ.copy()
+            [sys.executable, "-m", "shardrouter.shardd.cli", *args],
+            env={**os.environ, PARENT_PID_ENV: str(os.getpid())},
         )
         self._processes[index] = (process, time.monotonic())
         log.info("started serving process %d of %d (pid %d)", index, self._settings.processes, process.pid)
@@ -123,9 +128,12 @@ def stop_with_parent(stop: threading.Event, poll_s: float = 0.5) -> threading.Th
     """In a serving process: set `stop` (a graceful stop) once the parent is gone.
 
     A parent killed with SIGKILL cannot forward a SIGTERM; its serving processes would live on,
-    holding the port, with nobody to restart or stop them.
+    holding the port, with nobody to restart or stop them. The parent is the one the environment
+    names (`PARENT_PID_ENV`), else the one at this call: a process re-parented before it got here
+    (its parent killed while starting it) would otherwise take init for its parent and never stop.
     """
-    parent = os.getppid()
+    named = os.environ.get(PARENT_PID_ENV, "")
+    parent = int(named) if named.isdigit() else os.getppid()
 
     def watch() -> None:
         while not stop.wait(poll_s):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -17,7 +18,7 @@ from shardrouter.client import load_service_config
 from shardrouter.core.keys import new_key
 from shardrouter.localcluster.postgres import free_port
 from shardrouter.router.channels import CHANNEL_OPTIONS
-from shardrouter.shardd.processes import port_is_free
+from shardrouter.shardd.processes import PARENT_PID_ENV, port_is_free, stop_with_parent
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.helpers import money
 from tests.processes import ServiceProcess, shardd_process
@@ -208,3 +209,23 @@ def test_port_is_free_sees_a_listener(listen: str) -> None:
         holder.bind(("127.0.0.1", port))
         holder.listen()
         assert not port_is_free(address)
+
+
+def test_a_serving_process_whose_named_parent_is_not_its_parent_stops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A serving process handed to init before it watched (its parent killed while starting it) still
+    stops: it checks its parent against the pid its parent put in its environment."""
+    monkeypatch.setenv(PARENT_PID_ENV, str(os.getpid()))  # never our own parent
+    stop = threading.Event()
+    stop_with_parent(stop, poll_s=0.01).join(5)
+    assert stop.is_set()
+
+
+def test_a_serving_process_whose_named_parent_lives_keeps_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PARENT_PID_ENV, str(os.getppid()))
+    stop = threading.Event()
+    watcher = stop_with_parent(stop, poll_s=0.01)
+    assert not stop.wait(0.2)  # twenty polls, the parent still there
+    stop.set()
+    watcher.join(5)
