@@ -91,11 +91,6 @@ def claimed_caller(metadata: Iterable[MetadataEntry]) -> str | None:
     return value
 
 
-def is_plaintext(context: Any) -> bool:
-    """Whether the call came over a connection without TLS (a sync or asyncio servicer context)."""
-    return b"ssl" not in context.auth_context().get("transport_security_type", ())
-
-
 def peer_common_name(context: Any) -> str | None:
     """The common name of the peer's verified client certificate, if any.
 
@@ -155,7 +150,6 @@ __all__ = [
     "CallerRule",
     "certificate_identity",
     "claimed_caller",
-    "is_plaintext",
     "is_spiffe_id",
     "peer_common_name",
     "peer_identity",

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from shardrouter.core.moves import ACTIVE_PHASES, Phase
-from shardrouter.core.ownership import RangeOwner, with_owner
+from shardrouter.core.ownership import RangeOwner
 from shardrouter.core.shardmap import ShardMap
 
 
@@ -83,11 +83,6 @@ def plan_move(shard_map: ShardMap, first_slot: int, last_slot: int, target: str)
     )
 
 
-def moved_map(shard_map: ShardMap, plan: MovePlan) -> ShardMap:
-    """The map after the move: the range belongs to the target, the version is one higher."""
-    return with_owner(shard_map, plan.ownership(shard_map.version + 1), version=shard_map.version + 1)
-
-
 def owns_range(shard_map: ShardMap, shard_id: str, first_slot: int, last_slot: int) -> bool:
     """Whether one shard owns every slot of the range in this map."""
     return all(
@@ -102,7 +97,6 @@ __all__ = [
     "MoveError",
     "MovePlan",
     "Phase",
-    "moved_map",
     "owns_range",
     "parse_slot_range",
     "plan_move",

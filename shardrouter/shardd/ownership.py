@@ -206,10 +206,6 @@ class ShardLocator:
         owner = self.owner(account_id)
         return self.own_shard_id if owner is None else owner.shard_id
 
-    def is_local(self, account_id: str) -> bool:
-        """Whether this shard owns the account."""
-        return self.shard_of(account_id) == self.own_shard_id
-
     def refresh(self) -> None:
         """Look again at the map file and the database's facts (each rate-limited for the daemon)."""
         if self._maps is not None:

@@ -156,26 +156,6 @@ def _release(conn: psycopg.Connection[Any], scope: str, key: str) -> psycopg.Cur
     return conn.execute("SELECT idempotency_release(%s, %s, false)", (scope, key))
 
 
-def lookup_key(
-    conn: psycopg.Connection[Any], *, scope: str, key: str, key_time: datetime | None
-) -> IdempotencyRecord | None:
-    """The committed (or own in-progress) record of a key, if any: in the partition of `key_time`,
-    or, None, in any partition (a key dated by its first receipt)."""
-    with conn.cursor(row_factory=dict_row) as cur:
-        if key_time is not None:
-            row = cur.execute(
-                f"SELECT {_COLUMNS} FROM idempotency_record WHERE scope = %s AND key = %s AND key_time = %s",
-                (scope, key, key_time),
-            ).fetchone()
-        else:
-            row = cur.execute(
-                f"SELECT {_COLUMNS} FROM idempotency_record WHERE scope = %s AND key = %s"
-                " ORDER BY key_time LIMIT 1",
-                (scope, key),
-            ).fetchone()
-    return None if row is None else _record(row)
-
-
 def find_key(
     conn: psycopg.Connection[Any], *, key: str, key_time: datetime | None = None
 ) -> list[IdempotencyRecord]:
@@ -244,6 +224,5 @@ __all__ = [
     "complete_key",
     "find_key",
     "find_keys",
-    "lookup_key",
     "release_claim",
 ]

@@ -94,14 +94,6 @@ class DeadLetterRow:
     currency: str
 
 
-def create_account_if_missing(conn: Connection, account_id: str, currency: str) -> None:
-    """Open an account with a zero balance unless it exists."""
-    conn.execute(
-        "INSERT INTO accounts (id, currency) VALUES (%s, %s) ON CONFLICT (id) DO NOTHING",
-        (account_id, currency),
-    )
-
-
 def deposit(
     conn: Connection,
     *,
@@ -506,7 +498,6 @@ __all__ = [
     "add_to_balance",
     "attempts_of",
     "claim_due_outbox",
-    "create_account_if_missing",
     "credit_voided",
     "dead_letter",
     "dead_letter_counts",
