@@ -22,7 +22,13 @@ from typing import cast
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from shardrouter.core.rpcs import PUBLIC_SERVICE, RPCS, RpcDeclaration, RpcDeclarationError
+from shardrouter.core.rpcs import (
+    INTEGER_FIELD_TYPES,
+    PUBLIC_SERVICE,
+    RPCS,
+    RpcDeclaration,
+    RpcDeclarationError,
+)
 
 __all__ = [
     "ARGUMENT_NAMES",
@@ -67,22 +73,7 @@ ARGUMENT_NAMES: Mapping[str, Mapping[str, str]] = MappingProxyType(
 )
 
 _STRING = frozenset({FieldDescriptor.TYPE_STRING})
-_INTEGER = frozenset(
-    {
-        FieldDescriptor.TYPE_INT32,
-        FieldDescriptor.TYPE_INT64,
-        FieldDescriptor.TYPE_UINT32,
-        FieldDescriptor.TYPE_UINT64,
-        FieldDescriptor.TYPE_SINT32,
-        FieldDescriptor.TYPE_SINT64,
-        FieldDescriptor.TYPE_FIXED32,
-        FieldDescriptor.TYPE_FIXED64,
-        FieldDescriptor.TYPE_SFIXED32,
-        FieldDescriptor.TYPE_SFIXED64,
-        FieldDescriptor.TYPE_BOOL,
-        FieldDescriptor.TYPE_ENUM,
-    }
-)
+_INTEGER = INTEGER_FIELD_TYPES | {FieldDescriptor.TYPE_BOOL, FieldDescriptor.TYPE_ENUM}
 _MAX_DEPTH = 4  # message fields nested deeper than this (or recursive ones) are not arguments
 
 

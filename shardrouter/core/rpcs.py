@@ -33,6 +33,7 @@ _CALL_RULE: Any = options_pb2.call
 _HTTP_RULE: Any = annotations_pb2.http
 
 __all__ = [
+    "INTEGER_FIELD_TYPES",
     "INTERNAL_SERVICE",
     "PUBLIC_SERVICE",
     "RPCS",
@@ -43,6 +44,22 @@ __all__ = [
     "declarations_of",
     "rpc",
 ]
+
+#: The protobuf field types that carry an integer (JSON and command-line flags read them as numbers).
+INTEGER_FIELD_TYPES = frozenset(
+    {
+        FieldDescriptor.TYPE_INT32,
+        FieldDescriptor.TYPE_INT64,
+        FieldDescriptor.TYPE_UINT32,
+        FieldDescriptor.TYPE_UINT64,
+        FieldDescriptor.TYPE_SINT32,
+        FieldDescriptor.TYPE_SINT64,
+        FieldDescriptor.TYPE_FIXED32,
+        FieldDescriptor.TYPE_FIXED64,
+        FieldDescriptor.TYPE_SFIXED32,
+        FieldDescriptor.TYPE_SFIXED64,
+    }
+)
 
 PUBLIC_SERVICE = transfer_pb2.DESCRIPTOR.services_by_name["TransferService"].full_name
 INTERNAL_SERVICE = ledger_pb2.DESCRIPTOR.services_by_name["ShardLedgerService"].full_name
@@ -143,7 +160,9 @@ def _declaration(method: MethodDescriptor) -> RpcDeclaration:
                     f"{where}: HTTP path variable {{{name}}} is not a string field of {request.full_name}"
                 )
         if http.body not in ("", "*") and http.body not in request.fields_by_name:
-            raise RpcDeclarationError(f"{where}: HTTP body {http.body!r} is not a field of {request.full_name}")
+            raise RpcDeclarationError(
+                f"{where}: HTTP body {http.body!r} is not a field of {request.full_name}"
+            )
     return RpcDeclaration(
         service=method.containing_service.full_name,
         name=method.name,

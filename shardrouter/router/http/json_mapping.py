@@ -38,7 +38,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from shardrouter.core.errors import FieldViolation, InvalidArgument, Reason
-from shardrouter.core.rpcs import PUBLIC_SERVICE, RPCS, HttpRoute, RpcDeclaration, rpc
+from shardrouter.core.rpcs import INTEGER_FIELD_TYPES, PUBLIC_SERVICE, RPCS, HttpRoute, RpcDeclaration, rpc
 from shardrouter.v1 import transfer_pb2
 
 __all__ = [
@@ -66,20 +66,6 @@ COMPACT_TRANSFER_FIELDS = ("src", "dst", "amount", "currency", "reference")
 
 _FAILED_FIELD = re.compile(r"Failed to parse (\w+) field")
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-_INTEGER_TYPES = frozenset(
-    {
-        FieldDescriptor.TYPE_INT32,
-        FieldDescriptor.TYPE_INT64,
-        FieldDescriptor.TYPE_UINT32,
-        FieldDescriptor.TYPE_UINT64,
-        FieldDescriptor.TYPE_SINT32,
-        FieldDescriptor.TYPE_SINT64,
-        FieldDescriptor.TYPE_FIXED32,
-        FieldDescriptor.TYPE_FIXED64,
-        FieldDescriptor.TYPE_SFIXED32,
-        FieldDescriptor.TYPE_SFIXED64,
-    }
-)
 
 
 class JsonRequestError(ValueError):
@@ -257,7 +243,7 @@ def _check_single(field: FieldDescriptor, value: Any, where: str) -> Any:
         return _normalise(value, _message_of(field), where + ".")
     if _is_account_field(field):
         return _account_id(value, where)
-    if field.type in _INTEGER_TYPES and isinstance(value, float):
+    if field.type in INTEGER_FIELD_TYPES and isinstance(value, float):
         raise WrongType(f"{where} is a fractional JSON number ({value!r}); expected an integer", where)
     return value
 
