@@ -4,18 +4,14 @@ to try again instead of passing the same checks and journaling a second, overlap
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from shardrouter.core import failpoints
 from shardrouter.reshard.move import Move, MoveError, MoveSettings, start_move
+from tests.processes import Paused, run_to_failpoint
 from tests.reshard.cluster import FIRST, LAST, Pair, assert_no_leftovers
 
 
@@ -24,43 +20,28 @@ def test_a_start_while_another_is_between_its_checks_and_its_journal_is_refused(
 ) -> None:
     databases = tmp_path / "databases.yaml"
     databases.write_text(yaml.safe_dump(pair.dsns), encoding="utf-8")
-    command = [sys.executable, "-m", "shardrouter.localcluster.command", "reshard"]
-    first = subprocess.Popen(
-        [
-            *command,
-            "--slots",
-            f"{FIRST}-{LAST}",
-            "--to",
-            "shard-1",
-            "--map",
-            str(pair.map_path),
-            "--databases",
-            str(databases),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", failpoints.ENV: "reshard.start_checked=pause"},
-    )
-    assert first.stdout is not None
-    seen: list[str] = []
-    try:
-        deadline = time.monotonic() + 60
-        for line in first.stdout:
-            seen.append(line)
-            if line.startswith("failpoint reshard.start_checked: paused"):
-                break
-            assert time.monotonic() < deadline, "".join(seen)
-        else:
-            raise AssertionError(f"the first start ended before its journal entry: {''.join(seen)}")
+    command = [
+        sys.executable,
+        "-m",
+        "shardrouter.localcluster.command",
+        "reshard",
+        "--slots",
+        f"{FIRST}-{LAST}",
+        "--to",
+        "shard-1",
+        "--map",
+        str(pair.map_path),
+        "--databases",
+        str(databases),
+    ]
+
+    def refused_meanwhile(_: Paused) -> None:
         # The same range, and a range inside it: both refused while the first holds the start lock.
         for first_slot, last_slot in ((FIRST, LAST), (FIRST, FIRST)):
             with pytest.raises(MoveError, match="another move is being started on shard-0 right now"):
                 start_move(pair.map_path, pair.databases, first_slot, last_slot, "shard-1")
-    finally:
-        first.send_signal(signal.SIGKILL)
-        first.wait(10)
-        first.stdout.close()
+
+    run_to_failpoint(command, "reshard.start_checked", while_paused=refused_meanwhile)
     # Killed before it journaled anything: its lock went with its connections, and a start goes on.
     record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
     with Move(record, map_store=pair.map_path, databases=pair.databases, settings=MoveSettings()) as move:
