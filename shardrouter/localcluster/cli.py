@@ -19,7 +19,7 @@ from shardrouter.core import tracing
 from shardrouter.core.shardmap import ShardMap, ShardMapError, load_shard_map
 from shardrouter.core.termination import TerminationSignals
 from shardrouter.localcluster import control, tracing_ui
-from shardrouter.localcluster.cluster import LocalCluster, default_data_dir
+from shardrouter.localcluster.cluster import LocalCluster, PortInUseError, default_data_dir
 from shardrouter.localcluster.pitr import Backup
 from shardrouter.localcluster.shard_restore import ShardRestores
 
@@ -82,12 +82,9 @@ def main(argv: Sequence[str]) -> int:
         metrics=not args.no_metrics,
         otlp_endpoint=args.otlp_endpoint,
     )
-    if control.cluster_running(cluster.data_dir):
-        print(
-            f"shard-router dev up: a local cluster is already running with data in {cluster.data_dir}; "
-            "stop it first (Ctrl-C where it runs) or give another --data-dir",
-            file=sys.stderr,
-        )
+    refusal = _cannot_start(cluster)
+    if refusal:
+        print(f"shard-router dev up: {refusal}", file=sys.stderr)
         return 1
     if args.wipe:
         cluster.wipe()
@@ -113,6 +110,18 @@ def main(argv: Sequence[str]) -> int:
         tracing.shutdown_tracing()
         if phoenix is not None:
             phoenix.stop()
+
+
+def _cannot_start(cluster: LocalCluster) -> str:
+    """Why `cluster` must not start at all (checked before anything starts), or ""."""
+    if control.cluster_running(cluster.data_dir):
+        return (
+            f"a local cluster is already running with data in {cluster.data_dir}; "
+            "stop it first (Ctrl-C where it runs) or give another --data-dir"
+        )
+    busy = cluster.ports_in_use()
+    # A router that cannot bind its port would leave it to a stranger, which the demo would call.
+    return str(PortInUseError(busy)) if busy else ""
 
 
 def _add_up_command(sub: Any) -> None:

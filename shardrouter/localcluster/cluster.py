@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -79,11 +80,24 @@ class Daemon:
                     raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); see {self.log_path}")
                 try:
                     if stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5).status == 1:
+                        self.check_owns_port()
                         return
                 except grpc.RpcError:
                     pass
                 time.sleep(0.1)
         raise TimeoutError(f"{self.name} did not become healthy; see {self.log_path}")
+
+    def check_owns_port(self) -> None:
+        """RuntimeError unless the process that answers on its port is the one started here (or one
+        of its children): a health check answered by a stranger on a busy port proves nothing, and
+        the cluster must never send a call to a process it did not start."""
+        assert self.proc is not None
+        owner = serves_port(self.proc.pid, self.port)
+        if self.proc.poll() is not None or owner is False:
+            raise RuntimeError(
+                f"{self.name}: port {self.port} on 127.0.0.1 answers, but not from the process this "
+                f"cluster started (another program listens there); see {self.log_path}"
+            )
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM, then SIGKILL if it does not leave in time."""
@@ -95,6 +109,103 @@ class Daemon:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
+
+
+@dataclass(frozen=True)
+class FixedPort:
+    """A port the cluster is told to use (not drawn free), with the flag that changes it."""
+
+    port: int
+    role: str
+    flag: str
+
+
+class PortInUseError(RuntimeError):
+    """Ports the cluster needs are taken; nothing was started. The message is one line naming each
+    port, what it is for and the flag that changes it."""
+
+    def __init__(self, ports: Sequence[FixedPort]) -> None:
+        self.ports = tuple(ports)
+        named = "; ".join(
+            f"port {p.port} ({p.role}) is in use on 127.0.0.1: give another {p.flag}" for p in ports
+        )
+        super().__init__(f"{named} (another `shard-router dev up` may be running)")
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could bind `port` on `host` now: nothing listens there, with or without
+    SO_REUSEPORT. SO_REUSEADDR as the servers set it, so connections of a stopped server still in
+    TIME_WAIT do not count as in use."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def serves_port(pid: int, port: int) -> bool | None:
+    """Whether a socket listening on TCP `port` belongs to process `pid` or one of its descendants
+    (a shard daemon's serving processes); None where this system cannot tell (no Linux /proc)."""
+    listening = _listening_inodes(port)
+    if listening is None:
+        return None
+    return any(_socket_inodes(p) & listening for p in _process_tree(pid))
+
+
+def _listening_inodes(port: int) -> set[int] | None:
+    """The inodes of the sockets in LISTEN state on `port` (any address), from /proc/net."""
+    inodes: set[int] = set()
+    readable = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text(encoding="ascii").splitlines()[1:]
+        except OSError:
+            continue
+        readable = True
+        for row in rows:
+            fields = row.split()
+            # local_address is HEX_ADDRESS:HEX_PORT; state 0A is LISTEN.
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(int(fields[9]))
+    return inodes if readable else None
+
+
+def _process_tree(pid: int) -> set[int]:
+    """`pid` and every process descending from it."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path("/proc", entry, "stat").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        # "PID (COMM) STATE PPID ...": COMM may hold spaces and parentheses, so split after the last ')'.
+        parents[int(entry)] = int(stat.rpartition(")")[2].split()[1])
+    tree = {pid}
+    grew = True
+    while grew:
+        found = {child for child, parent in parents.items() if parent in tree} - tree
+        tree |= found
+        grew = bool(found)
+    return tree
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets process `pid` holds open (empty if it cannot be read)."""
+    inodes: set[int] = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    return inodes
 
 
 @dataclass(frozen=True)
@@ -112,7 +223,11 @@ class AddedShard:
 
 @dataclass
 class LocalCluster:
-    """PostgreSQL servers, shard daemons and a router, started and stopped together."""
+    """PostgreSQL servers, shard daemons and a router, started and stopped together.
+
+    Its other ports (shard daemons, PostgreSQL, /metrics) are drawn free when it starts; the router's
+    two are fixed, so `start` first checks they are free (`ports_in_use`) and starts nothing if not.
+    """
 
     data_dir: Path
     shards: int = 2
@@ -168,6 +283,9 @@ class LocalCluster:
         """
         if self.shards < 1 or self.replicas < 1:
             raise ValueError("a cluster needs at least one shard, and one daemon per shard")
+        busy = self.ports_in_use()
+        if busy:
+            raise PortInUseError(busy)
         self._stopping = False
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "logs").mkdir(exist_ok=True)
@@ -204,6 +322,15 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+
+    def ports_in_use(self) -> list[FixedPort]:
+        """The router's fixed ports (gRPC, HTTP front) that something listens on now."""
+        fixed = [FixedPort(self.router_port, "the router's gRPC port", "--port")]
+        if self.http_port:
+            fixed.append(
+                FixedPort(self.http_port, "the router's HTTP front", "--http-port (0: no HTTP front)")
+            )
+        return [port for port in fixed if not port_is_free(port.port)]
 
     def add_shard(self) -> AddedShard:
         """Add a shard to the running cluster: its PostgreSQL (a standby too with `standby`), its
@@ -467,7 +594,11 @@ def installed_command(name: str) -> list[str]:
 __all__ = [
     "AddedShard",
     "Daemon",
+    "FixedPort",
     "LocalCluster",
+    "PortInUseError",
     "default_data_dir",
     "installed_command",
+    "port_is_free",
+    "serves_port",
 ]
