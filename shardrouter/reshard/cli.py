@@ -50,7 +50,7 @@ from shardrouter.reshard.move import (
     start_move,
 )
 from shardrouter.reshard.plan import ACTIVE_PHASES, MoveError, Phase, parse_slot_range
-from shardrouter.shardd.fences import DrainTimeout
+from shardrouter.shardd.fences import DrainError
 
 _COMMANDS = ("status", "resume", "abort", "show-map")
 WATCH_INTERVAL_S = 2.0
@@ -409,7 +409,7 @@ def main(argv: Sequence[str] | None = None, *, default_dir: Path | None = None) 
                 print(_describe(mv.abort()))
                 return 0
             return _run(mv, args.stop_after, args.agreement, args.agreement_timeout)
-    except (MoveError, ShardMapError, DrainTimeout) as exc:
+    except (MoveError, ShardMapError, DrainError) as exc:
         print(f"shard-router reshard: {exc}", file=sys.stderr)
         return 2
     except psycopg.OperationalError as exc:

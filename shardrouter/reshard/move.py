@@ -40,10 +40,10 @@ from shardrouter.reshard.plan import (
     owns_range,
     plan_move,
 )
-from shardrouter.reshard.verify import rows_in_range, verify
+from shardrouter.reshard.verify import digests_now, rows_in_range, snapshot, verify
 from shardrouter.shardd import fences, partitions
 from shardrouter.shardd.fences import SlotFence
-from shardrouter.shardd.migrations import schema_version
+from shardrouter.shardd.migrations import FENCED_TABLES, schema_version
 from shardrouter.shardd.ownership import record_owner, recorded_owners
 
 Progress = Callable[[str], None]
@@ -326,12 +326,17 @@ class Move:
 
     def _cut_over(self) -> None:
         self._record("fence", self.plan.move_id, self.plan.source)
-        fenced_at = fences.raise_fence(self._source, self._fence)
+        raised = fences.raise_fence(self._source, self._fence)
         fenced_unix = time.time()
         started = time.monotonic()
-        fences.drain(self._source, fenced_at, timeout_s=self._settings.drain_timeout_s, end_stragglers=True)
+        # Waits for the transactions running when the fence committed (by their own ids), and
+        # refuses while a prepared transaction could still commit into the range.
+        fences.drain(self._source, raised, timeout_s=self._settings.drain_timeout_s, end_stragglers=True)
         drained = time.monotonic()
         final = replication.current_lsn(self._source)
+        if replication.probe_published(self._source, self.plan.object_name):
+            # Applied after every change before `final`: the subscriber's origin then stands past it.
+            replication.commit_probe(self._source, self.plan)
         deadline = drained + self._settings.final_sync_timeout_s
         while True:
             replication.wake_stream(self._source)
@@ -352,16 +357,68 @@ class Move:
 
     def _verify(self) -> None:
         started = time.monotonic()
-        result = verify(self._source, self._target, self.plan)
+        final = str(self.record.figures.get("final_lsn") or replication.current_lsn(self._source))
+        state, still = self._still_subscriber(final)
+        result = verify(self._source, self._target, self.plan, subscriber=state, subscriber_problems=still)
         if result.problems:
             raise MoveError(
-                "verification failed, the move stops here (abort it to roll back): "
-                + "; ".join(result.problems)
+                "verification failed, the move stops here with both databases as they are (abort it to "
+                "roll back): " + "; ".join(result.problems) + "; " + self._stream_report(state, final)
             )
+        # What clean-up compares the old owner's rows with before it deletes them.
+        journal.add_figures(
+            self._source,
+            self.record,
+            verified_digests={t: [d.rows, str(d.checksum)] for t, d in result.source.items()},
+        )
         self._phase(
             Phase.VERIFIED,
             verify_s=round(time.monotonic() - started, 3),
             rows_moved={t: d.rows for t, d in result.target.items()},
+        )
+
+    def _still_subscriber(self, final: str) -> tuple[replication.SubscriberState, tuple[str, ...]]:
+        """Stop the subscription once its origin has applied past `final` (bounded wait), and what
+        it then says of itself: the problems that forbid the commit."""
+        name = self.plan.object_name
+        probe = replication.probe_published(self._source, name)
+        if probe:
+            replication.set_enabled(self._target, name, True)  # a resumed verification: let it finish
+            deadline = time.monotonic() + self._settings.final_sync_timeout_s
+            while time.monotonic() < deadline and not replication.lsn_at_least(
+                self._target, replication.origin_lsn(self._target, name), final
+            ):
+                replication.wake_stream(self._source)
+                time.sleep(self._settings.poll_s)
+        running = replication.stop_subscription(self._target, name)
+        state = replication.subscriber_state(self._target, name)
+        problems: list[str] = []
+        if not state.exists:
+            return state, (f"the subscription {name} is gone: abort the move",)
+        if state.enabled or running or state.workers:
+            problems.append(f"the subscription is not still (workers {list(state.workers) or running})")
+        expected = len(FENCED_TABLES) + probe
+        if len(state.tables) != expected or any(s != "r" for s in state.tables.values()):
+            problems.append(
+                f"the subscription's tables are not all ready ({expected} expected): {state.tables}"
+            )
+        if probe and not replication.lsn_at_least(self._target, state.origin_lsn, final):
+            problems.append(
+                f"the subscription applied up to {state.origin_lsn}, not past the final position {final}"
+            )
+        if state.incidents:
+            problems.append(f"the subscription met errors or conflicts since it was made: {state.incidents}")
+        return state, tuple(problems)
+
+    def _stream_report(self, state: replication.SubscriberState, final: str) -> str:
+        """The stream's positions and counters, for a failed verification's message."""
+        confirmed = self._source.execute(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+            (self.plan.object_name,),
+        ).fetchone()
+        return (
+            f"stream: final position {final}, slot confirmed {confirmed[0] if confirmed else None}, "
+            f"origin applied up to {state.origin_lsn}; counters {state.counters}; {state.describe()}"
         )
 
     def _commit(self) -> None:
@@ -372,7 +429,9 @@ class Move:
         try:
             current = with_facts(self._store.load(), facts)
         except ShardMapError as exc:
-            raise MoveError(f"cannot read the shard map to commit the move (resume to try again): {exc}") from exc
+            raise MoveError(
+                f"cannot read the shard map to commit the move (resume to try again): {exc}"
+            ) from exc
         if not owns_range(current, p.source, p.first_slot, p.last_slot):
             raise MoveError(
                 f"the shard map ({self._store.where}, with the databases' facts) no longer gives slots "
@@ -382,7 +441,9 @@ class Move:
         version = max([current.version, *(f.map_version for f in facts)]) + 1
         fact = p.ownership(version)
         committed = with_owner(current, fact, version=version)
-        journal.commit_move(self._source, self.record, fact, shard_map_document(committed))  # the commit point
+        journal.commit_move(
+            self._source, self.record, fact, shard_map_document(committed)
+        )  # the commit point
         self._progress(
             f"committed: shard map version {version} gives slots {p.first_slot}-{p.last_slot} to {p.target} "
             f"(recorded in {p.source}'s database)"
@@ -430,7 +491,9 @@ class Move:
         name = self.plan.object_name
         fact = self.record.committed_fact
         if fact is None:
-            raise MoveError(f"move {self.plan.move_id}'s journal has no committed map version; resume cannot go on")
+            raise MoveError(
+                f"move {self.plan.move_id}'s journal has no committed map version; resume cannot go on"
+            )
         # Again, for a move resumed after a crash between its commit and these steps.
         self._hand_over(fact)
         self._publish(fact)
@@ -438,7 +501,7 @@ class Move:
         # it whatever map they hold, and the new owner has every row.
         replication.drop_slot(self._source, name)
         replication.drop_publication(self._source, name)
-        deleted = self._delete_range(self._source)
+        deleted = self._delete_range(self._source, verified=self.record.figures.get("verified_digests"))
         # The source's fence stays: it marks the range as moved out, refusing any stray write.
         self._phase(
             Phase.DONE, clean_up_s=round(time.monotonic() - started, 3), rows_deleted_at_source=deleted
@@ -539,10 +602,30 @@ class Move:
             spans[table] = [moved.low, moved.high]
         return spans
 
-    def _delete_range(self, conn: psycopg.Connection[Any]) -> int:
-        """Delete the range's rows here, as the fencing move (the one writer its fence lets in)."""
+    def _delete_range(self, conn: psycopg.Connection[Any], *, verified: dict[str, Any] | None = None) -> int:
+        """Delete the range's rows here, as the fencing move (the one writer its fence lets in).
+
+        With `verified` (the old owner's digests the verification compared, table -> [rows,
+        checksum]), the rows are digested again in the deleting transaction's snapshot first, and
+        nothing is deleted unless they are exactly what was verified: a row committed into the range
+        after the verification (a writer the drain missed) was never replicated, and deleting it
+        would lose it. A move verified by an older version has none: its rows go as they are.
+        """
         deleted = 0
-        with conn.transaction():
+        with snapshot(conn):
+            now = digests_now(conn, self.plan) if verified is not None else {}
+            # Nothing left (a clean-up that crashed after its delete committed): nothing to compare.
+            if verified is not None and any(d.rows for d in now.values()):
+                changed = {t: (verified.get(t), [d.rows, str(d.checksum)]) for t, d in now.items()}
+                changed = {t: v for t, v in changed.items() if v[0] != v[1]}
+                if changed:
+                    raise MoveError(
+                        f"{self.plan.source}'s rows of slots {self.plan.first_slot}-{self.plan.last_slot} are not "
+                        "the rows verified (table: [rows, checksum] verified, now): "
+                        + "; ".join(f"{t}: {v[0]}, {v[1]}" for t, v in sorted(changed.items()))
+                        + "; nothing is deleted: the new owner lacks what changed since, find it before "
+                        "deleting these rows by hand"
+                    )
             conn.execute("SELECT set_config('shardrouter.moving_out', %s, true)", (self.plan.move_id,))
             for table in _DELETE_ORDER:
                 cur = conn.execute(

@@ -16,6 +16,7 @@ from typing import Any
 
 import psycopg
 from psycopg import errors, sql
+from psycopg.rows import dict_row
 
 from shardrouter.reshard.plan import MovePlan
 from shardrouter.shardd.migrations import FENCED_TABLES
@@ -26,6 +27,9 @@ from shardrouter.shardd.partitions import run_ddl
 #: table that lacks it: a database not yet at schema 15, or a partition an older daemon made).
 _IDENTITY_LOCK_TIMEOUT_MS = 100
 _IDENTITY_ATTEMPTS = 100
+#: The table of the probe row a move publishes besides the moved rows (not fenced: the move writes
+#: it while its range is fenced, and no process reads a row no transaction ever commits).
+_PROBE_TABLE = "slot_fences"
 
 
 @dataclass(frozen=True)
@@ -86,13 +90,26 @@ def ensure_replica_identity(conn: psycopg.Connection[Any]) -> list[str]:
     return lacking
 
 
+def probe_id(plan: MovePlan) -> str:
+    """The `slot_fences` key of the move's probe row (see `commit_probe`)."""
+    return f"{plan.move_id}:probe"
+
+
 def create_publication(conn: psycopg.Connection[Any], name: str, plan: MovePlan) -> None:
     """The publication of the moving slots' rows of every moved table (the partitioned table
-    through its root, so the target's partitions may differ)."""
+    through its root, so the target's partitions may differ), and of the move's probe row."""
     if conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (name,)).fetchone():
         return
     tables = sql.SQL(", ").join(
-        sql.SQL("{} WHERE {}").format(sql.Identifier(t), sql.SQL(plan.row_filter())) for t in FENCED_TABLES
+        [
+            *(
+                sql.SQL("{} WHERE {}").format(sql.Identifier(t), sql.SQL(plan.row_filter()))
+                for t in FENCED_TABLES
+            ),
+            sql.SQL("{} WHERE (move_id = {})").format(
+                sql.Identifier(_PROBE_TABLE), sql.Literal(probe_id(plan))
+            ),
+        ]
     )
     conn.execute(
         sql.SQL("CREATE PUBLICATION {} FOR TABLE {} WITH (publish_via_partition_root = true)").format(
@@ -143,7 +160,12 @@ def create_subscription(
     conn.execute(
         sql.SQL(
             "CREATE SUBSCRIPTION {} CONNECTION {} PUBLICATION {}"
-            " WITH (create_slot = false, slot_name = {}, copy_data = true)"
+            # Streaming chosen on purpose: off, so a transaction larger than the publisher's
+            # logical_decoding_work_mem is spilled there and sent whole at its commit. PostgreSQL 18's
+            # default, parallel, hands such a transaction to parallel apply workers mid-stream, and a
+            # move disables the subscription (to verify, to commit) at any moment of a stream; that
+            # path crashed a server.
+            " WITH (create_slot = false, slot_name = {}, copy_data = true, streaming = off)"
         ).format(
             sql.Identifier(name), sql.Literal(source_conninfo), sql.Identifier(publication), sql.Literal(slot)
         )
@@ -196,6 +218,128 @@ def apply_errors(conn: psycopg.Connection[Any], name: str) -> int:
     return int(row[0]) if row else 0
 
 
+def probe_published(conn: psycopg.Connection[Any], name: str) -> bool:
+    """Whether the publication carries the move's probe row (moves prepared by older versions do not)."""
+    row = conn.execute(
+        "SELECT 1 FROM pg_publication_tables WHERE pubname = %s AND tablename = %s", (name, _PROBE_TABLE)
+    ).fetchone()
+    return row is not None
+
+
+def commit_probe(conn: psycopg.Connection[Any], plan: MovePlan) -> None:
+    """Commit, on the old owner, a transaction the subscription applies and that changes nothing:
+    the probe row of `slot_fences`, inserted and deleted at once (no other transaction ever sees it).
+    Committed after the final position, it moves the subscription's origin past that position once
+    applied: the subscriber's own proof that it applied every change before it (transactions that
+    touch no published row are never sent, so nothing else need move the origin that far)."""
+    fence = (probe_id(plan), plan.slots, plan.first_slot, plan.last_slot)
+    with conn.transaction():
+        conn.execute(
+            sql.SQL("INSERT INTO {} (move_id, slots, first_slot, last_slot) VALUES (%s, %s, %s, %s)").format(
+                sql.Identifier(_PROBE_TABLE)
+            ),
+            fence,
+        )
+        conn.execute(
+            sql.SQL("DELETE FROM {} WHERE move_id = %s").format(sql.Identifier(_PROBE_TABLE)), fence[:1]
+        )
+
+
+def origin_lsn(conn: psycopg.Connection[Any], name: str) -> str | None:
+    """How far the subscription's origin has applied the old owner's WAL (the end of the last
+    transaction it applied), or None."""
+    row = conn.execute(
+        "SELECT o.remote_lsn::text FROM pg_subscription s"
+        " JOIN pg_replication_origin_status o ON o.external_id = 'pg_' || s.oid"
+        " WHERE s.subname = %s AND s.subdbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        (name,),
+    ).fetchone()
+    return None if row is None or row[0] is None else str(row[0])
+
+
+def lsn_at_least(conn: psycopg.Connection[Any], lsn: str | None, than: str) -> bool:
+    """Whether WAL position `lsn` is at or past `than`."""
+    if lsn is None:
+        return False
+    row = conn.execute("SELECT %s::pg_lsn >= %s::pg_lsn", (lsn, than)).fetchone()
+    return bool(row and row[0])
+
+
+def set_enabled(conn: psycopg.Connection[Any], name: str, enabled: bool) -> None:
+    """Enable or disable the subscription (if it exists)."""
+    row = conn.execute("SELECT subenabled FROM pg_subscription WHERE subname = %s", (name,)).fetchone()
+    if row is None or bool(row[0]) == enabled:
+        return
+    verb = sql.SQL("ENABLE" if enabled else "DISABLE")
+    conn.execute(sql.SQL("ALTER SUBSCRIPTION {} {}").format(sql.Identifier(name), verb))
+
+
+def workers(conn: psycopg.Connection[Any], name: str) -> list[int]:
+    """The pids of the subscription's running workers (apply, table sync, parallel apply)."""
+    rows = conn.execute(
+        "SELECT pid FROM pg_stat_subscription WHERE subname = %s AND pid IS NOT NULL ORDER BY pid", (name,)
+    ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def stop_subscription(conn: psycopg.Connection[Any], name: str, timeout_s: float = 30.0) -> list[int]:
+    """Disable the subscription and wait until its workers are gone; the pids still running when
+    the wait ran out (none, normally)."""
+    set_enabled(conn, name, False)
+    deadline = time.monotonic() + timeout_s
+    while (running := workers(conn, name)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return running
+
+
+@dataclass(frozen=True)
+class SubscriberState:
+    """What the new owner's subscription says about itself: whether it is still (disabled, no
+    worker), each table's state, how far its origin applied, and its error and conflict counters
+    (PostgreSQL's `pg_stat_subscription_stats`: `apply_error_count`, `sync_error_count`, `confl_*`)."""
+
+    exists: bool
+    enabled: bool
+    workers: tuple[int, ...]
+    tables: dict[str, str]
+    origin_lsn: str | None
+    counters: dict[str, int]
+
+    @property
+    def incidents(self) -> dict[str, int]:
+        """The counters that are not zero: errors or conflicts since the subscription was made."""
+        return {k: v for k, v in self.counters.items() if v}
+
+    def describe(self) -> str:
+        """The state in words."""
+        return (
+            f"subscription {'enabled' if self.enabled else 'disabled'}, workers {list(self.workers)}, "
+            f"origin applied up to {self.origin_lsn}, tables {self.tables}, counters {self.counters}"
+        )
+
+
+def subscriber_state(conn: psycopg.Connection[Any], name: str) -> SubscriberState:
+    """The subscription's state as the new owner's server sees it now."""
+    row = conn.execute("SELECT subenabled FROM pg_subscription WHERE subname = %s", (name,)).fetchone()
+    if row is None:
+        return SubscriberState(False, False, (), {}, None, {})
+    with conn.cursor(row_factory=dict_row) as cur:
+        stats = cur.execute("SELECT * FROM pg_stat_subscription_stats WHERE subname = %s", (name,)).fetchone()
+    counters = {
+        str(k): int(v or 0)
+        for k, v in (stats or {}).items()
+        if str(k).endswith("_error_count") or str(k).startswith("confl_")
+    }
+    return SubscriberState(
+        True,
+        bool(row[0]),
+        tuple(workers(conn, name)),
+        copy_state(conn, name).states,
+        origin_lsn(conn, name),
+        counters,
+    )
+
+
 def current_lsn(conn: psycopg.Connection[Any]) -> str:
     """The old owner's current WAL position."""
     row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
@@ -228,7 +372,9 @@ def wake_stream(conn: psycopg.Connection[Any]) -> None:
 
 __all__ = [
     "CopyState",
+    "SubscriberState",
     "apply_errors",
+    "commit_probe",
     "copy_state",
     "create_publication",
     "create_slot",
@@ -239,9 +385,17 @@ __all__ = [
     "drop_subscription",
     "ensure_replica_identity",
     "lacking_replica_identity",
+    "lsn_at_least",
+    "origin_lsn",
     "point_subscription",
+    "probe_id",
+    "probe_published",
     "replicated_relations",
+    "set_enabled",
     "slot_lag_bytes",
     "slot_streaming",
+    "stop_subscription",
+    "subscriber_state",
     "wake_stream",
+    "workers",
 ]

@@ -272,7 +272,7 @@ class OutboxRelay:
         with tracing.untraced(), mapped_database_errors(250), self._db.connection() as conn:
             with conn.transaction():
                 if transfer_id is None:
-                    letters = store.list_dead_letters(conn, unrefunded_only=True)
+                    letters = store.list_dead_letters(conn, unrefunded_only=True, unfenced_only=True)
                 else:
                     one = store.read_dead_letter(conn, transfer_id)
                     letters = [one] if one else []

@@ -88,11 +88,12 @@ def test_the_old_owners_side_of_unbalanced_accounts_is_reported_too(database: st
         _account(db, "short", 12, 10, -3)
         # The same database on both sides: the old owner committed the inconsistency too.
         result = verify(db, db, PLAN)
-    (problem,) = result.problems
-    assert problem.startswith(
-        "1 moved account(s) whose balance is not the sum of their ledger (short: balance 12"
+    counted, both = result.problems
+    assert counted == "1 moved account(s) whose balance is not the sum of their ledger; on the old owner 1"
+    assert both.startswith(
+        "the accounts, both sides: short: old owner balance 12, ledger sum 7 (off by 5), 2 entries, newest first: ["
     )
-    assert "; on the old owner 1 (short: balance 12, ledger sum 7 (off by 5)" in problem
+    assert "; new owner balance 12, ledger sum 7 (off by 5), 2 entries" in both
 
 
 def test_entries_whose_routing_hash_is_not_the_accounts_are_counted(database: str) -> None:

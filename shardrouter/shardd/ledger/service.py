@@ -338,6 +338,10 @@ class ShardLedgerServicer(ledger_pb2_grpc.ShardLedgerServiceServicer):
         transfer_id = uuid.UUID(request.transfer_id)
         account = request.destination_account_id
         if account:  # empty from older relays: the key alone fences
+            # A fenced slot takes no write here: refused before the row lock, which would hold up
+            # a move's apply worker on the row for nothing.
+            if store.slot_fenced(call.conn, account):
+                raise self._locator.fenced_refusal(account)
             store.lock_accounts(call.conn, [account])
         if store.entry_of_transfer(call.conn, transfer_id, "transfer_in") is not None:
             raise Aborted(
@@ -357,6 +361,10 @@ class ShardLedgerServicer(ledger_pb2_grpc.ShardLedgerServiceServicer):
         """Give a pending transfer's debit back to its source account, once."""
         call = current_transaction()
         transfer_id = uuid.UUID(request.transfer_id)
+        # A fenced slot takes no write here: refused before the transfer's row lock (see VoidCredit).
+        source = request.source_account_id  # empty from older relays: the fence refuses the write
+        if source and store.slot_fenced(call.conn, source):
+            raise self._locator.fenced_refusal(source)
         transfer = store.read_transfer(call.conn, transfer_id, lock=True)
         if transfer is None:
             raise NotFound(f"no transfer {transfer_id} on this shard", reason=Reason.TRANSFER_NOT_FOUND)

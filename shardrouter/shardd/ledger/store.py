@@ -445,10 +445,19 @@ _DEAD_LETTER_SELECT = (
 
 
 def list_dead_letters(
-    conn: Connection, *, unrefunded_only: bool = False, transfer_ids: Sequence[uuid.UUID] | None = None
+    conn: Connection,
+    *,
+    unrefunded_only: bool = False,
+    transfer_ids: Sequence[uuid.UUID] | None = None,
+    unfenced_only: bool = False,
 ) -> list[DeadLetterRow]:
-    """Dead letters (only those of `transfer_ids`, unless None), oldest first."""
+    """Dead letters (only those of `transfer_ids`, unless None), oldest first; with `unfenced_only`,
+    none of a fenced slot (moving, or moved out: as `claim_due_outbox`, they wait for their owner)."""
     conditions = ["d.refunded_at IS NULL"] if unrefunded_only else []
+    if unfenced_only:
+        conditions.append(
+            "NOT EXISTS (SELECT 1 FROM slot_fences f WHERE d.account_hash %% f.slots BETWEEN f.first_slot AND f.last_slot)"
+        )
     params: tuple[object, ...] = ()
     if transfer_ids is not None:
         conditions.append("d.transfer_id = ANY(%s)")
