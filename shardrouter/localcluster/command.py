@@ -1,6 +1,7 @@
 """The `shard-router` command: `dev ...` runs the local cluster, `reshard ...` moves slot ranges
 between shards (`shardrouter.reshard.cli`), `reconcile ...` compares the shards' databases and repairs
-what they disagree on (`shardrouter.reconcile.cli`), everything else is the caller's command
+what they disagree on (`shardrouter.reconcile.cli`), `check ...` drives a workload through a router and
+proves it took effect exactly once (`shardrouter.check.cli`), everything else is the caller's command
 (`shardrouter.client.cli`).
 
 It lives here, at the top of the layers, because it is the one program that offers both; the caller
@@ -30,6 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from shardrouter.reconcile import cli as reconcile_cli
 
         return reconcile_cli.main(args[1:], default_dir=default_data_dir())
+    if args[:1] == ["check"]:
+        from shardrouter.check import cli as check_cli
+        from shardrouter.localcluster.datadir import default_data_dir
+
+        return check_cli.main(args[1:], default_dir=default_data_dir())
     if args[:1] == ["dev"]:
         try:  # its PostgreSQL wheel loads only when asked for, and only the `local` extra brings it
             from shardrouter.localcluster import cli as cluster_cli
