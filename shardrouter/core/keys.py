@@ -6,8 +6,9 @@ A key is one of two kinds (`parse_key`, the shard's authority on it):
   so `0192D1A8-...` and `0192d1a8-...` are one key. A UUIDv7 (version 7, RFC variant) carries its
   creation time in its first 48 bits: the shard dates its record by that time (its partition), and
   so can refuse a late retry after the retention window as expired, and a key from the future.
-  Every other UUID (v4 as the source document's client sends, v1, nil, ...) is dated by its first
-  receipt.
+  Every other UUID (v4 as the source document's client sends, v1, ...) is dated by its first
+  receipt, except the nil UUID (all zeros), which is refused: it is what an unset UUID field
+  serialises to, so every caller with that bug would share one key and replay each other's answer.
 * an opaque key: 1-255 visible ASCII characters (0x21-0x7E), taken exactly as sent (case and all).
   A text that resembles a UUID but is not in canonical form (braces, no hyphens, a `urn:uuid:`
   prefix) is an opaque key too, so `{0192d1a8-...}` and `0192d1a8-...` are two keys.
@@ -103,6 +104,13 @@ def parse_key(text: str) -> IdempotencyKey:
     """
     if len(text) == 36 and _CANONICAL.fullmatch(text):
         key = uuid.UUID(text)
+        if key.int == 0:
+            raise InvalidArgument(
+                f"invalid idempotency-key: the nil UUID ({key}) is almost always a client bug (a key "
+                "field left unset, sent as zeros), and every call with it would replay the first one's "
+                "answer; generate a new key per business operation, best a UUIDv7",
+                reason=Reason.IDEMPOTENCY_KEY_INVALID,
+            )
         if key.version == 7 and key.variant == uuid.RFC_4122:
             ms = key.int >> 80
             if ms > _LAST_MS:

@@ -322,6 +322,13 @@ KEY_CASES = [
     KeyCase("missing", lambda: [], INVALID, "IDEMPOTENCY_KEY_MISSING", "missing idempotency-key"),
     KeyCase("empty", lambda: [(KEY, "")], INVALID, "IDEMPOTENCY_KEY_INVALID", "got 0 characters"),
     KeyCase(
+        "nil-uuid",
+        lambda: [(KEY, str(uuid.UUID(int=0)))],
+        INVALID,
+        "IDEMPOTENCY_KEY_INVALID",
+        "almost always a client bug",
+    ),
+    KeyCase(
         "10KB", lambda: [(KEY, "k" * 10_000)], INVALID, "IDEMPOTENCY_KEY_INVALID", "got 10000 characters"
     ),
     KeyCase(
@@ -384,7 +391,6 @@ KEY_CASES = [
 ACCEPTED_KEYS: dict[str, Callable[[], str]] = {
     "uuid4": lambda: str(uuid.uuid4()),
     "uuid1": lambda: str(uuid.uuid1()),
-    "nil-uuid": lambda: str(uuid.UUID(int=0)),
     "ncs-variant": _ncs_variant_v7,
     "no-hyphens": _v7_without_hyphens,
     "shifted-hyphens": _shifted_hyphens,

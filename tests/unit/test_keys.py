@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from shardrouter.core.errors import FailedPrecondition, InvalidArgument
+from shardrouter.core.errors import FailedPrecondition, InvalidArgument, Reason
 from shardrouter.core.keys import derived_key, key_time, new_key, parse_key
 from shardrouter.shardd.idempotency.config import IdempotencyConfig
 from shardrouter.shardd.idempotency.steps import check_key_age, read_key
@@ -37,13 +37,12 @@ def test_a_canonical_uuidv7_parses_in_either_case_and_dates_itself() -> None:
         ("3b241101-e2bb-4255-8caf-4136c566a962", "a version 4 UUID"),
         (str(uuid.uuid1()), "a version 1 UUID"),
         (str(uuid.uuid5(uuid.NAMESPACE_DNS, "x")), "a version 5 UUID"),
-        ("00000000-0000-0000-0000-000000000000", "a UUID of a non-RFC 9562 variant"),  # the nil UUID
         (
             "0192d1a8-7c1e-7b3a-cf2e-3c4d5e6f7a8b",
             "a UUID of a non-RFC 9562 variant",
         ),  # a v7 of another variant
     ],
-    ids=["v4", "v1", "v5", "nil", "v7-other-variant"],
+    ids=["v4", "v1", "v5", "v7-other-variant"],
 )
 def test_any_other_canonical_uuid_is_a_uuid_key_dated_by_receipt(text: str, kind: str) -> None:
     for sent in (text, text.upper()):
@@ -188,3 +187,10 @@ def test_the_key_age_rules_use_the_retention_window_and_the_clock_skew() -> None
     with pytest.raises(InvalidArgument) as future:
         check_key_age(at(now + timedelta(minutes=5, milliseconds=1)), now, config)
     assert future.value.reason == "IDEMPOTENCY_KEY_FROM_FUTURE"
+
+
+def test_the_nil_uuid_is_refused_as_a_client_bug() -> None:
+    for sent in ("00000000-0000-0000-0000-000000000000", str(uuid.UUID(int=0)).upper()):
+        with pytest.raises(InvalidArgument, match="almost always a client bug") as refused:
+            parse_key(sent)
+        assert refused.value.reason == Reason.IDEMPOTENCY_KEY_INVALID
