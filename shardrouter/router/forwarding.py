@@ -58,7 +58,7 @@ from shardrouter.core.status import abort_with_error_async
 from shardrouter.core.wire import DETAILS_TRAILER
 from shardrouter.router.channels import ChannelPool
 from shardrouter.router.metadata import CallContext, CallerPolicy, MetadataEntry, forwardable
-from shardrouter.router.metrics import CallRecord, RouterMetrics
+from shardrouter.router.metrics import GRPC, HTTP, CallRecord, RouterMetrics
 from shardrouter.router.routing import METHODS_BY_PATH, routing_account
 from shardrouter.router.tracing import record_forwarded_status, record_move, router_span
 
@@ -261,7 +261,7 @@ class Forwarder(_GenericHandler):
         if self._metrics is None:
             return await self._answer(method, raw, context, None)
         # One record per call, counted once with the shard `_forward` last sent the call to.
-        record = self._metrics.start(method.full_name)
+        record = self._metrics.start(method.full_name, GRPC)
         try:
             response = await self._answer(method, raw, context, record)
         except BaseException:
@@ -302,7 +302,7 @@ class Forwarder(_GenericHandler):
         """
         if self._metrics is None:
             return await self._forward(method, raw, call, None)
-        record = self._metrics.start(method.full_name)
+        record = self._metrics.start(method.full_name, HTTP)
         try:
             outcome = await self._forward(method, raw, call, record)
         except ShardRouterError as error:

@@ -1,5 +1,5 @@
-"""The router's metrics: `router_requests_total{method,code,shard}`,
-`router_request_duration_seconds{method,code,shard}`, `router_redirects_total{reason,shard}`, and the
+"""The router's metrics: `router_requests_total{method,code,shard,protocol}`,
+`router_request_duration_seconds{method,code,shard,protocol}`, `router_redirects_total{reason,shard}`, and the
 shard map in force: `router_shard_map_version` and `router_shard_map_refused_total`.
 
 Built on the pipeline every process shares (`core.metrics`), exposed at the router's /metrics.
@@ -31,6 +31,14 @@ ROUTER_DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75
 #: value: the label only ever holds ids from the router's own shard map, or this.
 NO_SHARD = "none"
 
+#: The `protocol` label: the call came over gRPC, or through the HTTP/JSON front.
+GRPC = "grpc"
+HTTP = "http"
+#: The `method` label of a call that names no method the router serves (gRPC's UNIMPLEMENTED, an
+#: HTTP request on no declared route): one fixed value, never the path a caller sent, so the series
+#: stay bounded.
+UNKNOWN_METHOD = "unknown"
+
 _Labels = dict[str, str]
 
 
@@ -38,16 +46,18 @@ class CallRecord:
     """One call the router is timing, for `RouterMetrics`.
 
     `shard` is the id of the shard the call was last forwarded to (the forwarder sets it, from its
-    own shard map, each time it picks a shard), `NO_SHARD` until it picks one. `finish(code)` counts
+    own shard map, each time it picks a shard), `NO_SHARD` until it picks one; `protocol` how the
+    call came (`GRPC`, `HTTP`). `finish(code)` counts
     the call once, with its duration and that shard. Calling the record (`record(code)`) notes a
     final code for `RouterMetrics.timed()`, which finishes it on the way out.
     """
 
-    __slots__ = ("_code", "_metrics", "method", "shard", "started")
+    __slots__ = ("_code", "_metrics", "method", "protocol", "shard", "started")
 
-    def __init__(self, metrics: RouterMetrics, method: str) -> None:
+    def __init__(self, metrics: RouterMetrics, method: str, protocol: str = GRPC) -> None:
         self._metrics = metrics
         self.method = method
+        self.protocol = protocol
         self.shard = NO_SHARD
         self._code: grpc.StatusCode | None = None
         self.started = time.perf_counter()
@@ -60,12 +70,14 @@ class CallRecord:
         """Count the call as answered with `code` (default: the one noted, else UNKNOWN)."""
         if code is None:
             code = self._code if self._code is not None else grpc.StatusCode.UNKNOWN
-        self._metrics.observe(self.method, code, time.perf_counter() - self.started, shard=self.shard)
+        self._metrics.observe(
+            self.method, code, time.perf_counter() - self.started, shard=self.shard, protocol=self.protocol
+        )
 
 
 class RouterMetrics:
-    """The router's request counter and latency: `router_requests_total{method,code,shard}` and
-    `router_request_duration_seconds{method,code,shard}`, and its redirects:
+    """The router's request counter and latency: `router_requests_total{method,code,shard,protocol}`
+    and `router_request_duration_seconds{method,code,shard,protocol}`, and its redirects:
     `router_redirects_total{reason,shard}`.
 
     `method` is the short method name ("Transfer"), `code` the gRPC status name the router
@@ -73,10 +85,11 @@ class RouterMetrics:
     forwarded to (the last one, for a call sent on to another shard; the one that could not be
     reached, for the router's own SHARD_UNAVAILABLE; `NO_SHARD`, "none", for a call answered before a
     shard was chosen), `reason` the shard's refusal that sent a call on to another shard
-    (ACCOUNT_MOVED, SLOT_RANGE_MOVING) and there `shard` the shard that refused it.
+    (ACCOUNT_MOVED, SLOT_RANGE_MOVING) and there `shard` the shard that refused it, `protocol`
+    "grpc" or "http" (the HTTP/JSON front), so the two fronts' traffic and errors are told apart.
 
     The label values come from the method declarations, grpc's status codes and the router's shard
-    map, never from what a caller sent, so the series stay few: shards x methods x codes. Each label
+    map, never from what a caller sent, so the series stay few: shards x methods x codes x 2. Each label
     set is built once and kept (the OpenTelemetry API has no bound instruments): a call looks its
     labels up by shard, method and code, and allocates none.
     """
@@ -88,7 +101,7 @@ class RouterMetrics:
         self.requests = meter.create_counter(
             "router_requests",
             unit="{call}",
-            description="Calls the router answered, by method, gRPC status code and shard.",
+            description="Calls the router answered, by method, gRPC status code, shard and protocol.",
         )
         self.duration = meter.create_histogram(
             "router_request_duration_seconds",
@@ -101,8 +114,8 @@ class RouterMetrics:
             unit="{redirect}",
             description="Calls sent on to another shard after the shard tried said the account moved.",
         )
-        #: shard id -> method path -> code -> the label set of a call (filled on first use).
-        self._call_labels: dict[str, dict[str, dict[grpc.StatusCode, _Labels]]] = {}
+        #: (protocol, shard id) -> method path -> code -> the label set of a call (filled on first use).
+        self._call_labels: dict[tuple[str, str], dict[str, dict[grpc.StatusCode, _Labels]]] = {}
         #: shard id -> reason -> the label set of a redirect.
         self._redirect_labels: dict[str, dict[str, _Labels]] = {}
 
@@ -140,29 +153,43 @@ class RouterMetrics:
             )
         self.redirects.add(1, labels)
 
-    def call_labels(self, method: str, code: grpc.StatusCode, shard: str = NO_SHARD) -> Mapping[str, str]:
+    def call_labels(
+        self, method: str, code: grpc.StatusCode, shard: str = NO_SHARD, protocol: str = GRPC
+    ) -> Mapping[str, str]:
         """The label set of a call of `method` (its path or short name) answered `code`, forwarded to
-        `shard`: built on first use, then the same object every time."""
+        `shard`, received over `protocol`: built on first use, then the same object every time."""
         try:
-            return self._call_labels[shard][method][code]
+            return self._call_labels[protocol, shard][method][code]
         except KeyError:
-            by_code = self._call_labels.setdefault(shard, {}).setdefault(method, {})
+            by_code = self._call_labels.setdefault((protocol, shard), {}).setdefault(method, {})
             return by_code.setdefault(
-                code, {"method": method.rsplit("/", 1)[-1], "code": code.name, "shard": shard}
+                code,
+                {
+                    "method": method.rsplit("/", 1)[-1],
+                    "code": code.name,
+                    "shard": shard,
+                    "protocol": protocol,
+                },
             )
 
     def observe(
-        self, method: str, code: grpc.StatusCode, seconds: float | None = None, *, shard: str = NO_SHARD
+        self,
+        method: str,
+        code: grpc.StatusCode,
+        seconds: float | None = None,
+        *,
+        shard: str = NO_SHARD,
+        protocol: str = GRPC,
     ) -> None:
-        """Count one answered call (and its duration, if given) under `shard`."""
-        labels = self.call_labels(method, code, shard)
+        """Count one answered call (and its duration, if given) under `shard` and `protocol`."""
+        labels = self.call_labels(method, code, shard, protocol)
         self.requests.add(1, labels)
         if seconds is not None:
             self.duration.record(seconds, labels)
 
-    def start(self, method: str) -> CallRecord:
+    def start(self, method: str, protocol: str = GRPC) -> CallRecord:
         """Start timing a call of `method`; the caller sets its `shard` and calls `finish(code)` once."""
-        return CallRecord(self, method)
+        return CallRecord(self, method, protocol)
 
     @contextmanager
     def timed(self, method: str) -> Iterator[CallRecord]:
@@ -179,4 +206,12 @@ class RouterMetrics:
         self.pipeline.shutdown()
 
 
-__all__ = ["NO_SHARD", "ROUTER_DURATION_BUCKETS", "CallRecord", "RouterMetrics"]
+__all__ = [
+    "GRPC",
+    "HTTP",
+    "NO_SHARD",
+    "ROUTER_DURATION_BUCKETS",
+    "UNKNOWN_METHOD",
+    "CallRecord",
+    "RouterMetrics",
+]

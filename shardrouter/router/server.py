@@ -36,7 +36,7 @@ from shardrouter.router.channels import ChannelPool
 from shardrouter.router.forwarding import Forwarder
 from shardrouter.router.http.front import HttpFront, HttpServer, start_http_server
 from shardrouter.router.metadata import CallerPolicy
-from shardrouter.router.metrics import RouterMetrics
+from shardrouter.router.metrics import GRPC, NO_SHARD, UNKNOWN_METHOD, RouterMetrics
 from shardrouter.router.routing import SERVICE
 from shardrouter.router.settings import RouterSettings
 
@@ -152,6 +152,8 @@ async def start_router(
     )
     server.add_generic_rpc_handlers((forwarder,))
     health_servicer = await grpcserver.add_aio_health_and_reflection(server, [SERVICE])
+    if metrics is not None:  # last: asked only for a method no other handler serves
+        server.add_generic_rpc_handlers((UnknownMethods(metrics),))
     credentials = (
         tls.server_credentials(settings.tls_cert, settings.tls_key, settings.tls_ca)
         if settings.tls_enabled
@@ -216,6 +218,18 @@ async def start_router(
             )
         )
     return router
+
+
+class UnknownMethods(grpc.GenericRpcHandler):  # type: ignore[type-arg]  # not subscriptable at run time
+    """The last handler the gRPC server asks: it serves nothing, so the server answers UNIMPLEMENTED
+    as before, and counts the call (method "unknown", never the path a caller sent)."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self._metrics = metrics
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> None:
+        """Count the call (in `router_requests_total` alone: it has no duration to speak of)."""
+        self._metrics.observe(UNKNOWN_METHOD, grpc.StatusCode.UNIMPLEMENTED, shard=NO_SHARD, protocol=GRPC)
 
 
 async def _follow_rotation(rotation: CertificateRotation, pool: ChannelPool) -> None:
@@ -284,6 +298,7 @@ def start_router_thread(
 __all__ = [
     "Router",
     "RouterThread",
+    "UnknownMethods",
     "start_router",
     "start_router_thread",
 ]

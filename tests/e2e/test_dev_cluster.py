@@ -204,7 +204,7 @@ def test_dev_up_with_tracing_ui_shows_the_replay_span_and_its_metrics(tmp_path):
         assert 'shardd_requests_total{method="Deposit",outcome="replay"} 1.0' in text, text
         with urllib.request.urlopen(shard_metrics["router"], timeout=5) as reply:
             router_text = reply.read().decode()
-        assert f'router_requests_total{{code="OK",method="Deposit",shard="{owner}"}}' in router_text, router_text
+        assert f'router_requests_total{{code="OK",method="Deposit",protocol="grpc",shard="{owner}"}}' in router_text, router_text
     finally:
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=60)

@@ -255,10 +255,10 @@ def test_router_metrics_endpoint() -> None:
         samples = scrape(server.port)
     finally:
         server.stop()
-    assert value(samples, "router_requests_total", method="Transfer", code="OK", shard="none") == 2
-    assert value(samples, "router_requests_total", method="Transfer", code="UNAVAILABLE", shard="none") == 1
-    assert value(samples, "router_requests_total", method="Deposit", code="ABORTED", shard="none") == 1
-    assert value(samples, "router_request_duration_seconds_count", method="Transfer", code="OK", shard="none") == 1
+    assert value(samples, "router_requests_total", method="Transfer", code="OK", shard="none", protocol="grpc") == 2
+    assert value(samples, "router_requests_total", method="Transfer", code="UNAVAILABLE", shard="none", protocol="grpc") == 1
+    assert value(samples, "router_requests_total", method="Deposit", code="ABORTED", shard="none", protocol="grpc") == 1
+    assert value(samples, "router_request_duration_seconds_count", method="Transfer", code="OK", shard="none", protocol="grpc") == 1
 
 
 def test_two_shards_in_one_process_have_separate_registries(database: str, postgres) -> None:  # type: ignore[no-untyped-def]

@@ -108,7 +108,7 @@ def _delta(before: str, after: str, name: str) -> dict[Labels, float]:
 
 
 def _series(method: str, code: str, shard: str = "none") -> Labels:
-    return (("code", code), ("method", method), ("shard", shard))
+    return (("code", code), ("method", method), ("protocol", "http"), ("shard", shard))
 
 
 def _slow_body(front: Front) -> int:

@@ -215,8 +215,8 @@ def test_a_call_the_old_owner_refuses_reaches_the_new_owner_on_the_same_call(clu
         # the redirect under the shard that refused; each call under the shard that answered it (the
         # first deposit, before the move, under shard-a)
         assert _series(text, 'router_redirects_total{reason="ACCOUNT_MOVED",shard="shard-a"}') == 1.0, text
-        assert _series(text, 'router_requests_total{code="OK",method="Deposit",shard="shard-b"}') == 2.0, text
-        assert _series(text, 'router_requests_total{code="OK",method="Deposit",shard="shard-a"}') == 1.0, text
+        assert _series(text, 'router_requests_total{code="OK",method="Deposit",protocol="grpc",shard="shard-b"}') == 2.0, text
+        assert _series(text, 'router_requests_total{code="OK",method="Deposit",protocol="grpc",shard="shard-a"}') == 1.0, text
         redirected = [
             s
             for s in exporter.get_finished_spans()
@@ -291,7 +291,7 @@ def test_daemons_whose_maps_disagree_end_with_the_shards_answer(cluster: Cluster
     text = _scrape(cluster.router.router.metrics_port)
     assert _series(text, 'router_redirects_total{reason="ACCOUNT_MOVED",shard="shard-a"}') == 1.0, text
     # the caller got shard-b's refusal: the call counts there
-    refusal = 'router_requests_total{code="UNAVAILABLE",method="Deposit",shard="shard-b"}'
+    refusal = 'router_requests_total{code="UNAVAILABLE",method="Deposit",protocol="grpc",shard="shard-b"}'
     assert _series(text, refusal) == 1.0, text
 
 
@@ -413,7 +413,7 @@ def test_a_call_waiting_on_a_cut_over_goes_to_the_new_owner_when_the_map_commits
     assert cluster.balance("shard-a", account) is None
     text = _scrape(cluster.router.router.metrics_port)
     assert _series(text, 'router_redirects_total{reason="SLOT_RANGE_MOVING",shard="shard-a"}') == 1.0, text
-    assert _series(text, 'router_requests_total{code="OK",method="Deposit",shard="shard-b"}') == 1.0, text
+    assert _series(text, 'router_requests_total{code="OK",method="Deposit",protocol="grpc",shard="shard-b"}') == 1.0, text
 
 
 def test_a_cut_over_that_outlasts_the_wait_is_answered_retryably_with_nothing_applied(

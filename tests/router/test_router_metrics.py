@@ -58,7 +58,7 @@ def test_router_counts_answers_by_method_and_code(shard, tmp_path) -> None:
         # the caller has it.
         deadline = time.monotonic() + 5
         text = _scrape(port)
-        while _value(text, 'router_requests_total{code="NOT_FOUND",method="GetBalance",shard="s0"}') < 1 and (
+        while _value(text, 'router_requests_total{code="NOT_FOUND",method="GetBalance",protocol="grpc",shard="s0"}') < 1 and (
             time.monotonic() < deadline
         ):
             time.sleep(0.05)
@@ -66,11 +66,11 @@ def test_router_counts_answers_by_method_and_code(shard, tmp_path) -> None:
     finally:
         router.stop(0.5)
     # the shard answered every one (the zero amount too): all under its id
-    assert _value(text, 'router_requests_total{code="OK",method="Deposit",shard="s0"}') == 2.0, text
-    invalid = 'router_requests_total{code="INVALID_ARGUMENT",method="Deposit",shard="s0"}'
+    assert _value(text, 'router_requests_total{code="OK",method="Deposit",protocol="grpc",shard="s0"}') == 2.0, text
+    invalid = 'router_requests_total{code="INVALID_ARGUMENT",method="Deposit",protocol="grpc",shard="s0"}'
     assert _value(text, invalid) == 1.0, text
-    assert _value(text, 'router_requests_total{code="NOT_FOUND",method="GetBalance",shard="s0"}') == 1.0, text
-    timed = 'router_request_duration_seconds_count{code="OK",method="Deposit",shard="s0"}'
+    assert _value(text, 'router_requests_total{code="NOT_FOUND",method="GetBalance",protocol="grpc",shard="s0"}') == 1.0, text
+    timed = 'router_request_duration_seconds_count{code="OK",method="Deposit",protocol="grpc",shard="s0"}'
     assert _value(text, timed) == 2.0, text
 
 
@@ -153,11 +153,12 @@ def test_a_call_counts_under_the_shard_it_was_forwarded_to(tmp_path: Path) -> No
         fast.stop()
         slow.stop()
 
-    def series(code: str, shard: str) -> tuple[tuple[str, str], ...]:
-        return (("code", code), ("method", "GetBalance"), ("shard", shard))
+    def series(code: str, shard: str, protocol: str = "grpc") -> tuple[tuple[str, str], ...]:
+        return (("code", code), ("method", "GetBalance"), ("protocol", protocol), ("shard", shard))
 
     assert counts == {
-        series("OK", "shard-1"): 4.0,  # three over gRPC, one over HTTP
+        series("OK", "shard-1"): 3.0,  # three over gRPC
+        series("OK", "shard-1", "http"): 1.0,  # one over HTTP
         series("OK", "shard-0"): 2.0,
         series("UNAVAILABLE", "shard-2"): 1.0,  # the router's SHARD_UNAVAILABLE names the shard it tried
         series("INVALID_ARGUMENT", "none"): 1.0,
@@ -165,8 +166,9 @@ def test_a_call_counts_under_the_shard_it_was_forwarded_to(tmp_path: Path) -> No
     assert (len(fast.calls), len(slow.calls)) == (2, 4)
     buckets = _samples(text, "router_request_duration_seconds_bucket")
     # shard-1's slowness shows on shard-1 alone: none of its calls within 0.25 s, all within 0.5 s
-    assert buckets[tuple(sorted((*series("OK", "shard-1"), ("le", "0.25"))))] == 0.0, text
-    assert buckets[tuple(sorted((*series("OK", "shard-1"), ("le", "0.5"))))] == 4.0, text
+    for protocol, calls in (("grpc", 3.0), ("http", 1.0)):
+        assert buckets[tuple(sorted((*series("OK", "shard-1", protocol), ("le", "0.25"))))] == 0.0, text
+        assert buckets[tuple(sorted((*series("OK", "shard-1", protocol), ("le", "0.5"))))] == calls, text
     assert buckets[tuple(sorted((*series("OK", "shard-0"), ("le", "0.25"))))] == 2.0, text
     durations = _samples(text, "router_request_duration_seconds_count")
     assert durations == counts, text

@@ -20,14 +20,15 @@ client certificate when the router serves TLS with a caller CA (the same as for 
 `X-Caller-Id` header in dev mode only, so two callers never share a key scope through the front.
 
 Every request on a declared route is counted once in the router's `router_requests_total` and
-`router_request_duration_seconds`: by the `Forwarder` when it is forwarded (as a gRPC call is), here
-when the front refuses it first, under the route's method, the refusal's gRPC code (the row of
-`problems` for an error of ours, `HTTP_ONLY_CODES` for what only HTTP says) and shard
-"none". An unknown route or verb counts as method "unknown" (never the path: the series stay
+`router_request_duration_seconds`, with `protocol="http"`: by the `Forwarder` when it is forwarded
+(as a gRPC call is), here when the front refuses it first, under the route's method, the refusal's
+gRPC code (the row of `problems` for an error of ours, `HTTP_ONLY_CODES` for what only HTTP says) and
+shard "none". An unknown route or verb counts as method "unknown" (never the path: the series stay
 bounded), code UNIMPLEMENTED. A refusal's duration runs from the request's first byte (the
-protocol's clock read, its only cost on the forwarding path). What uvicorn or the protocol answers
-before the app runs (a request line or headers it cannot parse, headers that do not arrive in time,
-503 over `http_max_connections`) is not counted.
+protocol's clock read, its only cost on the forwarding path). What the connection's protocol answers
+before the app runs is counted too, as method "unknown" (`UNREAD_REFUSAL_CODES`): a request line or
+headers it cannot parse (400), headers that do not arrive in time (408), 503 over
+`http_max_connections`. A failed TLS handshake is not counted (it never reaches the protocol).
 
 The source document's compact `POST /transfers` (`{"src":8842,"dst":1190,"amount":2500}`) is the
 Transfer RPC; without a currency it is read from the source account (GetBalance) before sending.
@@ -102,7 +103,7 @@ from shardrouter.router.http.problems import (
     problem_from_error,
     problem_from_trailers,
 )
-from shardrouter.router.metrics import NO_SHARD, RouterMetrics
+from shardrouter.router.metrics import HTTP, NO_SHARD, UNKNOWN_METHOD, RouterMetrics
 from shardrouter.router.routing import ROUTED_METHODS
 from shardrouter.router.settings import RouterSettings
 from shardrouter.v1 import transfer_pb2
@@ -112,6 +113,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "HTTP_ONLY_CODES",
     "UNKNOWN_METHOD",
+    "UNREAD_REFUSAL_CODES",
     "HttpCall",
     "HttpFront",
     "HttpServer",
@@ -119,6 +121,9 @@ __all__ = [
 ]
 
 _JSON = "application/json"
+#: The status noted (span, access log) for a request whose caller left before it was answered; never
+#: sent, as nobody is left to read it (nginx's "client closed request").
+_CLIENT_GONE = 499
 _TRACE_HEADERS = ("traceparent", "tracestate")
 _GET_BALANCE = rpc(PUBLIC_SERVICE, "GetBalance")
 #: Accounts whose currency the front remembers (for compact transfers that name none).
@@ -128,9 +133,6 @@ _CURRENCIES_KEPT = 100_000
 #: as `x-caller-id`), whether the request's headers went over the limit, and when the request's first
 #: byte was read (`started`, `time.perf_counter()`).
 _EXTENSION = "shardrouter.connection"
-#: The `method` label of a request that names no declared RPC (an unknown path, or a verb the path
-#: does not take): one fixed value, never the path a caller sent, so the series stay bounded.
-UNKNOWN_METHOD = "unknown"
 #: The gRPC code `router_requests_total` counts each refusal under that exists only in HTTP (no row of
 #: `problems` says one), by the problem's reason: gRPC's own answer to the same fault.
 HTTP_ONLY_CODES: Mapping[str, grpc.StatusCode] = MappingProxyType(
@@ -141,6 +143,15 @@ HTTP_ONLY_CODES: Mapping[str, grpc.StatusCode] = MappingProxyType(
         "REQUEST_TIMEOUT": grpc.StatusCode.DEADLINE_EXCEEDED,  # 408: the body did not arrive in time
         "NO_SUCH_ROUTE": grpc.StatusCode.UNIMPLEMENTED,  # 404: gRPC's answer to an unknown method
         "METHOD_NOT_ALLOWED": grpc.StatusCode.UNIMPLEMENTED,  # 405: no RPC is this verb on this path
+    }
+)
+#: The gRPC code of each request the server refuses before the app reads it (method "unknown": the
+#: route is not read), by what went wrong: gRPC's own answer to the same fault where it has one.
+UNREAD_REFUSAL_CODES: Mapping[str, grpc.StatusCode] = MappingProxyType(
+    {
+        "UNPARSEABLE_REQUEST": grpc.StatusCode.INVALID_ARGUMENT,  # 400: not HTTP/1.1 it can parse
+        "REQUEST_TIMEOUT": grpc.StatusCode.DEADLINE_EXCEEDED,  # 408: the headers did not arrive in time
+        "OVER_CONNECTION_LIMIT": grpc.StatusCode.RESOURCE_EXHAUSTED,  # 503: gRPC's max_concurrent_rpcs
     }
 )
 
@@ -243,7 +254,9 @@ class HttpFront:
         async def endpoint(request: Request) -> Response:
             async def message(call: HttpCall) -> Message:
                 body = await self._body(request) if declaration.http and declaration.http.body else b""
-                return request_from_http(declaration, request.path_params, body, request.query_params.multi_items())
+                return request_from_http(
+                    declaration, request.path_params, body, request.query_params.multi_items()
+                )
 
             return await self._serve(request, declaration, message)
 
@@ -253,7 +266,9 @@ class HttpFront:
         async def message(call: HttpCall) -> Message:
             compact = compact_transfer_request(await self._body(request))
             if compact.currency_from_accounts:
-                compact.request.amount.currency = await self._currency_of(compact.request.source_account_id, call)
+                compact.request.amount.currency = await self._currency_of(
+                    compact.request.source_account_id, call
+                )
             return compact.request
 
         return await self._serve(request, CompactTransfer.declaration, message)
@@ -283,8 +298,13 @@ class HttpFront:
             except ShardRouterError as error:  # a compact transfer's currency read failed
                 self._count_refusal(request, declaration.full_name, error.code)
                 return self._finish(span, _problem_response(problem_from_error(error)))
-            except BaseException as error:  # the caller went away (or a bug): counted, then as before
-                gone = isinstance(error, ClientDisconnect | asyncio.CancelledError)
+            except ClientDisconnect:
+                # The caller closed the connection mid-body: nobody is left to answer, and it is not
+                # the router's fault, so no traceback (re-raised, uvicorn would log one at ERROR).
+                self._count_refusal(request, declaration.full_name, grpc.StatusCode.CANCELLED)
+                return self._finish(span, Response(status_code=_CLIENT_GONE))
+            except BaseException as error:  # cancelled (or a bug): counted, then as before
+                gone = isinstance(error, asyncio.CancelledError)
                 code = grpc.StatusCode.CANCELLED if gone else grpc.StatusCode.INTERNAL
                 self._count_refusal(request, declaration.full_name, code)
                 raise
@@ -304,7 +324,7 @@ class HttpFront:
         connection = request.scope.get("extensions", {}).get(_EXTENSION, {})
         started = connection.get("started")
         seconds = time.perf_counter() - started if isinstance(started, float) else 0.0
-        self.metrics.observe(method, code, seconds, shard=NO_SHARD)
+        self.metrics.observe(method, code, seconds, shard=NO_SHARD, protocol=HTTP)
 
     async def _openapi(self, request: Request) -> Response:
         return Response(self._openapi_bytes, media_type=_JSON)
@@ -521,14 +541,34 @@ def _trailer(trailers: Sequence[MetadataEntry], name: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
+class _FrontConfig(uvicorn.Config):
+    """uvicorn's settings plus the front's own per-connection limits and metrics: one per HTTP
+    server, so two routers in one process (tests, benchmarks) each keep their own settings."""
+
+    def __init__(
+        self,
+        app: Starlette,
+        *,
+        max_header_bytes: int,
+        header_timeout_s: float,
+        metrics: RouterMetrics | None,
+        **options: Any,
+    ) -> None:
+        super().__init__(app, **options)
+        self.max_header_bytes = max_header_bytes
+        #: Longest a request's headers may take to arrive (s), from the connection or the request's
+        #: first byte: a slow sender (slowloris) cannot hold a connection for ever before the app sees it.
+        self.header_timeout_s = header_timeout_s
+        self.metrics = metrics
+
+
 class _Protocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, plus what the front needs of a connection: the verified client
-    certificate's names and identity (ASGI scope extension) and a bound on the bytes of a request's headers."""
+    certificate's names and identity (ASGI scope extension), a bound on the bytes of a request's
+    headers and on the time they take, and the count of the requests refused here, before the app
+    (`UNREAD_REFUSAL_CODES`), in the router's metrics. Its limits are its server's (`_FrontConfig`)."""
 
-    max_header_bytes = 16 * 1024
-    #: Longest a request's headers may take to arrive (s), from the connection or the request's first
-    #: byte: a slow sender (slowloris) cannot hold a connection for ever before the app sees it.
-    header_timeout_s = 10.0
+    config: _FrontConfig
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -536,6 +576,7 @@ class _Protocol(HttpToolsProtocol):
         self._common_name = _common_name(peercert)
         self._uris = _uris(peercert)
         self._headers_due: asyncio.TimerHandle | None = None
+        self._started = time.perf_counter()
         self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -546,8 +587,9 @@ class _Protocol(HttpToolsProtocol):
         super().on_message_begin()
         self._arm_header_timer()
         self._header_bytes = 0
+        self._started = time.perf_counter()
         self._connection: dict[str, Any] = {
-            "started": time.perf_counter(),  # what a refusal's duration is counted from
+            "started": self._started,  # what a refusal's duration is counted from
             "client_common_name": self._common_name,
             "client_uris": self._uris,
             "client_identity": certificate_identity(self._common_name, self._uris),
@@ -557,18 +599,35 @@ class _Protocol(HttpToolsProtocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_bytes += len(name) + len(value)
-        if self._header_bytes > self.max_header_bytes:
+        if self._header_bytes > self.config.max_header_bytes:
             self._connection["headers_too_large"] = True
             return  # dropped: the front answers 431 without keeping them
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
+        limit = self.limit_concurrency
+        if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
+            self._count("OVER_CONNECTION_LIMIT")  # uvicorn answers 503 itself, the app never runs
         super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        self._count("UNPARSEABLE_REQUEST")  # a request line or headers httptools cannot parse
+        super().send_400_response(msg)
+
+    def _count(self, refusal: str) -> None:
+        if self.config.metrics is not None:
+            self.config.metrics.observe(
+                UNKNOWN_METHOD,
+                UNREAD_REFUSAL_CODES[refusal],
+                time.perf_counter() - self._started,
+                shard=NO_SHARD,
+                protocol=HTTP,
+            )
 
     def _arm_header_timer(self) -> None:
         self._disarm_header_timer()
-        self._headers_due = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+        self._headers_due = self.loop.call_later(self.config.header_timeout_s, self._headers_too_slow)
 
     def _disarm_header_timer(self) -> None:
         if self._headers_due is not None:
@@ -579,10 +638,11 @@ class _Protocol(HttpToolsProtocol):
         self._headers_due = None
         if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
             return  # a request is being answered: its own limits apply
+        self._count("REQUEST_TIMEOUT")
         body = http_only_problem(
             408,
             "Request Timeout",
-            f"the request's headers did not arrive within {self.header_timeout_s:g} s",
+            f"the request's headers did not arrive within {self.config.header_timeout_s:g} s",
             "REQUEST_TIMEOUT",
         ).body_bytes()
         self.transport.write(
@@ -680,15 +740,16 @@ def _bind(listen: str) -> socket.socket:
 async def start_http_server(front: HttpFront, settings: RouterSettings) -> HttpServer:
     """Serve `front` on `settings.http_listen` (port 0: a free one) on the running event loop."""
     sock = _bind(settings.http_listen)
-    _Protocol.max_header_bytes = settings.max_metadata_bytes
-    _Protocol.header_timeout_s = settings.http_body_timeout_s
     files: dict[str, Any] = {}
     if settings.tls_enabled:
         files = {"ssl_certfile": settings.tls_cert, "ssl_keyfile": settings.tls_key}
         if settings.tls_ca:
             files |= {"ssl_ca_certs": settings.tls_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
-    config = uvicorn.Config(
+    config = _FrontConfig(
         front.app,
+        max_header_bytes=settings.max_metadata_bytes,
+        header_timeout_s=settings.http_body_timeout_s,
+        metrics=front.metrics,
         http=_Protocol,
         lifespan="off",
         log_config=None,

@@ -157,8 +157,8 @@ def _problem_schema() -> dict[str, Any]:
             "type": {
                 "type": "string",
                 "description": (
-                    f"{PROBLEM_TYPE_PREFIX}<reason in kebab case>, or about:blank (with the reason as its "
-                    "fragment for a refusal only HTTP has)"
+                    f"{PROBLEM_TYPE_PREFIX}<reason in kebab case> for every reason, the HTTP-only "
+                    "refusals' included; about:blank only for an answer without a known reason"
                 ),
             },
             "title": {"type": "string"},

@@ -28,6 +28,12 @@ that the IETF Idempotency-Key draft and the design leave open:
 * RESOURCE_EXHAUSTED is 429 and UNAVAILABLE 503 (a shed shard, a database down, a slot range moving),
   both with `Retry-After`; DEADLINE_EXCEEDED 504; INTERNAL, UNKNOWN and DATA_LOSS 500.
 
+Every problem's `type` follows one scheme: `tag:shardrouter.v1,2026:problem:` (`PROBLEM_TYPE_PREFIX`, a
+`tag:` URI, RFC 4151: an identifier, never fetched) followed by its `reason` in kebab case, for the
+reasons of the gRPC ErrorInfo and the refusals only HTTP has (`request-timeout`, `no-such-route`, ...)
+alike; `about:blank` (RFC 9457 section 4.2.1: nothing beyond the status) only for an answer that
+carries no reason this table knows with its code.
+
 `Retry-After` is the `RetryInfo` delay in whole seconds rounded up (at least 1); the body's
 `retry_after_ms` keeps the exact delay. Answers that are retryable by nature (409 in flight, 429, 503)
 always carry both, one second when the status had no `RetryInfo`.
@@ -65,6 +71,7 @@ __all__ = [
     "problem_from_status",
     "problem_from_trailers",
     "problem_type",
+    "reason_type",
     "retry_after_seconds",
 ]
 
@@ -203,15 +210,20 @@ def problem_type(code: grpc.StatusCode | int, reason: str | None) -> str:
     """The problem `type` URI: one per known reason, else `about:blank` (RFC 9457 section 4.2.1)."""
     row = REASON_ROWS.get(reason or "")
     if reason and row is not None and row.code == _code(code):
-        return PROBLEM_TYPE_PREFIX + reason.lower().replace("_", "-")
+        return reason_type(reason)
     return "about:blank"
+
+
+def reason_type(reason: str) -> str:
+    """The problem `type` URI of one of our reasons: the prefix and the reason in kebab case."""
+    return PROBLEM_TYPE_PREFIX + reason.lower().replace("_", "-")
 
 
 def http_only_problem(status: int, title: str, detail: str, reason: str) -> HttpProblem:
     """A refusal that exists only in HTTP (no gRPC status says it: 408, 413, 415, 431, 404 and 405 of
-    an unknown route): `about:blank` with the reason as its fragment, as no row of the table has it."""
+    an unknown route): its reason's `type`, in the same scheme as every reason of the table."""
     body = {
-        "type": f"about:blank#{reason.lower()}",
+        "type": reason_type(reason),
         "title": title,
         "status": status,
         "detail": detail,
