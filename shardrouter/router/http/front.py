@@ -96,6 +96,7 @@ from shardrouter.router.http.json_mapping import (
 )
 from shardrouter.router.http.openapi import openapi_json, openapi_page
 from shardrouter.router.http.problems import (
+    HTTP_ONLY_CODES,
     PROBLEM_CONTENT_TYPE,
     REASON_ROWS,
     HttpProblem,
@@ -133,18 +134,6 @@ _CURRENCIES_KEPT = 100_000
 #: as `x-caller-id`), whether the request's headers went over the limit, and when the request's first
 #: byte was read (`started`, `time.perf_counter()`).
 _EXTENSION = "shardrouter.connection"
-#: The gRPC code `router_requests_total` counts each refusal under that exists only in HTTP (no row of
-#: `problems` says one), by the problem's reason: gRPC's own answer to the same fault.
-HTTP_ONLY_CODES: Mapping[str, grpc.StatusCode] = MappingProxyType(
-    {
-        "UNSUPPORTED_MEDIA_TYPE": grpc.StatusCode.INVALID_ARGUMENT,  # 415: a request it cannot read
-        "REQUEST_TOO_LARGE": grpc.StatusCode.RESOURCE_EXHAUSTED,  # 413: gRPC's message over its limit
-        "HEADERS_TOO_LARGE": grpc.StatusCode.RESOURCE_EXHAUSTED,  # 431: gRPC's metadata over its limit
-        "REQUEST_TIMEOUT": grpc.StatusCode.DEADLINE_EXCEEDED,  # 408: the body did not arrive in time
-        "NO_SUCH_ROUTE": grpc.StatusCode.UNIMPLEMENTED,  # 404: gRPC's answer to an unknown method
-        "METHOD_NOT_ALLOWED": grpc.StatusCode.UNIMPLEMENTED,  # 405: no RPC is this verb on this path
-    }
-)
 #: The gRPC code of each request the server refuses before the app reads it (method "unknown": the
 #: route is not read), by what went wrong: gRPC's own answer to the same fault where it has one.
 UNREAD_REFUSAL_CODES: Mapping[str, grpc.StatusCode] = MappingProxyType(

@@ -36,7 +36,7 @@ from shardrouter.router.http.json_mapping import (
     CompactTransfer,
     created_resource_route,
 )
-from shardrouter.router.http.problems import PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_PREFIX
+from shardrouter.router.http.problems import HTTP_ONLY_CODES, PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_PREFIX
 
 __all__ = ["OPENAPI_PAGE", "OPENAPI_VERSION", "openapi_document", "openapi_json", "openapi_page"]
 
@@ -148,7 +148,10 @@ class _Schemas:
 
 
 def _problem_schema() -> dict[str, Any]:
-    reasons = sorted(v for k, v in vars(Reason).items() if k.isupper() and isinstance(v, str))
+    # The reasons of the gRPC ErrorInfo and those only the HTTP front answers (408, 413, 415, ...).
+    reasons = sorted(
+        {v for k, v in vars(Reason).items() if k.isupper() and isinstance(v, str)} | set(HTTP_ONLY_CODES)
+    )
     return {
         "type": "object",
         "description": "RFC 9457 problem details; `reason` is the gRPC ErrorInfo reason.",

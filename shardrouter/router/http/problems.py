@@ -59,6 +59,7 @@ from shardrouter.core.wire_names import RETRY_AFTER_HEADER
 __all__ = [
     "CODE_ROWS",
     "DEFAULT_RETRY_AFTER_MS",
+    "HTTP_ONLY_CODES",
     "PROBLEM_CONTENT_TYPE",
     "PROBLEM_TYPE_PREFIX",
     "REASON_ROWS",
@@ -79,6 +80,20 @@ PROBLEM_CONTENT_TYPE = "application/problem+json"
 #: Problem `type` URIs: a `tag:` URI (RFC 4151), an identifier that is not fetched, per reason.
 PROBLEM_TYPE_PREFIX = "tag:shardrouter.v1,2026:problem:"
 DEFAULT_RETRY_AFTER_MS = 1000
+
+
+#: The gRPC code `router_requests_total` counts each refusal under that exists only in HTTP (no row of
+#: `problems` says one), by the problem's reason: gRPC's own answer to the same fault.
+HTTP_ONLY_CODES: Mapping[str, grpc.StatusCode] = MappingProxyType(
+    {
+        "UNSUPPORTED_MEDIA_TYPE": grpc.StatusCode.INVALID_ARGUMENT,  # 415: a request it cannot read
+        "REQUEST_TOO_LARGE": grpc.StatusCode.RESOURCE_EXHAUSTED,  # 413: gRPC's message over its limit
+        "HEADERS_TOO_LARGE": grpc.StatusCode.RESOURCE_EXHAUSTED,  # 431: gRPC's metadata over its limit
+        "REQUEST_TIMEOUT": grpc.StatusCode.DEADLINE_EXCEEDED,  # 408: the body did not arrive in time
+        "NO_SUCH_ROUTE": grpc.StatusCode.UNIMPLEMENTED,  # 404: gRPC's answer to an unknown method
+        "METHOD_NOT_ALLOWED": grpc.StatusCode.UNIMPLEMENTED,  # 405: no RPC is this verb on this path
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ from shardrouter.core.errors import Reason
 from shardrouter.core.rpcs import RPCS
 from shardrouter.router.http.json_mapping import COMPACT_TRANSFER_ROUTE
 from shardrouter.router.http.openapi import OPENAPI_PAGE, openapi_document, openapi_json, openapi_page
+from shardrouter.router.http.problems import HTTP_ONLY_CODES
 
 DOC = openapi_document()
 HTTP_RPCS = [d for d in RPCS if d.http is not None]
@@ -120,7 +121,7 @@ def test_every_ref_resolves():
 def test_problem_schema_lists_every_reason():
     problem = DOC["components"]["schemas"]["Problem"]
     reasons = {v for k, v in vars(Reason).items() if k.isupper() and isinstance(v, str)}
-    assert set(problem["properties"]["reason"]["enum"]) == reasons
+    assert set(problem["properties"]["reason"]["enum"]) == reasons | set(HTTP_ONLY_CODES)  # 408, 413, 415, ...
     assert {"type", "title", "status", "detail", "retry_after_ms", "field_violations"} <= set(
         problem["properties"]
     )
