@@ -5,15 +5,20 @@ record is found by its full primary key (scope, key, key_time) in one partition.
 UUID version, an opaque key) is dated by its first receipt: its record is found by (scope, key) across
 the live partitions.
 
-A guarded call takes three round trips when it applies, one when it replays:
+A guarded call takes three round trips when it applies, one when it replays; PostgreSQL runs six
+statements inside them for a new-key Deposit (the record read, the session bounds, a slot fence check
+per row written, the release; seven for a key dated by receipt, read twice) and one for a replay (`tests/shardd/test_statement_budget.py` pins
+these, `bench/statement_cost.py` lists them):
 
-    1  claim_key (autocommit, no transaction): `idempotency_claim` (migration 12) reads the key's
-       committed record; found -> EXISTING, replayed, no lock taken or waited for. Else it tries the
-       key's session advisory lock, hash(scope, key), and reads again in a query started after the
-       lock was granted, which sees every twin that committed (and so let the lock go) before it:
-         lock granted, nothing found  -> CLAIMED: this connection holds the key
-         lock granted, record found   -> EXISTING (the lock is let go at once)
-         lock refused                 -> EXISTING if the holder has just committed, else IN_FLIGHT
+    1  claim_key (autocommit, no transaction): `idempotency_claim` (migrations 12 and 17) reads the
+       key's committed record; found -> EXISTING, replayed, no lock taken or waited for. Else it
+       tries the key's session advisory lock, hash(scope, key):
+         lock granted, key dated by receipt: it reads again, in a query started after the lock was
+           granted, which sees every twin that committed (and so let the lock go) before it:
+           nothing found -> CLAIMED, found -> EXISTING (the lock is let go at once)
+         lock granted, UUIDv7 key      -> CLAIMED without a second read: a twin that committed in
+           between is caught by the primary key (below)
+         lock refused                  -> EXISTING if the holder has just committed, else IN_FLIGHT
     2  the handler: BEGIN and the call's timeouts (`begin_handler`) travel in the pipeline with its
        first statement; a Deposit is one statement
     3  complete_key: the completed record's INSERT, in the statement that hands the key from the
@@ -29,8 +34,9 @@ the key while the outcome is not visible yet. A handler's refusal that is stored
 statement, still under the lock: no savepoint. If the call fails, `release_claim` rolls back and
 releases the lock; a connection that cannot do that is closed, which ends its session and its locks.
 
-The primary key is the backstop for a UUIDv7 key: a completed record inserted twice violates it and
-the second COMMIT fails (answered as in flight; the retry replays the first).
+The primary key is the backstop for a UUIDv7 key, and what decides it when a twin commits between the
+claim's read and its lock: a completed record inserted twice violates it and the second COMMIT fails
+(its handler's writes rolled back, answered as in flight; the retry replays the first).
 """
 
 from __future__ import annotations

@@ -1,0 +1,61 @@
+"""A UUIDv7 key's claim reads its record once: the race a second read used to close is closed by the
+primary key instead.
+
+The claim reads the key's record and only then tries the lock. A twin that commits (and so lets the
+lock go) between the two is not seen and the lock is granted: for a key dated by its own time the
+claim is CLAIMED without reading again, and the completed record of this call then meets the twin's
+in the primary key (scope, key, key_time), so it cannot commit and nothing of the call is applied.
+A key dated by its receipt is still read again after the lock (`test_key_kinds`). Forced here on
+two real connections: the claim's read is made to find nothing (a stand-in function
+first on the claiming connection's search_path), as a read whose snapshot predates the twin's commit.
+"""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+from psycopg import errors
+
+from shardrouter.core.keys import new_key, parse_key
+from shardrouter.shardd.idempotency import store
+from shardrouter.shardd.idempotency.record import ClaimStatus
+from tests.helpers import completed_record, store_key
+
+#: Stands in for the claim's record read: on this connection, every read finds nothing.
+_BLIND_READ = """
+CREATE SCHEMA IF NOT EXISTS race;
+CREATE OR REPLACE FUNCTION race.idempotency_completed(p_scope text, p_key text, p_key_time timestamptz)
+    RETURNS public.idempotency_record LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN NULL;
+END $$;
+"""
+
+
+def test_a_uuidv7_twin_committed_between_the_read_and_the_lock_is_stopped_by_the_primary_key(database):
+    key = str(new_key())
+    key_time = parse_key(key).dated_at
+    assert key_time is not None
+    with psycopg.connect(database, autocommit=True) as twin:
+        assert store_key(twin, scope="s", key=key, key_time=key_time).status is ClaimStatus.CLAIMED
+        twin.execute(_BLIND_READ)
+    with psycopg.connect(database, autocommit=True, options="-c search_path=race,public") as conn:
+        claim = store.claim_key(conn, scope="s", key=key, key_time=key_time)
+        assert claim.status is ClaimStatus.CLAIMED  # one read, and it saw nothing
+        assert claim.created_at is not None
+        store.begin_handler(conn)
+        conn.execute("INSERT INTO accounts (id, currency, balance) VALUES ('race-account', 'EUR', 5)")
+        record = completed_record(scope="s", key=key, key_time=key_time, created_at=claim.created_at)
+        with pytest.raises(errors.UniqueViolation) as met:
+            store.complete_key(conn, record=record, account_id="race-account", keep_handler_writes=True)
+        # What the interceptor answers in flight (steps._twin_holds_the_key).
+        assert (met.value.diag.table_name or "").startswith("idempotency_record")
+        store.release_claim(conn, scope="s", key=key)
+    with psycopg.connect(database, autocommit=True) as db:
+        assert db.execute("SELECT count(*) FROM idempotency_record WHERE key = %s", (key,)).fetchone() == (1,)
+        assert db.execute("SELECT count(*) FROM accounts WHERE id = 'race-account'").fetchone() == (0,)
+        locks = db.execute(
+            "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database"
+            " WHERE l.locktype = 'advisory' AND d.datname = current_database()"
+        ).fetchone()
+        assert locks == (0,)

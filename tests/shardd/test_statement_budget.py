@@ -1,0 +1,104 @@
+"""The database work of a guarded call, pinned: how many statements PostgreSQL runs for a new-key
+Deposit and for a replay, nested ones (inside functions and triggers) included, so it cannot regrow
+without this test saying so.
+
+A PostgreSQL server of its own (pg_stat_statements must be preloaded: `own_postgres`, restarted with
+`bench.statement_cost`'s settings), a real shard daemon served in this process under a login of its
+own, and the counting of `bench.statement_cost` (calls per statement, one call at a time, an idle
+interval subtracted). Counts, not times: they do not depend on the machine's load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import psycopg
+import pytest
+
+from bench.statement_cost import (
+    DATABASE,
+    Cell,
+    create_measured_database,
+    depositor,
+    measure,
+    preload_statement_stats,
+    start_cost_shard,
+)
+from shardrouter.core.keys import new_key
+from shardrouter.localcluster.postgres import LocalPostgres
+from shardrouter.v1 import transfer_pb2_grpc
+from tests.helpers import own_postgres
+
+#: Per call: statements the daemon sends (BEGIN and COMMIT are not counted once psycopg prepared them)
+#: and statements run inside functions and triggers. A new key: the claim (one record read, its
+#: session bounds set), the Deposit (a slot fence check on each of its two rows), the record's insert
+#: (a fence check, the release). A key dated by receipt reads its record a second time, after the
+#: lock. A replay: the claim and its one read.
+BUDGET = {
+    "new key (UUIDv7)": (3, 6),
+    "replay (UUIDv7)": (1, 1),
+    "new key (opaque)": (3, 7),
+    "replay (opaque)": (1, 1),
+}
+CALLS = 40
+
+
+@pytest.fixture(scope="module")
+def counted() -> Iterator[tuple[LocalPostgres, str]]:
+    """A server of this module's own with pg_stat_statements, and the measured database's DSN."""
+    servers = own_postgres()
+    pg = next(servers)
+    preload_statement_stats(pg)
+    pg.restart()
+    yield pg, create_measured_database(pg)
+    next(servers, None)  # stops and deletes it
+
+
+def _cells(pg: LocalPostgres, dsn: str) -> dict[str, Cell]:
+    shard = start_cost_shard(dsn)
+    try:
+        with (
+            grpc.insecure_channel(f"127.0.0.1:{shard.port}") as channel,
+            psycopg.connect(pg.dsn_for(DATABASE), autocommit=True) as conn,
+        ):
+            send = depositor(transfer_pb2_grpc.TransferServiceStub(channel))
+            for i in range(8):  # every statement prepared (psycopg prepares after five uses)
+                for key in (str(new_key()), f"warm-{new_key().hex}"):
+                    send(key, i)
+                    send(key, i)
+            uuid_keys = [str(new_key()) for _ in range(CALLS)]
+            opaque_keys = [f"order-{new_key().hex}" for _ in range(CALLS)]
+            cells = [
+                measure(conn, "new key (UUIDv7)", uuid_keys, send),
+                measure(conn, "replay (UUIDv7)", uuid_keys, send),
+                measure(conn, "new key (opaque)", opaque_keys, send),
+                measure(conn, "replay (opaque)", opaque_keys, send),
+            ]
+    finally:
+        shard.stop(0.5)
+    return {c.name: c for c in cells}
+
+
+def test_a_guarded_call_runs_no_more_statements_than_its_budget(counted: tuple[LocalPostgres, str]) -> None:
+    cells = _cells(*counted)
+    found: dict[str, Any] = {}
+    for name in BUDGET:
+        totals = cells[name].totals()
+        found[name] = (round(totals["statements_top"], 2), round(totals["statements_nested"], 2))
+    listing = {
+        name: [
+            f"{s['calls']:.2f} {'top' if s['toplevel'] else 'nested'}: {s['query'][:90]}"
+            for s in c.statements
+        ]
+        for name, c in cells.items()
+    }
+    for name, (sent, nested) in BUDGET.items():
+        top, inner = found[name]
+        # A statement the daemon runs by itself during a cell (the partition keeper) counts a
+        # fraction of a call: allowed up to a tenth.
+        assert top <= sent + 0.1 and inner <= nested + 0.1, (name, found[name], listing[name])
+    # The counting sees the work at all (a broken snapshot would pass every budget with zeros).
+    assert found["new key (UUIDv7)"][0] >= 2.9 and found["new key (UUIDv7)"][1] >= 1
+    assert cells["new key (UUIDv7)"].totals()["wal_bytes"] > 0
