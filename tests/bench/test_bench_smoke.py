@@ -8,15 +8,28 @@ under a minute.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def bench_temp() -> Iterator[Path]:
+    """The bench's TMPDIR, of this test alone (another bench may run meanwhile, on another worker or
+    beside the tests): readable by the PostgreSQL server's user, removed afterwards."""
+    folder = Path(tempfile.mkdtemp(prefix="bench-smoke-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
 
 pytestmark = pytest.mark.skipif(
     shutil.which("node") is None or shutil.which("npm") is None,
@@ -24,9 +37,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_tiny_run_prints_a_table_with_non_zero_figures(tmp_path: Path) -> None:
+def test_tiny_run_prints_a_table_with_non_zero_figures(tmp_path: Path, bench_temp: Path) -> None:
     out = tmp_path / "bench.json"
-    temp_root = Path(tempfile.gettempdir())
+    temp_root = bench_temp
     before = set(temp_root.glob("shard-router-bench-*"))
     result = subprocess.run(
         [
@@ -53,6 +66,7 @@ def test_tiny_run_prints_a_table_with_non_zero_figures(tmp_path: Path) -> None:
         cwd=ROOT,
         capture_output=True,
         text=True,
+        env={**os.environ, "TMPDIR": str(bench_temp)},
         timeout=60,
         check=False,
     )
@@ -108,11 +122,11 @@ def _check_round_trips(cells: list[dict], table: str) -> None:
 HTTP_ROWS = ("router-deposit", "http-deposit", "router-replay", "http-replay", "http-conflict")
 
 
-def test_tiny_run_of_the_http_rows_beside_the_grpc_rows(tmp_path: Path) -> None:
+def test_tiny_run_of_the_http_rows_beside_the_grpc_rows(tmp_path: Path, bench_temp: Path) -> None:
     """The router's HTTP front measured beside gRPC through the router: new keys, replays of keys
     created through the front, and 409s for a key held in flight; the ratios are printed."""
     out = tmp_path / "bench.json"
-    temp_root = Path(tempfile.gettempdir())
+    temp_root = bench_temp
     before = set(temp_root.glob("shard-router-bench-*"))
     result = subprocess.run(
         [
@@ -139,6 +153,7 @@ def test_tiny_run_of_the_http_rows_beside_the_grpc_rows(tmp_path: Path) -> None:
         cwd=ROOT,
         capture_output=True,
         text=True,
+        env={**os.environ, "TMPDIR": str(bench_temp)},
         timeout=60,
         check=False,
     )
