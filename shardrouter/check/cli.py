@@ -22,7 +22,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -101,7 +101,29 @@ def _parser(default_dir: Path | None) -> argparse.ArgumentParser:
         help="how long to wait for transfers in flight before proving (default %(default)s s)",
     )
     p.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    _fault_flags(p)
     return p
+
+
+def _fault_flags(p: argparse.ArgumentParser) -> None:
+    """Flags `shard-router check --local-cluster` reads (`localcluster.check_faults`), listed here for --help."""
+    faults = p.add_argument_group(
+        "faults on a local cluster of the check's own (`shard-router check --local-cluster`)"
+    )
+    faults.add_argument(
+        "--local-cluster", action="store_true", help="start a local cluster for the run, delete it after"
+    )
+    faults.add_argument("--shards", type=int, default=2, help="its shards (default %(default)s)")
+    faults.add_argument(
+        "--kill-shard-daemon-every",
+        type=float,
+        default=0,
+        metavar="S",
+        help="SIGKILL a shard daemon (each in turn) every S seconds, start it again 0.5 s later",
+    )
+    faults.add_argument(
+        "--kill-router-every", type=float, default=0, metavar="S", help="the same for the router"
+    )
 
 
 def _databases(args: argparse.Namespace, default_dir: Path | None) -> dict[str, str]:
@@ -195,10 +217,23 @@ def as_json(verdict: Verdict) -> dict[str, object]:
     }
 
 
-def main(argv: Sequence[str] | None = None, *, default_dir: Path | None = None) -> int:
-    """Entry point; 0 all proofs hold, 1 violations, 2 usage or connection errors."""
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    default_dir: Path | None = None,
+    before_proof: Callable[[], str] | None = None,
+) -> int:
+    """Entry point; 0 all proofs hold, 1 violations, 2 usage or connection errors. `before_proof`
+    runs once the workload is sent (the local cluster's faults stop there) and says what it did."""
     args = _parser(default_dir).parse_args(argv)
+    out = sys.stderr if args.json else sys.stdout  # --json prints one document
     try:
+        if before_proof is None and (
+            args.local_cluster or args.kill_shard_daemon_every or args.kill_router_every
+        ):
+            raise UsageError(
+                "--local-cluster and its faults are options of the installed `shard-router check`"
+            )
         dsns = _databases(args, default_dir)
         path = args.verify
         if path is None:
@@ -206,9 +241,11 @@ def main(argv: Sequence[str] | None = None, *, default_dir: Path | None = None) 
             summary = drive(args.target, dsns, _workload(args), path)
             print(
                 f"sent {summary.operations} operations in {summary.attempts} attempts, {summary.seconds:.1f} s; history {path}",
-                file=sys.stderr if args.json else sys.stdout,  # --json prints one document
+                file=out,
                 flush=True,
             )
+        if before_proof is not None:
+            print(before_proof(), file=out, flush=True)
         history = read_history(path)
         verdict = prove(history, dsns, settle_s=args.settle)
     except UsageError as exc:

@@ -153,7 +153,8 @@ class Sender:
         while not attempt.definite and time.monotonic() < deadline:
             time.sleep(min(asked or backoff, max(0.0, deadline - time.monotonic())))
             backoff = min(backoff * 2, 1.0)
-            attempt, asked = self.once(key, method, body, "retry")
+            # A resend of a reused body is still one: the proofs tell the key's own request by role.
+            attempt, asked = self.once(key, method, body, "reused_body" if role == "reused_body" else "retry")
         return attempt
 
 

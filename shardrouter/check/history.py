@@ -46,7 +46,8 @@ class Attempt:
 
     key: str
     method: str
-    #: first, in_flight_duplicate, later_duplicate, retry, reused_body.
+    #: first, in_flight_duplicate, later_duplicate, retry (a resend of the key's own request), or
+    #: reused_body (the key with another request, and every resend of that).
     role: str
     request_sha256: str
     #: The gRPC status code's name; "" when the call never got one.

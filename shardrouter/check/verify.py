@@ -350,8 +350,8 @@ def _figures(history: History, tally: _Tally) -> dict[str, int]:
         "in_flight_duplicates": roles["in_flight_duplicate"],
         "later_duplicates": roles["later_duplicate"],
         "resends": roles["retry"],
-        "reused_bodies": roles["reused_body"],
-        "reused_refused": sum(1 for a in attempts if a.reason == Reason.IDEMPOTENCY_KEY_REUSED),
+        "reused_bodies": len({a.key for a in attempts if a.role == "reused_body"}),
+        "reused_refused": len({a.key for a in attempts if a.reason == Reason.IDEMPOTENCY_KEY_REUSED}),
         "replays": sum(1 for a in attempts if a.replayed),
         "expired_keys": labels["expired_key"],
         "expired_refused": sum(

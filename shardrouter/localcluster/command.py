@@ -31,6 +31,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from shardrouter.reconcile import cli as reconcile_cli
 
         return reconcile_cli.main(args[1:], default_dir=default_data_dir())
+    if args[:1] == ["check"] and "--local-cluster" in args:
+        from shardrouter.localcluster import check_faults
+
+        return check_faults.main(args[1:])
     if args[:1] == ["check"]:
         from shardrouter.check import cli as check_cli
         from shardrouter.localcluster.datadir import default_data_dir
