@@ -197,6 +197,10 @@ def render(verdict: Verdict, history: History) -> str:
         lines += _attempt_lines(history, v.key)
     if verdict.pending:
         lines.append(f"pending (no definite answer): {', '.join(verdict.pending[:20])}")
+    if f["acknowledged"] == 0:
+        lines.append(
+            "note: no operation was acknowledged, so little was proven: is the caller allowed to call?"
+        )
     lines.append(
         "verdict: PASS, every proof holds"
         if verdict.ok

@@ -51,8 +51,11 @@ class Ledgers:
     off_ledger: list[tuple[str, UnbalancedAccountRow]] = field(default_factory=list)
 
     def balance(self, account: str) -> int:
-        """The account's balance (summed over the shards that hold it; 0 if none does)."""
-        return sum(row.balance for _, row in self.accounts.get(account, []))
+        """The account's balance: 0 if no shard holds it; one copy's if every shard that holds it holds
+        the same (a move copies an account before the old owner deletes it); else their sum, which the
+        proofs then report."""
+        balances = [row.balance for _, row in self.accounts.get(account, [])]
+        return balances[0] if len(set(balances)) == 1 else sum(balances)
 
 
 def _entries_of(conn: Connection, shard: str, accounts: Collection[str]) -> list[EntryRow]:
@@ -69,7 +72,9 @@ def _read_shard(conn: Connection, shard: str, accounts: Collection[str], into: L
     with conn.transaction():
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         entries = _entries_of(conn, shard, accounts)
-        into.entries += entries
+        # An entry another shard holds too (same id) is a move's copy, not a second effect.
+        seen = {e.id for e in into.entries}
+        into.entries += [e for e in entries if e.id not in seen]
         for account in sorted(accounts):
             row = store.read_account(conn, account)
             if row is not None:
