@@ -84,7 +84,11 @@ def locked(path: Path) -> dict[str, tuple[str, list[str]]]:
 
 
 def test_every_base_image_is_pinned_by_digest() -> None:
-    images = from_images(DOCKERFILE.read_text(encoding="utf-8"))
+    # the digest is the build argument PYTHON_DIGEST, given at build time (test_site_file.py: unset,
+    # the build stops naming it)
+    text = DOCKERFILE.read_text(encoding="utf-8")
+    text = re.sub(r"(?m)^ARG PYTHON_DIGEST=.*$", "ARG PYTHON_DIGEST=sha256:" + "a" * 64, text)
+    images = from_images(text)
     assert len(images) >= 2
     for image in images:
         assert DIGEST.search(image), f"FROM {image}: pin it by digest (@sha256:...)"

@@ -50,10 +50,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from shardrouter.router import settings as router_settings
 from shardrouter.router.http.openapi import openapi_json
 from shardrouter.shardd import settings as shardd_settings
+from tests.deploy.site_file import filled_k8s
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-K8S = DEPLOY / "k8s"
+#: deploy/k8s as a site renders it: a copy with the filled example site file (the repository's own
+#: has every setting unset, and nothing renders for production from it: test_site_file.py).
+K8S = filled_k8s()
 README = K8S / "README.md"
 TARGETS = {
     "base": K8S / "base",
@@ -212,10 +215,20 @@ def _rendered_prod_restored() -> tuple[dict[str, Any], ...]:
         text.replace("\n  - database-shard-0\n", "\n  - ../../examples/restore/use-restored\n"),
         encoding="utf-8",
     )
+    # the other shards' databases project the restored cluster's CA (the component, before the site's)
+    databases = copy_root / "overlays" / "prod" / "databases" / "kustomization.yaml"
+    text = databases.read_text(encoding="utf-8")
+    assert "\n  - ../../../site\n" in text
+    databases.write_text(
+        text.replace(
+            "\n  - ../../../site\n", "\n  - ../../../examples/restore/use-restored\n  - ../../../site\n"
+        ),
+        encoding="utf-8",
+    )
     try:
         return (
             *_render_part(K8S / "overlays" / "prod" / "namespace.yaml"),
-            *kustomize(PROD_DATABASES),
+            *kustomize(copy_root / "overlays" / "prod" / "databases"),
             *kustomize(RESTORE_EXAMPLE),
             *kustomize(copy_root / "overlays" / "prod"),
         )
