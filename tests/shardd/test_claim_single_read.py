@@ -12,6 +12,7 @@ first on the claiming connection's search_path), as a read whose snapshot predat
 
 from __future__ import annotations
 
+import grpc
 import psycopg
 import pytest
 from psycopg import errors
@@ -19,7 +20,9 @@ from psycopg import errors
 from shardrouter.core.keys import new_key, parse_key
 from shardrouter.shardd.idempotency import store
 from shardrouter.shardd.idempotency.record import ClaimStatus
-from tests.helpers import completed_record, store_key
+from shardrouter.shardd.server import start_shard
+from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
+from tests.helpers import completed_record, error_info, key_metadata, make_settings, money, store_key
 
 #: Stands in for the claim's record read: on this connection, every read finds nothing.
 _BLIND_READ = """
@@ -59,3 +62,38 @@ def test_a_uuidv7_twin_committed_between_the_read_and_the_lock_is_stopped_by_the
             " WHERE l.locktype = 'advisory' AND d.datname = current_database()"
         ).fetchone()
         assert locks == (0,)
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "unpipelined"])
+def test_through_the_daemon_the_call_that_missed_the_twin_is_answered_in_flight(database, db, pipelined):
+    """The same race through a real daemon's interceptor: a key completed by one daemon, resent to a
+    second daemon once every claim's read on the database was made to find nothing. Its Deposit runs, its record meets the first in
+    the primary key, and the call is answered ABORTED (in flight, retry): nothing applied twice."""
+    key = str(new_key())
+    request = transfer_pb2.DepositRequest(account_id="alice", amount=money(5))
+    first = start_shard(make_settings(database, db_pipeline=pipelined))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{first.port}") as channel:
+            transfer_pb2_grpc.TransferServiceStub(channel).Deposit(
+                request, metadata=key_metadata(key), timeout=10
+            )
+    finally:
+        first.stop(0.5)
+    # Every claim on this (throw-away) database now reads nothing.
+    db.execute(_BLIND_READ.replace("race.idempotency_completed", "public.idempotency_completed"))
+    blind = start_shard(make_settings(database, db_pipeline=pipelined, replay_cache_entries=0))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{blind.port}") as channel:
+            with pytest.raises(grpc.RpcError) as answered:
+                transfer_pb2_grpc.TransferServiceStub(channel).Deposit(
+                    request, metadata=key_metadata(key), timeout=10
+                )
+    finally:
+        blind.stop(0.5)
+    assert answered.value.code() == grpc.StatusCode.ABORTED
+    assert error_info(answered.value)[0].reason == "IDEMPOTENCY_KEY_IN_FLIGHT"
+    assert db.execute(
+        "SELECT count(*) FROM ledger_entries WHERE idempotency_key = %s", (key,)
+    ).fetchone() == (1,)
+    assert db.execute("SELECT balance FROM accounts WHERE id = 'alice'").fetchone() == (5,)
+    assert db.execute("SELECT count(*) FROM idempotency_record WHERE key = %s", (key,)).fetchone() == (1,)
