@@ -49,6 +49,12 @@ def _parser(default_dir: Path | None) -> argparse.ArgumentParser:
     p.add_argument(
         "--target", default="127.0.0.1:50051", help="the router's gRPC address (default %(default)s)"
     )
+    p.add_argument(
+        "--http",
+        default="",
+        metavar="URL",
+        help="send over the router's HTTP/JSON front at URL (e.g. http://127.0.0.1:8080) instead of gRPC",
+    )
     p.add_argument("--databases", type=Path, help="YAML of shard-id: DSN" + local)
     p.add_argument(
         "--dsn", action="append", default=[], metavar="SHARD=DSN", help="a shard's database (repeatable)"
@@ -242,7 +248,7 @@ def main(
         path = args.verify
         if path is None:
             path = args.history or _default_history(args, default_dir)
-            summary = drive(args.target, dsns, _workload(args), path)
+            summary = drive(args.target, dsns, _workload(args), path, args.http)
             print(
                 f"sent {summary.operations} operations in {summary.attempts} attempts, {summary.seconds:.1f} s; history {path}",
                 file=out,

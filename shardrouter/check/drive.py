@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 
 from shardrouter.check.history import Attempt, HistoryWriter, Operation, b64, sha256_hex
+from shardrouter.check.http import Exchange, post
 from shardrouter.check.ledgers import owners
 from shardrouter.client.status import error_details, pushback_s, trailer, was_replayed
 from shardrouter.core.keys import new_key
@@ -92,7 +93,9 @@ def request_bytes(op: Operation, amount_minor: int | None = None) -> tuple[str, 
 class Sender:
     """Sends request bytes with a key through one channel and records each attempt."""
 
-    def __init__(self, target: str, writer: HistoryWriter, workload: Workload) -> None:
+    def __init__(self, target: str, writer: HistoryWriter, workload: Workload, http: str = "") -> None:
+        #: The HTTP front's base URL; "" sends over gRPC to `target`.
+        self._http = http
         self._channel = grpc.insecure_channel(target)
         self._writer = writer
         self._workload = workload
@@ -109,12 +112,10 @@ class Sender:
         """Close the channel."""
         self._channel.close()
 
-    def once(self, key: str, method: str, body: bytes, role: str) -> tuple[Attempt, float | None]:
-        """One send and its answer, recorded; with the wait the answer asks for before a resend."""
+    def _grpc(self, key: str, method: str, body: bytes) -> Exchange:
         metadata: tuple[tuple[str, str | bytes], ...] = ((KEY_METADATA, key),)
         if self._workload.caller:
             metadata += ((CALLER_METADATA, self._workload.caller),)
-        started = time.time()
         code, message, response = "OK", "", b""
         trailers: tuple[Any, ...] = ()
         try:
@@ -126,24 +127,43 @@ class Sender:
             code, message = err.code().name, err.details() or ""
             trailers = tuple(err.trailing_metadata() or ())
         outcome = trailer(trailers, OUTCOME_TRAILER)
+        return Exchange(
+            sent=body,
+            code=code,
+            reason=error_details(trailers).reason or "",
+            message=message,
+            response=response or b"",
+            replayed=was_replayed(trailers),
+            wait_s=pushback_s(trailers) or error_details(trailers).retry_delay_s,
+            outcome=outcome.decode() if isinstance(outcome, bytes) else (outcome or ""),
+        )
+
+    def once(self, key: str, method: str, body: bytes, role: str) -> tuple[Attempt, float | None]:
+        """One send and its answer, recorded; with the wait the answer asks for before a resend."""
+        started = time.time()
+        if self._http:
+            w = self._workload
+            ex = post(self._http, method, body, key, w.caller, w.attempt_timeout_s)
+        else:
+            ex = self._grpc(key, method, body)
         attempt = Attempt(
             key=key,
             method=method,
             role=role,
-            request_sha256=sha256_hex(body),
-            code=code,
-            reason=error_details(trailers).reason or "",
-            message=message,
-            outcome=outcome.decode() if isinstance(outcome, bytes) else (outcome or ""),
-            response_b64=b64(response or b""),
-            replayed=was_replayed(trailers),
+            request_sha256=sha256_hex(ex.sent),
+            code=ex.code,
+            reason=ex.reason,
+            message=ex.message,
+            outcome=ex.outcome,
+            response_b64=b64(ex.response),
+            replayed=ex.replayed,
             started_at=started,
             ended_at=time.time(),
         )
         with self._lock:
             self._count += 1
         self._writer.attempt(attempt)
-        return attempt, pushback_s(trailers) or error_details(trailers).retry_delay_s
+        return attempt, ex.wait_s
 
     def until_definite(self, key: str, method: str, body: bytes, role: str, deadline: float) -> Attempt:
         """Send, and resend the same bytes under the same key, until a definite answer or `deadline`
@@ -267,13 +287,16 @@ def _run_all(
     return started
 
 
-def drive(target: str, dsns: dict[str, str], workload: Workload, history: Path) -> DriveSummary:
-    """Send the workload through the router at `target`, recording it in `history`."""
+def drive(
+    target: str, dsns: dict[str, str], workload: Workload, history: Path, http: str = ""
+) -> DriveSummary:
+    """Send the workload through the router at `target` (or its HTTP front at the URL `http`),
+    recording it in `history`."""
     began = time.monotonic()
     stop_at = began + workload.duration_s
     tag = datetime.now(UTC).strftime("%Y%m%d%H%M%S") + f"-{random.getrandbits(24):06x}"
     writer = HistoryWriter(history)
-    sender = Sender(target, writer, workload)
+    sender = Sender(target, writer, workload, http)
     try:
         writer.header(
             target=target, seed=workload.seed, tag=tag, started_at=time.time(), workload=vars(workload)

@@ -19,6 +19,10 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TypeVar
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
 
 from shardrouter.check.history import Attempt, History, Operation
 from shardrouter.check.ledgers import EntryRow, Ledgers, read_ledgers
@@ -152,6 +156,18 @@ class _Tally:
     counts: Counter[str] = field(default_factory=Counter)
 
 
+M = TypeVar("M", bound=Message)
+
+
+def _decoded(response: bytes, into: M) -> M:
+    """A response as recorded: the message's bytes (gRPC), or the HTTP front's JSON of it."""
+    if response.startswith(b"{"):  # a serialized message never starts so (field 15, a group)
+        json_format.Parse(response, into, ignore_unknown_fields=True)
+    else:
+        into.ParseFromString(response)
+    return into
+
+
 def _count_entries(key: str, state: str, entries: list[EntryRow], what: str) -> list[Violation]:
     if len(entries) > 1:
         where = ", ".join(f"{e.shard}:{e.id}" for e in entries)
@@ -181,7 +197,7 @@ def _check_deposit(
     if answers.state == "acknowledged" and answers.first is not None:
         tally.acknowledged_deposits += op.amount_minor
         tally.implied[op.account] += op.amount_minor
-        said = transfer_pb2.DepositResponse.FromString(answers.first.response)
+        said = _decoded(answers.first.response, transfer_pb2.DepositResponse())
         if len(mine) == 1 and (str(mine[0].id) != said.entry_id or mine[0].amount_minor != op.amount_minor):
             found.append(
                 Violation(
@@ -210,7 +226,7 @@ def _check_transfer(
         return found
     transfer_id = debits[0].transfer_id
     if answers.state == "acknowledged" and answers.first is not None:
-        said = transfer_pb2.TransferResponse.FromString(answers.first.response).transfer
+        said = _decoded(answers.first.response, transfer_pb2.TransferResponse()).transfer
         if said.transfer_id != str(transfer_id) or debits[0].amount_minor != -op.amount_minor:
             found.append(
                 Violation(
