@@ -223,7 +223,8 @@ def _check_loss(result: LoadResult, ledger: Ledger, killed_at: float, min_operat
     )
     assert len(result.outcomes) > min_operations
     assert during, "no call was answered after the kill"
-    assert result.failed == set(), "a caller saw a failure beyond retried attempts"
+    failures = {key: result.outcomes[key] for key in sorted(result.failed)}
+    assert result.failed == set(), f"a caller saw a failure beyond retried attempts: {failures}"
     assert result.completed == set(result.outcomes)
     assert result.lost(ledger) == []
     assert ledger.duplicates_applied == 0
