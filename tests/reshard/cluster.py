@@ -347,11 +347,26 @@ def check_ledger(pair: Pair, seeded_accounts: int, deposited: int) -> None:
     total = sum(pair.count(sid, "SELECT coalesce(sum(balance), 0) FROM accounts") for sid in pair.dsns)
     assert total == SEEDED * seeded_accounts + deposited
     for sid in pair.dsns:
-        assert pair.sql(
+        unbalanced = pair.sql(
             sid,
-            "SELECT count(*) FROM accounts a WHERE balance <> coalesce((SELECT sum(amount_minor)"
-            " FROM ledger_entries l WHERE l.account_id = a.id), 0)",
-        ) == [(0,)]
+            "SELECT a.id, a.balance, coalesce((SELECT sum(amount_minor)"
+            " FROM ledger_entries l WHERE l.account_id = a.id), 0) AS total FROM accounts a"
+            " WHERE balance <> coalesce((SELECT sum(amount_minor) FROM ledger_entries l WHERE l.account_id = a.id), 0)",
+        )
+        # Named with every shard's entries of the account, so a failure shows where the difference is.
+        assert unbalanced == [], f"{sid}: {unbalanced}; " + "; ".join(
+            f"{other} entries of {a[0]}: "
+            + str(
+                pair.sql(
+                    other,
+                    "SELECT kind, amount_minor, transfer_id::text, account_hash, created_at::text"
+                    " FROM ledger_entries WHERE account_id = %s ORDER BY created_at",
+                    (a[0],),
+                )
+            )
+            for a in unbalanced[:3]
+            for other in pair.dsns
+        )
 
 
 def leftovers(pair: Pair) -> dict[str, object]:
