@@ -41,4 +41,3 @@ def test_the_fast_tier_keeps_in_process_tests_and_leaves_out_process_tests() -> 
     # By source: a module in an in-process folder that starts a daemon process (run_shardd).
     assert "tests/shardd/test_migrations.py" in left_out
     assert "tests/test_readme.py" in left_out and "tests/test_tiers.py" in left_out
-    assert len(fast) > len(left_out)  # the inner loop is most of the suite, by module

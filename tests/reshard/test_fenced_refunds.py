@@ -48,6 +48,14 @@ def _fence_slot_of(pair: Pair, account: str) -> None:
         fences.raise_fence(conn, SlotFence("m-test", shard_map.slots, slot, slot))
 
 
+def _wait_delivered(pair: Pair, shard_id: str, timeout_s: float = 30.0) -> None:
+    """Until the shard's relay has marked every credit delivered (a bounded wait for a state)."""
+    deadline = time.monotonic() + timeout_s
+    while pair.count(shard_id, "SELECT count(*) FROM outbox WHERE delivered_at IS NULL"):
+        assert time.monotonic() < deadline, f"credits of {shard_id} still undelivered after {timeout_s} s"
+        time.sleep(0.05)
+
+
 def _refused_moving(call: object, started: float) -> None:
     assert isinstance(call, grpc.RpcError), call
     assert call.code() is grpc.StatusCode.UNAVAILABLE, (call.code(), call.details())
@@ -73,6 +81,7 @@ def test_void_and_refund_on_a_fenced_slot_are_refused_before_any_row_lock(
         mover,
     )
     transfer_id = answer.transfer.transfer_id  # type: ignore[attr-defined]
+    _wait_delivered(pair, "shard-0")  # else the relay, marking it delivered, waits on the rows held below
     _fence_slot_of(pair, mover)
     pair.stub("shard-0")
     stub = ledger_pb2_grpc.ShardLedgerServiceStub(pair.channels["shard-0"])
