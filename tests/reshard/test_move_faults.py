@@ -71,7 +71,9 @@ from tests.reshard.cluster import (
     send,
 )
 
-QUICK = MoveSettings(copy_timeout_s=30, catch_up_timeout_s=30, final_sync_timeout_s=30)
+# A copy that resumes after the old owner's PostgreSQL was killed waits for the subscription's
+# workers to reconnect (wal_retrieve_retry_interval, 5 s a try): 60 s leaves room for a busy machine.
+QUICK = MoveSettings(copy_timeout_s=60, catch_up_timeout_s=30, final_sync_timeout_s=30)
 DAEMON_ENV = {
     "SHARDD_SHARD_MAP_RELOAD_S": "0.1",
     "SHARDD_RELAY_WORKERS": "1",

@@ -70,10 +70,25 @@ def _finish(pair: Pair, databases: Path, *args: str) -> subprocess.CompletedProc
     )
 
 
-@pytest.mark.parametrize(
-    ("point", "then"),
-    [(p, "resume") for p in KILL_POINTS] + [(p, "abort") for p in BEFORE_COMMIT],
-)
+#: The kills the default suite runs: each side of the commit, the copy, the fence and verification,
+#: resumed or aborted. The whole sweep (every point, both ways where both are allowed) runs with
+#: --run-slow.
+DEFAULT_KILLS = {
+    ("prepared", "resume"),
+    ("fenced", "resume"),
+    ("committed", "resume"),
+    ("published", "resume"),
+    ("copied", "abort"),
+    ("verified", "abort"),
+}
+
+
+def _kill_cases() -> list[object]:
+    cases = [(p, "resume") for p in KILL_POINTS] + [(p, "abort") for p in BEFORE_COMMIT]
+    return [case if case in DEFAULT_KILLS else pytest.param(*case, marks=pytest.mark.slow) for case in cases]
+
+
+@pytest.mark.parametrize(("point", "then"), _kill_cases())
 def test_an_orchestrator_killed_at_any_step_resumes_or_aborts_cleanly(
     pair: Pair, tmp_path: Path, point: str, then: str
 ) -> None:
