@@ -80,28 +80,34 @@ class PlainTransferServicer(TransferServicer):
         return result
 
 
-def main() -> int:
-    """Serve until SIGTERM/SIGINT."""
+def serve(name: str, servicer: Callable[[Database, ShardLocator], TransferServicer]) -> int:
+    """Serve the TransferService `servicer` builds until SIGTERM/SIGINT, on the shard's own builders:
+    the same pool, server options, admission limits (a fair comparison) and start-up order as
+    `start_shard` (the real migrations and partitions). `name` labels the logs."""
     settings = parse_settings([])
-    configure_logging("bench/noidem", level=settings.log_level, fmt=settings.log_format)
+    configure_logging(f"bench/{name}", level=settings.log_level, fmt=settings.log_format)
     stop = TerminationSignals(starting=False).stop
-    # The shard's own builders: the same pool, server options and start-up order as `start_shard`.
     database = shard_server.new_database(settings)
-    admission = shard_server.admission_from(settings)  # the shard's own limits: a fair comparison
+    admission = shard_server.admission_from(settings)
     server = shard_server.new_grpc_server(
         settings, [AdmissionInterceptor(admission), DomainErrorInterceptor()]
     )
     transfer_pb2_grpc.add_TransferServiceServicer_to_server(
-        PlainTransferServicer(database, ShardLocator(settings.shard_id)), server
+        servicer(database, ShardLocator(settings.shard_id)), server
     )
     health = grpcserver.add_health_and_reflection(server, [shard_server.PUBLIC_SERVICE])
-    shard_server.listen_when_ready(settings, server, database)  # the real migrations and partitions
+    shard_server.listen_when_ready(settings, server, database)
     grpcserver.mark_serving(health, [shard_server.PUBLIC_SERVICE])
-    log.info("no-idempotency twin serving on %s", settings.listen)
+    log.info("%s serving on %s", name, settings.listen)
     stop.wait()
     grpcserver.graceful_stop(server, health, settings.shutdown_grace_s)
     database.close()
     return 0
+
+
+def main() -> int:
+    """Serve the no-idempotency twin until SIGTERM/SIGINT."""
+    return serve("noidem", PlainTransferServicer)
 
 
 if __name__ == "__main__":

@@ -28,18 +28,11 @@ from typing import Any
 
 import grpc
 
-from bench.noidem_server import PlainTransferServicer
-from shardrouter.core import grpcserver
+from bench.noidem_server import PlainTransferServicer, serve
 from shardrouter.core.keys import KEY_METADATA
-from shardrouter.core.logs import configure_logging
-from shardrouter.core.termination import TerminationSignals
-from shardrouter.shardd import server as shard_server
-from shardrouter.shardd.admission import AdmissionInterceptor
 from shardrouter.shardd.db import Database
-from shardrouter.shardd.error_interceptor import DomainErrorInterceptor
 from shardrouter.shardd.ledger.service import ShardLocator
-from shardrouter.shardd.settings import parse_settings
-from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
+from shardrouter.v1 import transfer_pb2
 
 log = logging.getLogger("bench.peer")
 
@@ -113,27 +106,9 @@ class PeerTransferServicer(PlainTransferServicer):
 
 
 def main() -> int:
-    """Serve until SIGTERM/SIGINT."""
-    settings = parse_settings([])
-    configure_logging("bench/peer", level=settings.log_level, fmt=settings.log_format)
-    stop = TerminationSignals(starting=False).stop
-    database = shard_server.new_database(settings)
-    admission = shard_server.admission_from(settings)
-    server = shard_server.new_grpc_server(
-        settings, [AdmissionInterceptor(admission), DomainErrorInterceptor()]
-    )
-    servicer = PeerTransferServicer(
-        database, ShardLocator(settings.shard_id), int(os.environ["PEER_REDIS_PORT"])
-    )
-    transfer_pb2_grpc.add_TransferServiceServicer_to_server(servicer, server)
-    health = grpcserver.add_health_and_reflection(server, [shard_server.PUBLIC_SERVICE])
-    shard_server.listen_when_ready(settings, server, database)
-    grpcserver.mark_serving(health, [shard_server.PUBLIC_SERVICE])
-    log.info("Powertools peer serving on %s", settings.listen)
-    stop.wait()
-    grpcserver.graceful_stop(server, health, settings.shutdown_grace_s)
-    database.close()
-    return 0
+    """Serve the Powertools peer until SIGTERM/SIGINT."""
+    redis_port = int(os.environ["PEER_REDIS_PORT"])
+    return serve("peer", lambda database, locator: PeerTransferServicer(database, locator, redis_port))
 
 
 if __name__ == "__main__":
