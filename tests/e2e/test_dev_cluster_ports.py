@@ -20,48 +20,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from shardrouter.core.grpcserver import server_options
 from shardrouter.localcluster.cluster import Daemon, port_is_free, serves_port
 from shardrouter.localcluster.postgres import free_port
+from tests.e2e.test_dev_cluster import _dev_up, _until_running
 from tests.helpers import pg_data_dir
-from tests.processes import ROOT
 
 
-def _dev_up(data_dir: Path, port: int, http_port: int, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "shardrouter.localcluster.command",
-            "dev",
-            "up",
-            "--shards",
-            "1",
-            "--data-dir",
-            str(data_dir),
-            "--port",
-            str(port),
-            "--http-port",
-            str(http_port),
-            "--no-metrics",
-            *extra,
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-
-
-def _until_running(proc: subprocess.Popen[str], timeout_s: float = 150) -> list[str]:
-    assert proc.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        lines.append(line)
-        if "Cluster running" in line or not line:
-            break
-    assert any("Cluster running" in line for line in lines), "".join(lines)
-    return lines
+def _one_shard_up(data_dir: Path, port: int, http_port: int, *extra: str) -> subprocess.Popen[str]:
+    """`dev up` with one shard on the given router ports (flags given later win over `_dev_up`'s)."""
+    return _dev_up(data_dir, port, "--http-port", str(http_port), "--shards", "1", "--no-metrics", *extra)
 
 
 def _records(dsn: str) -> int:
@@ -75,14 +40,14 @@ def test_second_dev_up_on_the_same_ports_fails_clearly_and_leaves_the_first_alon
     first_dir = pg_data_dir().parent / "cluster"  # not under tmp_path: the PostgreSQL user must reach it
     second_dir = pg_data_dir().parent / "cluster"
     port, http_port = free_port(), free_port()
-    first = _dev_up(first_dir, port, http_port, "--no-demo")
+    first = _one_shard_up(first_dir, port, http_port, "--no-demo")
     try:
-        lines = _until_running(first)
+        lines = _until_running(first, timeout_s=150)
         dsn = next(line.split("database ", 1)[1].split()[0] for line in lines if "  shard-0: " in line)
         assert _records(dsn) == 0
 
         started = time.monotonic()
-        second = _dev_up(second_dir, port, http_port, "--exit-after-demo")
+        second = _one_shard_up(second_dir, port, http_port, "--exit-after-demo")
         out, _ = second.communicate(timeout=60)
         assert second.returncode == 1, out
         assert time.monotonic() - started < 20, out  # at once, not after starting PostgreSQL

@@ -17,18 +17,16 @@ from dataclasses import dataclass
 import grpc
 import psycopg
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from shardrouter.core.keys import new_key
-from shardrouter.core.shardmap import even_shard_map, shard_map_document
 from shardrouter.localcluster.postgres import free_port
 from shardrouter.router.http.problems import PROBLEM_TYPE_PREFIX
-from shardrouter.router.server import RouterThread, start_router_thread
-from shardrouter.router.settings import RouterSettings
+from shardrouter.router.server import RouterThread
 from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2
 from tests.helpers import make_settings, money
+from tests.router.test_http_front import _router as http_front_router
 
 NIL = "00000000-0000-0000-0000-000000000000"
 DEPOSIT = b'{"accountId":"zed","amount":{"amountMinor":"1","currency":"EUR"}}'
@@ -71,18 +69,10 @@ class Lab:
 
 
 def _router(shard: ShardDaemon, tmp_path, **overrides: object) -> RouterThread:
-    path = tmp_path / "shard-map.yaml"
-    path.write_text(yaml.safe_dump(shard_map_document(even_shard_map({"shard-0": f"127.0.0.1:{shard.port}"}))))
-    values: dict[str, object] = {
-        "listen": "127.0.0.1:0",
-        "http_listen": "127.0.0.1:0",
-        "shard_map": str(path),
-        "dev_mode": True,
-        "metrics_port": free_port(),
-        "http_body_timeout_s": BODY_TIMEOUT_S,
-    }
+    """The HTTP front tests' router, with a metrics port to scrape and this module's body timeout."""
+    values: dict[str, object] = {"metrics_port": free_port(), "http_body_timeout_s": BODY_TIMEOUT_S}
     values.update(overrides)
-    return start_router_thread(RouterSettings(**values))  # type: ignore[arg-type]
+    return http_front_router(shard, tmp_path, **values)
 
 
 @pytest.fixture
@@ -107,7 +97,9 @@ def _samples(text: str, name: str) -> dict[Labels, float]:
 
 def _delta(before: str, after: str, name: str = "router_requests_total") -> dict[Labels, float]:
     old, new = _samples(before, name), _samples(after, name)
-    return {labels: value - old.get(labels, 0.0) for labels, value in new.items() if value != old.get(labels, 0.0)}
+    return {
+        labels: value - old.get(labels, 0.0) for labels, value in new.items() if value != old.get(labels, 0.0)
+    }
 
 
 def _series(method: str, code: str, protocol: str, shard: str = "none") -> Labels:
@@ -169,10 +161,16 @@ def test_calls_are_labelled_with_their_protocol(lab: Lab) -> None:
     before = lab.scrape()
     assert isinstance(_grpc_deposit(lab, str(new_key())), transfer_pb2.DepositResponse)
     status, _ = lab.request(
-        "POST", "/v1/deposits", DEPOSIT, {"Content-Type": "application/json", "Idempotency-Key": str(new_key())}
+        "POST",
+        "/v1/deposits",
+        DEPOSIT,
+        {"Content-Type": "application/json", "Idempotency-Key": str(new_key())},
     )
     assert status == 201
-    expected = {_series("Deposit", "OK", "grpc", "shard-0"): 1.0, _series("Deposit", "OK", "http", "shard-0"): 1.0}
+    expected = {
+        _series("Deposit", "OK", "grpc", "shard-0"): 1.0,
+        _series("Deposit", "OK", "http", "shard-0"): 1.0,
+    }
     after = lab.scrape()
     assert _delta(before, after) == expected
     assert _delta(before, after, "router_request_duration_seconds_count") == expected
@@ -183,8 +181,15 @@ def test_every_problem_type_is_a_tag_uri_named_after_its_reason(lab: Lab) -> Non
     answers = [
         lab.request("GET", "/v1/nothing/here"),  # only HTTP says it: 404 no such route
         lab.request("DELETE", "/v1/deposits"),  # 405
-        lab.request("POST", "/v1/deposits", DEPOSIT, {"Content-Type": "text/plain", "Idempotency-Key": "k"}),  # 415
-        lab.request("POST", "/v1/deposits", b'{"accountId":"' + b"z" * 70_000 + b'"}', json_type | {"Idempotency-Key": "k"}),
+        lab.request(
+            "POST", "/v1/deposits", DEPOSIT, {"Content-Type": "text/plain", "Idempotency-Key": "k"}
+        ),  # 415
+        lab.request(
+            "POST",
+            "/v1/deposits",
+            b'{"accountId":"' + b"z" * 70_000 + b'"}',
+            json_type | {"Idempotency-Key": "k"},
+        ),
         lab.request("POST", "/v1/deposits", DEPOSIT, json_type),  # 400 key missing (the front)
         lab.request("POST", "/v1/deposits", DEPOSIT, json_type | {"Idempotency-Key": NIL}),  # 400 (the shard)
         lab.request("GET", "/v1/accounts/nobody/balance"),  # 404 (the shard)
