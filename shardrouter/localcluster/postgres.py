@@ -97,13 +97,13 @@ def free_port() -> int:
     `PORT_RANGE_ENV` is set, it is drawn from that range alone.
     """
     chosen = _port_range()
-    low, _ = _ephemeral_range()
     with _HANDED_OUT_LOCK:
         if chosen is not None:
             port = _draw(*chosen)
             if port is None:
                 raise RuntimeError(f"{PORT_RANGE_ENV}: no free port left in {chosen[0]}-{chosen[1]}")
             return port
+        low, _ = _ephemeral_range()
         if low - _LOWEST_PORT >= 1_000 and (port := _draw(_LOWEST_PORT, low - 1)) is not None:
             return port
         while True:  # no room below the range (or no such range here): the kernel's choice
