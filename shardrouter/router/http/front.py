@@ -693,7 +693,12 @@ async def _follow_certificates(context: ssl.SSLContext, settings: RouterSettings
     """Load a renewed HTTPS certificate (and caller CA) into the live TLS context, as the gRPC server
     does at its handshakes: new connections get it, open ones keep theirs. A half-written set is
     skipped until it loads. An added CA is trusted at once; a CA taken away stays trusted until the
-    router restarts (OpenSSL's store only grows)."""
+    router restarts (OpenSSL's store only grows).
+
+    The load runs on the event loop's thread, where the handshakes run: `load_cert_chain` sets the
+    certificate and then the key with the GIL released between them, so from another thread a
+    handshake could land in between and meet the new certificate with the old key (the client
+    sees the connection dropped mid-handshake). A load happens only when the files changed."""
     files = tls.WatchedFiles("HTTPS certificate", settings.tls_cert, settings.tls_key, settings.tls_ca)
 
     def load() -> bool:
@@ -704,7 +709,7 @@ async def _follow_certificates(context: ssl.SSLContext, settings: RouterSettings
 
     while True:
         await asyncio.sleep(settings.reload_interval_s)
-        await asyncio.to_thread(files.load_if_changed, load)
+        files.load_if_changed(load)
 
 
 def _bind(listen: str) -> socket.socket:
