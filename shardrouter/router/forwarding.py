@@ -8,6 +8,8 @@ The router has no state to protect, so its only decisions are about reaching the
 shard answered is passed through as is, with one exception below. A call that never reached the shard
 is the router's own UNAVAILABLE (SHARD_UNAVAILABLE, with RetryInfo); it is retried here first, but
 only when it carries an idempotency key, because only then does the shard make a repeat harmless.
+So is a call a daemon cut off before answering (CANCELLED without our details: a daemon stopping
+past its grace period), keyed calls and reads only, since it may have committed.
 
 The exception: a shard that does not serve the account answers before anything is applied,
 UNAVAILABLE with reason ACCOUNT_MOVED (another shard owns it in the daemon's map) or SLOT_RANGE_MOVING
@@ -434,7 +436,9 @@ class Forwarder(_GenericHandler):
         while True:
             address = addresses[(first + attempt) % len(addresses)]
             outcome = await self._attempt(shard, address, method, raw, metadata, context, note)
-            if not unreached(outcome.code, outcome.trailing_metadata):
+            if not unreached(outcome.code, outcome.trailing_metadata) and not (
+                resendable and interrupted(outcome)
+            ):
                 return outcome
             untried = attempt + 1 < len(addresses)
             if not untried and (not resendable or attempt >= self._retries + len(addresses) - 1):
@@ -542,6 +546,15 @@ def _entries(metadata: object) -> tuple[MetadataEntry, ...]:
     """Metadata (a `grpc.aio.Metadata`, a tuple of pairs, or None) as a tuple of (key, value)."""
     # The type stubs say the sync API's `_Metadatum` for AioRpcError; at run time it is aio Metadata.
     return tuple(cast("Iterable[MetadataEntry]", metadata or ()))
+
+
+def interrupted(outcome: Outcome) -> bool:
+    """Whether the daemon's side of the call was cut off before it answered: CANCELLED without our
+    ErrorInfo, while this call's own caller is still waiting (a caller's cancellation ends the
+    handler's task before an outcome is read). A daemon stopping past its grace period cancels the
+    calls it still runs; one of them may have committed, so only a resendable call (keyed: the key
+    replays it; or a read) is sent again."""
+    return outcome.code is grpc.StatusCode.CANCELLED and not has_our_error_info(outcome.trailing_metadata)
 
 
 def move_refusal(outcome: Outcome) -> MoveRefusal | None:

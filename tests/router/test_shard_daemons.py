@@ -86,3 +86,24 @@ def test_with_every_daemon_gone_the_caller_gets_a_retryable_unavailable(daemons)
             _call(channel, "Deposit", DEPOSIT, keyed=True)
     assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
     assert "shard shard-0 cannot be reached" in (caught.value.details() or "")
+
+
+def _cancelled(call: object, context: grpc.ServicerContext) -> bytes:
+    context.abort(grpc.StatusCode.CANCELLED, "the daemon stopped with this call still running")
+
+
+def test_a_keyed_call_a_daemon_cancelled_goes_to_the_next_and_a_keyless_write_does_not(daemons) -> None:
+    """CANCELLED without our details, while the router's caller still waits, means the daemon cut the
+    call off (a stop past its grace period): it may have committed, so only a keyed call is resent."""
+    fakes, _dead, router = daemons
+    fakes[0].behaviour = _cancelled
+    with grpc.insecure_channel(router.address) as channel:
+        for _ in range(6):  # every call whose turn starts at the cancelling daemon ends at the other
+            assert _call(channel, "Deposit", DEPOSIT, keyed=True) == DEPOSIT
+        fakes[1].behaviour = _cancelled
+        with pytest.raises(grpc.RpcError) as caught:
+            _call(channel, "Deposit", DEPOSIT, keyed=False)
+    assert caught.value.code() is grpc.StatusCode.CANCELLED
+    assert len(fakes[0].calls) >= 2, "no keyed call met the cancelling daemon"
+    keyless = [c for f in fakes for c in f.calls if KEY_METADATA not in dict(c.metadata)]
+    assert len(keyless) == 1, "a keyless write the daemon cut off was sent again"
