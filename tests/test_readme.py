@@ -10,7 +10,8 @@ Each fenced block carries a directive on the line just before it, `<!-- readme-t
 - `console`: a transcript: each `$ command` runs in bash from the repository root, as pasted (no
   virtualenv on PATH), and its output must match the lines below it, where `...` matches anything
   (and a line of `...` alone any number of lines);
-- `sh`: commands run in bash as pasted and must succeed (output not compared);
+- `sh`: commands run in bash as pasted and must succeed (output not compared); `sh slow REASON` runs
+  only with `--run-slow` (a block that runs tests the default suite runs itself);
 - `python [REGEX]`: runs with the project's Python and must exit 0, and its output must match REGEX;
 - `shard-map`: a shard map example that must load;
 - `skip REASON`: needs what this machine lacks (a Kubernetes cluster, Docker); the reason is required.
@@ -105,7 +106,11 @@ def _blocks(*kinds: str) -> list[Block]:
 def test_every_block_says_how_it_is_checked() -> None:
     unmarked = [b.name for b in ALL_BLOCKS if b.kind not in KINDS]
     assert not unmarked, f"blocks without a <!-- readme-test: KIND --> directive: {unmarked}"
-    unexplained = [b.name for b in ALL_BLOCKS if b.kind == "skip" and len(b.arg) < 10]
+    unexplained = [
+        b.name
+        for b in ALL_BLOCKS
+        if (b.kind == "skip" and len(b.arg) < 10) or (b.kind == "sh" and b.arg and len(b.arg) < 15)
+    ]
     assert not unexplained, f"skipped blocks need a reason: {unexplained}"
     ran = [b for b in ALL_BLOCKS if b.kind not in ("skip",)]
     assert len(ran) >= 8, "most of the README should run"
@@ -235,7 +240,14 @@ def _lines_match(expected: list[str], got: list[str]) -> bool:
     return bool(got) and _matches(expected[0], got[0]) and _lines_match(expected[1:], got[1:])
 
 
-@pytest.mark.parametrize("block", _blocks("sh"), ids=lambda b: b.name)
+def _shell_blocks() -> list[object]:
+    """The `sh` blocks; `sh slow REASON` ones as slow variants."""
+    return [
+        pytest.param(b, marks=pytest.mark.slow) if b.arg.startswith("slow") else b for b in _blocks("sh")
+    ]
+
+
+@pytest.mark.parametrize("block", _shell_blocks(), ids=lambda b: b.name)
 def test_shell_block(block: Block, cluster: Cluster) -> None:
     result = _bash("set -e\n" + block.text, cluster)
     assert result.returncode == 0, f"{block.text}\n{result.stdout}\n{result.stderr}"

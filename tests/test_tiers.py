@@ -7,13 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.tier_listing import FAST, OTHER
+
 ROOT = Path(__file__).resolve().parent.parent
+_QUIET_PLUGINS = ("-p", "no:cacheprovider", "-p", "tests.tier_listing")
 
 
-def _collected(*args: str) -> set[str]:
-    """Test modules `pytest --collect-only` selects with `args`."""
+def _tiers() -> tuple[set[str], set[str]]:
+    """Test modules with a fast test, and every test module, from one `pytest --collect-only`."""
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider", *args],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", *_QUIET_PLUGINS],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -21,12 +24,12 @@ def _collected(*args: str) -> set[str]:
         check=False,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    return {line.split("::", 1)[0] for line in result.stdout.splitlines() if "::" in line}
+    listed = [line.split() for line in result.stdout.splitlines() if line.startswith((FAST, OTHER))]
+    return {path for tier, path in listed if tier == FAST}, {path for _, path in listed}
 
 
 def test_the_fast_tier_keeps_in_process_tests_and_leaves_out_process_tests() -> None:
-    fast = _collected("-m", "fast")
-    everything = _collected()
+    fast, everything = _tiers()
     assert {
         "tests/unit/test_guarded_call.py",
         "tests/shardd/test_interceptor_outcomes.py",
