@@ -33,6 +33,10 @@ from shardrouter.check.history import History, read_history
 from shardrouter.check.verify import Verdict, prove
 from shardrouter.core.shard_dsns import parse_shard_dsn_pairs, read_shard_dsns
 
+#: `--kill-orchestrator-mid-move` without `--move-every` moves this often (s); the local cluster's
+#: faults (`localcluster.check_faults`) read it from here.
+DEFAULT_MOVE_EVERY_S = 3.0
+
 
 class UsageError(Exception):
     """A command line that cannot work (exit 2)."""
@@ -129,6 +133,36 @@ def _fault_flags(p: argparse.ArgumentParser) -> None:
     )
     faults.add_argument(
         "--kill-router-every", type=float, default=0, metavar="S", help="the same for the router"
+    )
+    faults.add_argument(
+        "--kill-postgres-every",
+        type=float,
+        default=0,
+        metavar="S",
+        help="SIGKILL a shard's PostgreSQL (each in turn; postmaster and backends) every S seconds, "
+        "start it again 0.5 s later",
+    )
+    faults.add_argument(
+        "--failover-every",
+        type=float,
+        default=0,
+        metavar="S",
+        help="run each shard as primary plus synchronous standby; every S seconds, SIGKILL a shard's "
+        "primary and promote its standby (each shard once)",
+    )
+    faults.add_argument(
+        "--move-every",
+        type=float,
+        default=0,
+        metavar="S",
+        help="every S seconds, move half of the first shard's first slot range to the second shard, "
+        "then back (shard-router reshard)",
+    )
+    faults.add_argument(
+        "--kill-orchestrator-mid-move",
+        action="store_true",
+        help="SIGKILL each move's orchestrator after one of its steps (in turn), then resume the move "
+        f"from its journal with a new one (moves every {DEFAULT_MOVE_EVERY_S:g} s unless --move-every)",
     )
 
 
@@ -239,7 +273,13 @@ def main(
     out = sys.stderr if args.json else sys.stdout  # --json prints one document
     try:
         if before_proof is None and (
-            args.local_cluster or args.kill_shard_daemon_every or args.kill_router_every
+            args.local_cluster
+            or args.kill_shard_daemon_every
+            or args.kill_router_every
+            or args.kill_postgres_every
+            or args.failover_every
+            or args.move_every
+            or args.kill_orchestrator_mid_move
         ):
             raise UsageError(
                 "--local-cluster and its faults are options of the installed `shard-router check`"
@@ -272,4 +312,4 @@ def main(
     return 0 if verdict.ok else 1
 
 
-__all__ = ["UsageError", "as_json", "main", "render"]
+__all__ = ["DEFAULT_MOVE_EVERY_S", "UsageError", "as_json", "main", "render"]

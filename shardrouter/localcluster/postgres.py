@@ -271,6 +271,33 @@ class LocalPostgres:
             check=False,
         )
 
+    def postmaster_pid(self) -> int | None:
+        """The running server's postmaster pid, from `postmaster.pid` (None: no such file)."""
+        return _postmaster_pid(self.data_dir)
+
+    def kill(self, timeout_s: float = 10.0) -> int | None:
+        """SIGKILL the postmaster and every backend of it at once, like losing its machine: no
+        shutdown checkpoint, so the next `start` recovers from the WAL. Every backend too, since
+        backends left running would hold the shared memory a new postmaster refuses to share.
+        The postmaster's pid, or None if it was not running."""
+        pid = _postmaster_pid(self.data_dir)
+        if pid is None or not _alive(pid):
+            return None
+        targets = (pid, *_children(pid))
+        for target in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(target, signal.SIGKILL)
+        deadline = time.monotonic() + timeout_s
+        while any(_alive(p) for p in targets):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"PostgreSQL postmaster {pid} survived SIGKILL")
+            time.sleep(0.01)
+        # A killed postmaster nobody reaps (no init in a container) stays a zombie whose pid still
+        # answers kill(0), and a new postmaster would take it for a live one owning the data
+        # directory: every process of the server is gone, so its lock file is stale.
+        (self.data_dir / "postmaster.pid").unlink(missing_ok=True)
+        return pid
+
     def restart(self, mode: str = "fast") -> None:
         """Stop then start on the same port."""
         self.stop(mode)

@@ -1,0 +1,176 @@
+"""The moves of `shard-router check --local-cluster --move-every S`: a slot range moved from one shard
+to another and back, each move by the installed `shard-router reshard` (a process of its own, as a
+user runs it), and with `--kill-orchestrator-mid-move` that process SIGKILLed part-way and the move
+resumed from its journal by a new one.
+
+The kill lands at a named failpoint (`core/failpoints.py`): the orchestrator is started with one
+phase's point armed, pauses right after journaling that phase, and only then is killed, so each kill
+is at a known step (the steps taken in turn over the run), never after the move finished.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardrouter.core import failpoints
+from shardrouter.core.moves import Phase
+from shardrouter.core.shard_dsns import read_shard_dsns
+from shardrouter.core.shardmap import load_shard_map
+from shardrouter.localcluster.cluster import LocalCluster, installed_command
+from shardrouter.reshard.move import ShardDatabases, find_move
+
+#: The steps an orchestrator is killed after, in turn: each side of the commit, the catch-up, the
+#: fence and verification. Not during the copy: a resume after a crash there is a known open defect
+#: of the move (a table can stay in state 'f'), which this schedule is not meant to hunt.
+KILL_AFTER = ("fenced", "committed", "caught_up", "verified", "published", "copied")
+#: How long one orchestrator (a move, or its resume) may take before the schedule gives up (s).
+MOVE_TIMEOUT_S = 300.0
+_MOVE_ID = re.compile(r"move (m\w+):")
+_PAUSED = re.compile(r"failpoint (\S+): paused \(pid (\d+)\)")
+
+
+class MoveFailed(RuntimeError):
+    """A move did not reach its end (the message says where, and which log to read)."""
+
+
+@dataclass(frozen=True)
+class MoveDone:
+    """One move the schedule made."""
+
+    move_id: str
+    first: int
+    last: int
+    source: str
+    target: str
+    rows_moved: int
+    map_version: int
+    #: The step after which its first orchestrator was SIGKILLed, and that process's pid ("", 0: none).
+    killed_after: str = ""
+    killed_pid: int = 0
+
+    def describe(self) -> str:
+        """One line for the run's report."""
+        killed = (
+            f"orchestrator (pid {self.killed_pid}) SIGKILLed after {self.killed_after}, resumed by a new one; "
+            if self.killed_after
+            else ""
+        )
+        return (
+            f"move {self.move_id} slots {self.first}-{self.last} {self.source} -> {self.target}: {killed}"
+            f"done, {self.rows_moved} rows moved, shard map version {self.map_version}"
+        )
+
+
+class Moves:
+    """A range of the first shard moved to the second and back, one move per `act`."""
+
+    def __init__(self, cluster: LocalCluster, *, kill_orchestrator: bool) -> None:
+        if len(cluster.shard_ids) < 2:
+            raise ValueError("moves need two shards or more (--shards)")
+        self._cluster = cluster
+        self._kill = kill_orchestrator
+        self._home, self._away = cluster.shard_ids[0], cluster.shard_ids[1]
+        self._first, self._last = _half_of_first_range(cluster, self._home)
+
+    def act(self, n: int) -> MoveDone:
+        """The `n`-th move (from 0): away on even turns, home on odd ones; with orchestrator kills,
+        its first process killed after the turn's step and the move resumed."""
+        target = self._away if n % 2 == 0 else self._home
+        log = self._cluster.data_dir / "logs" / f"check-move-{n}.log"
+        args = ["--slots", f"{self._first}-{self._last}", "--to", target]
+        killed_after, killed_pid = "", 0
+        if self._kill:
+            killed_after = KILL_AFTER[n % len(KILL_AFTER)]
+            killed_pid = self._run_to_pause(args, f"reshard.{killed_after}", log)
+            move_id = _move_id(log)
+            self._run(["resume", move_id], log)
+        else:
+            self._run(args, log)
+            move_id = _move_id(log)
+        record = find_move(ShardDatabases(read_shard_dsns(self._cluster.databases_path)), move_id)
+        if record.phase is not Phase.DONE:
+            raise MoveFailed(f"move {move_id} is {record.phase.value}, not done; see {log}")
+        rows = record.figures.get("rows_moved", {})
+        return MoveDone(
+            move_id=move_id,
+            first=self._first,
+            last=self._last,
+            source=record.plan.source,
+            target=record.plan.target,
+            rows_moved=sum(rows.values()) if isinstance(rows, dict) else 0,
+            map_version=load_shard_map(self._cluster.shard_map_path).version,
+            killed_after=killed_after,
+            killed_pid=killed_pid,
+        )
+
+    def _command(self, args: list[str]) -> list[str]:
+        files = ["--map", str(self._cluster.shard_map_path), "--databases", str(self._cluster.databases_path)]
+        return [*installed_command("shard-router"), "reshard", *args, *files]
+
+    def _run(self, args: list[str], log: Path) -> None:
+        """One orchestrator to its end, its output appended to `log`."""
+        with log.open("ab") as out:
+            done = subprocess.run(
+                self._command(args),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=MOVE_TIMEOUT_S,
+                check=False,
+                start_new_session=True,
+            )
+        if done.returncode != 0:
+            raise MoveFailed(f"shard-router reshard {args[0]} ... exited {done.returncode}; see {log}")
+
+    def _run_to_pause(self, args: list[str], point: str, log: Path) -> int:
+        """Start an orchestrator with `point` armed, wait for its pause there, SIGKILL it; its pid."""
+        env = {**os.environ, failpoints.ENV: f"{point}=pause", "PYTHONUNBUFFERED": "1"}
+        with log.open("ab") as out:
+            proc = subprocess.Popen(
+                self._command(args), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        try:
+            deadline = time.monotonic() + MOVE_TIMEOUT_S
+            while not _paused_at(log, point):
+                if proc.poll() is not None:
+                    raise MoveFailed(f"the orchestrator ended ({proc.returncode}) before {point}; see {log}")
+                if time.monotonic() > deadline:
+                    raise MoveFailed(f"the orchestrator did not reach {point}; see {log}")
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGKILL)
+            code = proc.wait(10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        if code != -signal.SIGKILL:
+            raise MoveFailed(f"the orchestrator paused at {point} ended with {code}, not by SIGKILL")
+        return proc.pid
+
+
+def _paused_at(log: Path, point: str) -> bool:
+    return any(m[1] == point for m in _PAUSED.finditer(log.read_text(encoding="utf-8", errors="replace")))
+
+
+def _move_id(log: Path) -> str:
+    """The id of the move a log's orchestrator started (the last one named there)."""
+    found = _MOVE_ID.findall(log.read_text(encoding="utf-8", errors="replace"))
+    if not found:
+        raise MoveFailed(f"no move was started; see {log}")
+    return str(found[-1])
+
+
+def _half_of_first_range(cluster: LocalCluster, shard_id: str) -> tuple[int, int]:
+    """The first half of the first slot range `shard_id` owns in the cluster's map."""
+    shard_map = load_shard_map(cluster.shard_map_path)
+    index = next(i for i, s in enumerate(shard_map.shards) if s.id == shard_id)
+    first, last = next((a, b) for a, b, owner in shard_map.ranges if owner == index)
+    return first, first + (last - first) // 2
+
+
+__all__ = ["KILL_AFTER", "MoveDone", "MoveFailed", "Moves"]
