@@ -2,21 +2,19 @@
 them, the transfers those entries belong to, and which accounts are off their ledger.
 
 Read through the ledger's own store functions and row types (`shardd.ledger.store` and `.reads`), each
-shard in one REPEATABLE READ, READ ONLY transaction. The one statement written here is the entries of
-a set of accounts whatever their kind: the ledger's reads cover only transfers' entries, and a
-deposit's entry is found by its key on its account.
+shard in one REPEATABLE READ, READ ONLY transaction; no SQL of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
 
 from shardrouter.shardd.ledger import reads, store
 from shardrouter.shardd.ledger.reads import UnbalancedAccountRow
@@ -59,13 +57,7 @@ class Ledgers:
 
 
 def _entries_of(conn: Connection, shard: str, accounts: Collection[str]) -> list[EntryRow]:
-    with conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(
-            "SELECT id, account_id, amount_minor, kind, transfer_id, idempotency_key"
-            " FROM ledger_entries WHERE account_id = ANY(%s)",
-            (sorted(accounts),),
-        ).fetchall()
-    return [EntryRow(shard=shard, **r) for r in rows]
+    return [EntryRow(shard=shard, **dataclasses.asdict(e)) for e in reads.account_entries(conn, accounts)]
 
 
 def _read_shard(conn: Connection, shard: str, accounts: Collection[str], into: Ledgers) -> None:

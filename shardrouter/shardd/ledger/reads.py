@@ -1,8 +1,8 @@
-"""Reads of a shard's ledger as a whole: the entries of its transfers, the accounts whose balance is
-not the sum of their ledger, the money per currency, and which transfers changed since a time.
+"""Reads of a shard's ledger as a whole: the entries of its transfers or of a set of accounts, the
+accounts whose balance is not the sum of their ledger, the money per currency, and which transfers changed since a time.
 
 The daemon's own handlers never need these (they read one row at a time, in `store`); a comparison
-of several shards' databases does (`shard-router reconcile`). They live here so that every SQL
+of several shards' databases does (`shard-router reconcile`, `shard-router check`). They live here so that every SQL
 statement on the ledger's tables is the ledger's, and a schema change finds them all in one package.
 Like `store`, they take the caller's connection and never commit: the caller picks the snapshot.
 """
@@ -10,7 +10,7 @@ Like `store`, they take the caller's connection and never commit: the caller pic
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -74,6 +74,29 @@ def transfer_entry(conn: Connection, transfer_id: uuid.UUID, kind: str) -> Trans
     return None if r is None else TransferEntryRow(**r)
 
 
+@dataclass(frozen=True)
+class AccountEntryRow:
+    """One ledger entry of an account, of any kind (a deposit's too, which has no transfer)."""
+
+    id: uuid.UUID
+    account_id: str
+    amount_minor: int
+    kind: str
+    transfer_id: uuid.UUID | None
+    idempotency_key: str
+
+
+def account_entries(conn: Connection, account_ids: Collection[str]) -> list[AccountEntryRow]:
+    """Every ledger entry of the accounts `account_ids`, whatever its kind."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(
+            "SELECT id, account_id, amount_minor, kind, transfer_id, idempotency_key"
+            " FROM ledger_entries WHERE account_id = ANY(%s)",
+            (sorted(account_ids),),
+        ).fetchall()
+    return [AccountEntryRow(**r) for r in rows]
+
+
 def accounts_off_ledger(conn: Connection) -> list[UnbalancedAccountRow]:
     """The accounts whose balance differs from the sum of their ledger entries, by id."""
     with conn.cursor(row_factory=dict_row) as cur:
@@ -118,8 +141,10 @@ def transfers_touched_since(conn: Connection, since: datetime) -> set[uuid.UUID]
 
 
 __all__ = [
+    "AccountEntryRow",
     "TransferEntryRow",
     "UnbalancedAccountRow",
+    "account_entries",
     "accounts_off_ledger",
     "balances_by_currency",
     "deposits_by_currency",
