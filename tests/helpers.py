@@ -68,12 +68,15 @@ def own_postgres(*, delete_in_background: bool = False) -> Iterator[LocalPostgre
     server.stop("immediate")
     folder = server.data_dir.parent
     if delete_in_background and shutil.which("rm"):
-        subprocess.Popen(
-            ["rm", "-rf", "--", str(folder)],
+        # The shell puts `rm` in the background and exits at once, so no child is left to this
+        # process (a running Popen object is a ResourceWarning when it is collected).
+        subprocess.run(
+            ["sh", "-c", 'rm -rf -- "$1" &', "rm-later", str(folder)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
+            check=False,
         )
         return
     shutil.rmtree(folder, ignore_errors=True)
