@@ -19,6 +19,9 @@ import enum
 KEY_METADATA = "idempotency-key"
 #: The caller a trusted proxy (the router, a shard's relay) speaks for (`core.callers`).
 CALLER_METADATA = "x-caller-id"
+#: How long (ms, a non-negative integer) a duplicate may wait for its key's original in flight to
+#: end, and then return its stored outcome, instead of being answered in flight at once (opt-in).
+WAIT_METADATA = "idempotency-wait-ms"
 
 # --- gRPC trailers (answer of a guarded call) -------------------------------------------------------
 
@@ -28,6 +31,9 @@ REPLAYED_TRAILER = "idempotency-replayed"
 OUTCOME_TRAILER = "idempotency-outcome"
 #: When the key's record expires (ISO 8601 UTC, milliseconds): on every answer to a readable key.
 EXPIRES_AT_TRAILER = "idempotency-expires-at"
+#: On every answer to a call that asked to wait (`WAIT_METADATA`): the wait granted (ms), its ask
+#: capped at the shard's maximum (the call's deadline bounds it further).
+WAIT_APPLIED_TRAILER = "idempotency-wait-applied-ms"
 #: What the replay markers (`REPLAYED_TRAILER`, `REPLAYED_HEADER`) carry when the answer is a replay.
 REPLAYED_VALUE = "true"
 
@@ -68,7 +74,15 @@ class OutcomeKind(enum.StrEnum):
 
 
 #: The gRPC metadata keys and trailers above (lower case, as gRPC requires).
-GRPC_NAMES = (KEY_METADATA, CALLER_METADATA, REPLAYED_TRAILER, OUTCOME_TRAILER, EXPIRES_AT_TRAILER)
+GRPC_NAMES = (
+    KEY_METADATA,
+    CALLER_METADATA,
+    WAIT_METADATA,
+    REPLAYED_TRAILER,
+    OUTCOME_TRAILER,
+    EXPIRES_AT_TRAILER,
+    WAIT_APPLIED_TRAILER,
+)
 #: The HTTP headers above (HTTP compares header names in any letter case).
 HTTP_HEADERS = (IDEMPOTENCY_KEY_HEADER, CALLER_HEADER, REPLAYED_HEADER, RETRY_AFTER_HEADER, LOCATION_HEADER)
 #: The span attributes above.
@@ -94,5 +108,7 @@ __all__ = [
     "REPLAYED_VALUE",
     "RETRY_AFTER_HEADER",
     "SPAN_ATTRIBUTES",
+    "WAIT_APPLIED_TRAILER",
+    "WAIT_METADATA",
     "OutcomeKind",
 ]

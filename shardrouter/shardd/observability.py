@@ -67,6 +67,7 @@ from shardrouter.shardd import partitions
 from shardrouter.shardd.authorization_policy import AuthzPolicy
 from shardrouter.shardd.db import Database
 from shardrouter.shardd.idempotency.outcomes import CallOutcome, OutcomeKind
+from shardrouter.shardd.idempotency.waiting import KeyWaits, WaitEnd
 from shardrouter.shardd.ledger import store as ledger_store
 
 log = logging.getLogger(__name__)
@@ -191,6 +192,29 @@ class ShardMetrics:
             description=(
                 "Slot ranges this shard's database gives another owner than the process's map does: "
                 "the map is behind the databases (publish the newest map)."
+            ),
+        )
+
+    def follow_key_waits(self, waits: KeyWaits) -> None:
+        """Export how many duplicates waited for their original, and how their waits ended."""
+
+        def started(_options: CallbackOptions) -> Iterable[Observation]:
+            return (Observation(waits.waits),)
+
+        def ended(_options: CallbackOptions) -> Iterable[Observation]:
+            return tuple(Observation(waits.ends[end], {"end": end.value}) for end in WaitEnd)
+
+        self.meter.create_observable_counter(
+            "shardd_duplicate_waits",
+            callbacks=[started],
+            description="Duplicates of a key in flight that asked to wait for its original, and waited.",
+        )
+        self.meter.create_observable_counter(
+            "shardd_duplicate_wait_ends",
+            callbacks=[ended],
+            description=(
+                "How those waits ended: replayed (the original committed), ran_itself (it ended without "
+                "an outcome), bound_reached (answered in flight), refused (any other answer)."
             ),
         )
 

@@ -4,14 +4,15 @@ Workers lock due outbox rows with `FOR UPDATE SKIP LOCKED` (oldest first, in bat
 credit to the destination shard's `CreditTransfer` with the credit's own idempotency key, and mark the
 row delivered only after the destination answered OK. A redelivery after a crash replays the stored
 outcome at the destination, so the credit applies once. Idle workers are woken by the commit that
-queues a credit (a listener thread in `LISTEN shardrouter_outbox`; migration 11 notifies) and look
-every `_IDLE_S` anyway, for postponed credits and for a notification lost while the listener was down.
+queues a credit (the process's `listener.ShardListener`, in `LISTEN shardrouter_outbox`; migration 11
+notifies) and look every `_IDLE_S` anyway, for postponed credits and for a notification lost while
+the listener was down.
 
 Callers waiting in `GetTransfer` are woken when a transfer leaves PENDING (`transfer_waits`): the
 transaction that marks a transfer completed also sends `pg_notify` on `TRANSFER_CHANNEL`, and so does
 the relay once a refund it sent is confirmed; right after, it signals this process's waiters. The
-listener also `LISTEN`s on `TRANSFER_CHANNEL` and signals them when another daemon of the shard made
-the change.
+process's listener hears `TRANSFER_CHANNEL` and signals them when another daemon of the shard made
+the change (a relay built without the process's listener runs one of its own that does).
 
 A credit that fails for good (unknown or closed account, currency mismatch) or that is older than
 `relay_max_age_s` goes to `dead_letters` and is compensated by `RefundTransfer` on this shard, keyed
@@ -49,7 +50,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import grpc
-import psycopg
 from opentelemetry import trace
 
 from shardrouter.core import failpoints, rpcs, tls, tracing
@@ -70,6 +70,7 @@ from shardrouter.internal.v1 import ledger_pb2
 from shardrouter.shardd.db import Database, mapped_database_errors
 from shardrouter.shardd.ledger import store
 from shardrouter.shardd.ledger.service import refund_key
+from shardrouter.shardd.listener import ShardListener
 from shardrouter.shardd.ownership import OWNERSHIP_CHANNEL, DatabaseOwnership, ShardLocator
 from shardrouter.shardd.settings import ShardSettings
 from shardrouter.shardd.transfer_waits import TRANSFER_CHANNEL, TransferWaits, notify_in_transaction
@@ -86,8 +87,6 @@ _PERMANENT = {
 _IDLE_S = 1.0
 #: The channel a commit that queues a credit notifies (migration 11).
 OUTBOX_CHANNEL = "shardrouter_outbox"
-#: Longest pause before the listener connects again after losing its connection (s).
-_LISTEN_RETRY_MAX_S = 5.0
 _MAX_BACKOFF_S = 60.0
 #: How often, at most, the client certificate files are checked for a rotation (s).
 _CERT_POLL_S = CERT_POLL_S
@@ -219,6 +218,7 @@ class OutboxRelay:
         waits: TransferWaits | None = None,
         locator: ShardLocator | None = None,
         ownership: DatabaseOwnership | None = None,
+        listener: ShardListener | None = None,
     ) -> None:
         self._settings = settings
         self._db = database
@@ -237,12 +237,19 @@ class OutboxRelay:
         #: Set when a commit queued a credit (or on stop): idle workers look at once.
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
+        #: The process's listener (its owner starts and stops it), or one of the relay's own that
+        #: also wakes this process's `GetTransfer` waiters.
+        self._own_listener: ShardListener | None = None
+        if listener is None:
+            listener = self._own_listener = ShardListener(settings.dsn, name="relay-listen")
+            listener.subscribe(TRANSFER_CHANNEL, self._waits.notify_payload)
+            listener.on_connection(self._waits.set_listening)
+        self._subscribe(listener)
 
     def start(self) -> None:
-        """Start the worker threads and the listener that wakes them."""
-        listener = threading.Thread(target=self._listen, name="relay-listen", daemon=True)
-        listener.start()
-        self._threads.append(listener)
+        """Start the worker threads (and the relay's own listener, if it has one)."""
+        if self._own_listener is not None:
+            self._own_listener.start()
         for i in range(self._settings.relay_workers):
             thread = threading.Thread(target=self._work, name=f"relay-{i}", daemon=True)
             thread.start()
@@ -252,6 +259,8 @@ class OutboxRelay:
         """Stop the workers after their current batch."""
         self._stop.set()
         self._wake.set()
+        if self._own_listener is not None:
+            self._own_listener.stop()
         for thread in self._threads:
             thread.join(timeout=self._settings.relay_call_timeout_s * 2 + 5)
         self._clients.close()
@@ -336,39 +345,18 @@ class OutboxRelay:
                 self._wake.wait(_IDLE_S)
                 self._wake.clear()
 
-    def _listen(self) -> None:
-        """Wake the workers whenever a commit queued a credit (`LISTEN`), and this process's
-        `GetTransfer` waiters whenever a transfer of the shard changed state; reconnect after a loss.
+    def _subscribe(self, listener: ShardListener) -> None:
+        """Wake the workers whenever a commit queued a credit or a move changed ownership here, and
+        when `LISTEN` starts (anything queued while nobody listened is due then). While the listener
+        is down the workers still poll every `_IDLE_S`."""
+        listener.subscribe(OUTBOX_CHANNEL, lambda _: self._wake.set())
+        listener.subscribe(OWNERSHIP_CHANNEL, self._ownership_changed)
+        listener.on_connection(lambda connected: self._wake.set() if connected else None)
 
-        Its own connection, outside the pool: it sits in LISTEN for the daemon's life. While it is
-        down the workers still poll every `_IDLE_S`, and the waiters at their short step.
-        """
-        pause = 0.1
-        while not self._stop.is_set():
-            try:
-                with psycopg.connect(self._settings.dsn, autocommit=True, connect_timeout=5) as conn:
-                    conn.execute(f"LISTEN {OUTBOX_CHANNEL}")
-                    conn.execute(f"LISTEN {TRANSFER_CHANNEL}")
-                    conn.execute(f"LISTEN {OWNERSHIP_CHANNEL}")
-                    self._wake.set()  # anything queued while not listening is due now
-                    self._waits.set_listening(True)
-                    pause = 0.1
-                    while not self._stop.is_set():
-                        for note in conn.notifies(timeout=0.5, stop_after=1):
-                            if note.channel == TRANSFER_CHANNEL:
-                                self._waits.notify_payload(note.payload)
-                            elif note.channel == OWNERSHIP_CHANNEL:
-                                if self._ownership is not None:
-                                    self._ownership.check()  # a move committed or handed over here
-                                self._wake.set()  # credits held back by the move are due now
-                            else:
-                                self._wake.set()
-            except psycopg.Error as exc:
-                self._waits.set_listening(False)
-                log.warning("relay listener lost its connection (%s); polling until it is back", exc)
-                self._stop.wait(pause)
-                pause = min(pause * 2, _LISTEN_RETRY_MAX_S)
-        self._waits.set_listening(False)
+    def _ownership_changed(self, _: str) -> None:
+        if self._ownership is not None:
+            self._ownership.check()  # a move committed or handed over here
+        self._wake.set()  # credits held back by the move are due now
 
     def _job_span(
         self, name: str, transfer_ids: list[uuid.UUID]

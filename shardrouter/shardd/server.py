@@ -30,6 +30,7 @@ from shardrouter.shardd.db import Database
 from shardrouter.shardd.idempotency import IdempotencyConfig, IdempotencyInterceptor, MutatingMethod
 from shardrouter.shardd.idempotency.outcomes import OutcomeListener
 from shardrouter.shardd.idempotency.process_keys import CompletedKeys
+from shardrouter.shardd.idempotency.waiting import KeyWaits
 from shardrouter.shardd.identity import IdentityPolicy
 from shardrouter.shardd.interceptor_chain import build_interceptors
 from shardrouter.shardd.ledger.service import (
@@ -38,11 +39,12 @@ from shardrouter.shardd.ledger.service import (
     ShardLocator,
     TransferServicer,
 )
+from shardrouter.shardd.listener import ShardListener
 from shardrouter.shardd.observability import ShardMetrics, ShardStateCollector
 from shardrouter.shardd.ownership import DatabaseOwnership
 from shardrouter.shardd.partition_keeper import PartitionKeeper
 from shardrouter.shardd.settings import ShardSettings
-from shardrouter.shardd.transfer_waits import TransferWaits
+from shardrouter.shardd.transfer_waits import TRANSFER_CHANNEL, TransferWaits
 from shardrouter.v1 import transfer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -108,6 +110,7 @@ def idempotency_config(settings: ShardSettings) -> IdempotencyConfig:
         handler_lock_timeout_ms=settings.handler_lock_timeout_ms,
         in_flight_retry_ms=settings.in_flight_retry_ms,
         require_uuidv7=settings.require_uuidv7,
+        max_duplicate_wait_ms=settings.max_duplicate_wait_ms,
     )
 
 
@@ -164,6 +167,8 @@ class ShardDaemon:
     locator: ShardLocator | None = None
     #: The database's ownership facts and fences, read again on a timer and on demand.
     ownership: DatabaseOwnership | None = None
+    #: The duplicates waiting for their key's original, and the wait requests this process answers.
+    key_waits: KeyWaits | None = None
 
     @property
     def shard_map(self) -> ShardMap | None:
@@ -369,6 +374,14 @@ def start_background(daemon: ShardDaemon, *, metrics_host: str | None = None) ->
         metrics_server = start_metrics_server(metrics_port, daemon.metrics.registry, host=host)
         background.append(metrics_server)
         daemon.metrics_port = metrics_server.port
+    # Every serving process listens: its waiters hear other daemons' commits, and its flights hear
+    # the duplicates that wait for them.
+    listener = ShardListener(settings.dsn)
+    listener.subscribe(TRANSFER_CHANNEL, daemon.transfer_waits.notify_payload)
+    listener.on_connection(daemon.transfer_waits.set_listening)
+    if daemon.key_waits is not None:
+        daemon.key_waits.subscribe(listener)
+    relay = None
     if daemon.shard_maps is not None and settings.relay_workers > 0 and runs_background:
         from shardrouter.shardd.relay import OutboxRelay
 
@@ -380,7 +393,10 @@ def start_background(daemon: ShardDaemon, *, metrics_host: str | None = None) ->
             daemon.transfer_waits,
             locator=daemon.locator,
             ownership=daemon.ownership,
+            listener=listener,
         )
+    _start(listener, background)
+    if relay is not None:
         _start(relay, background)
 
 
@@ -449,9 +465,11 @@ def start_shard(
         transfer_waits=transfer_waits,
         locator=locator,
         ownership=ownership,
+        key_waits=guard.key_waits,
     )
     if metrics is not None:
         metrics.follow_ownership(locator)
+        metrics.follow_key_waits(guard.key_waits)
     start_background(daemon, metrics_host=metrics_host)
     grpcserver.mark_serving(health_servicer, [PUBLIC_SERVICE, INTERNAL_SERVICE])
     _warn_about(settings)

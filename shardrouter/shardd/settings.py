@@ -76,6 +76,9 @@ class ShardSettings:
     handler_lock_timeout_ms: int = 2000
     #: RetryInfo delay for an in-flight duplicate (ms).
     in_flight_retry_ms: int = 100
+    #: Longest a duplicate that asked to wait (`idempotency-wait-ms`, HTTP `Prefer: wait=N`) waits for
+    #: its original in flight (ms); a longer ask is capped to it. 0: never wait (answer in flight).
+    max_duplicate_wait_ms: int = 10_000
     #: Accept only UUIDv7 idempotency keys (INVALID_ARGUMENT for any other UUID or an opaque key).
     #: A UUIDv7 dates itself, so a retry after its record was dropped is refused as expired; any
     #: other key is dated by its first receipt, and such a late retry looks like a new operation.
@@ -203,6 +206,10 @@ class ShardSettings:
                 "replay_cache_entries and replay_cache_mb must not be negative",
             ),
             (self.transient_retry_ms < 1, "transient_retry_ms must be at least 1"),
+            (
+                not 0 <= self.max_duplicate_wait_ms <= 600_000,
+                "max_duplicate_wait_ms must be between 0 and 600000",
+            ),
             (self.retention_days < 1, "retention_days must be at least 1"),
             (
                 bool(self.tls_cert) != bool(self.tls_key) or bool(self.tls_ca and not self.tls_cert),

@@ -12,6 +12,9 @@ and replays exactly as for gRPC; the shard's answer becomes the HTTP answer:
 * not OK: `application/problem+json` from the status and its rich details (`problems`: 409 +
   Retry-After in flight, 422 key reused, 400 bad key or request, 429/503 + Retry-After, ...), with
   the same `reason` as the gRPC ErrorInfo; a replayed business refusal carries `Idempotent-Replayed`.
+* `Prefer: wait=N` (RFC 7240, `prefer`) on a keyed call becomes `idempotency-wait-ms`: a duplicate
+  of a request still in flight waits up to N s for its outcome instead of 409; the answer's
+  `Preference-Applied: wait=M` says the shard honoured it, and for how long at most.
 
 What HTTP adds is answered here, before anything is forwarded, and never stored: a wrong content type
 (415), a body over the limit (413), a body that does not arrive in time (408), headers over the limit
@@ -81,6 +84,8 @@ from shardrouter.core.wire_names import (
     REPLAYED_HEADER,
     REPLAYED_TRAILER,
     REPLAYED_VALUE,
+    WAIT_APPLIED_TRAILER,
+    WAIT_METADATA,
     OutcomeKind,
 )
 from shardrouter.router.forwarding import Forwarder, Outcome
@@ -95,6 +100,13 @@ from shardrouter.router.http.json_mapping import (
     request_from_http,
 )
 from shardrouter.router.http.openapi import openapi_json, openapi_page
+from shardrouter.router.http.prefer import (
+    PREFER_HEADER,
+    PREFERENCE_APPLIED_HEADER,
+    PreferWaitError,
+    parse_prefer_wait,
+    preference_applied,
+)
 from shardrouter.router.http.problems import (
     HTTP_ONLY_CODES,
     PROBLEM_CONTENT_TYPE,
@@ -280,7 +292,7 @@ class HttpFront:
             except _Refusal as refused:
                 self._count_refusal(request, declaration.full_name, refused.code)
                 return self._finish(span, _problem_response(refused.problem))
-            except (JsonRequestError, IdempotencyKeyHeaderError) as error:
+            except (JsonRequestError, IdempotencyKeyHeaderError, PreferWaitError) as error:
                 refusal = error.to_error()
                 self._count_refusal(request, declaration.full_name, refusal.code)
                 return self._finish(span, _problem_response(problem_from_error(refusal)))
@@ -358,6 +370,9 @@ class HttpFront:
         if keyed:
             key = parse_idempotency_key(request.headers.getlist(IDEMPOTENCY_KEY_HEADER))  # any letter case
             metadata.append((KEY_METADATA, key))
+            wait_s = parse_prefer_wait(request.headers.getlist(PREFER_HEADER))
+            if wait_s:  # a duplicate may wait for its original in flight (0: answer 409 at once)
+                metadata.append((WAIT_METADATA, str(wait_s * 1000)))
         callers = request.headers.getlist(CALLER_HEADER)
         if len(callers) == 1:
             metadata.append((CALLER_METADATA, callers[0]))
@@ -454,11 +469,17 @@ class HttpFront:
 
     def _answer(self, declaration: RpcDeclaration, outcome: Outcome) -> Response:
         replayed = _trailer(outcome.trailing_metadata, REPLAYED_TRAILER) == REPLAYED_VALUE
+        applied = preference_applied(_trailer(outcome.trailing_metadata, WAIT_APPLIED_TRAILER))
         if outcome.code is not grpc.StatusCode.OK or outcome.response is None:
             problem = problem_from_trailers(outcome.code, outcome.details, outcome.trailing_metadata)
-            return _problem_response(problem, replayed)
+            answer = _problem_response(problem, replayed)
+            if applied is not None:
+                answer.headers[PREFERENCE_APPLIED_HEADER] = applied
+            return answer
         response = declaration.response_type.FromString(outcome.response)
         headers: dict[str, str] = {}
+        if applied is not None:
+            headers[PREFERENCE_APPLIED_HEADER] = applied
         if replayed:
             headers[REPLAYED_HEADER] = REPLAYED_VALUE
         status = 200

@@ -3,8 +3,9 @@
 Every RPC with a `google.api.http` route (`shardrouter.core.rpcs.RPCS`) is one operation; its request
 and response schemas come from the message descriptors with the proto3 JSON mapping (lowerCamelCase
 names, 64-bit integers as decimal strings, enums by name, Timestamp as an RFC 3339 string). Keyed
-operations take the `Idempotency-Key` header, answer 201 (with `Location` where a GET route returns
-what they created) and mark replays with `Idempotent-Replayed: true`; failures are problem+json
+operations take the `Idempotency-Key` header (and `Prefer: wait=N`, `prefer`), answer 201 (with
+`Location` where a GET route returns what they created) and mark replays with
+`Idempotent-Replayed: true`; failures are problem+json
 (`shardrouter.router.http.problems`). The source document's compact `POST /transfers` is added beside
 the declared routes (`shardrouter.router.http.json_mapping.COMPACT_TRANSFER_ROUTE`).
 
@@ -36,6 +37,7 @@ from shardrouter.router.http.json_mapping import (
     CompactTransfer,
     created_resource_route,
 )
+from shardrouter.router.http.prefer import PREFER_HEADER, PREFERENCE_APPLIED_HEADER
 from shardrouter.router.http.problems import HTTP_ONLY_CODES, PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_PREFIX
 
 __all__ = ["OPENAPI_PAGE", "OPENAPI_VERSION", "openapi_document", "openapi_json", "openapi_page"]
@@ -219,7 +221,9 @@ _ERROR_RESPONSES: dict[str, dict[str, Any]] = {
     "400": _problem_response("Malformed request, or a missing or malformed Idempotency-Key."),
     "404": _problem_response("The account or transfer does not exist."),
     "409": _problem_response(
-        "A request with this Idempotency-Key is still in progress: send it again after Retry-After.",
+        "A request with this Idempotency-Key is still in progress: send it again after Retry-After "
+        f"(or send `{PREFER_HEADER}: wait=N` to wait for its outcome instead; this answer then comes only "
+        "once the wait granted ran out).",
         retry_after=True,
     ),
     "422": _problem_response(
@@ -232,6 +236,10 @@ _ERROR_RESPONSES: dict[str, dict[str, Any]] = {
     ),
     "504": _problem_response("The deadline ran out; nothing was applied."),
     "default": _problem_response("Any other failure."),
+}
+# A duplicate that asked to wait and ran out of its wait says what it was granted.
+_ERROR_RESPONSES["409"]["headers"][PREFERENCE_APPLIED_HEADER] = {
+    "$ref": f"#/components/headers/{PREFERENCE_APPLIED_HEADER}"
 }
 
 
@@ -256,6 +264,7 @@ def _parameters(declaration: RpcDeclaration, route: HttpRoute, schemas: _Schemas
         ]
     if declaration.keyed:
         parameters.append({"$ref": f"#/components/parameters/{IDEMPOTENCY_KEY_HEADER}"})
+        parameters.append({"$ref": f"#/components/parameters/{PREFER_HEADER}"})
     return parameters
 
 
@@ -289,7 +298,8 @@ def _responses(declaration: RpcDeclaration, schemas: _Schemas) -> dict[str, Any]
                     f"`{REPLAYED_VALUE}` when this is the stored answer of an earlier request with the same key."
                 ),
                 "schema": {"type": "string", "enum": [REPLAYED_VALUE]},
-            }
+            },
+            PREFERENCE_APPLIED_HEADER: {"$ref": f"#/components/headers/{PREFERENCE_APPLIED_HEADER}"},
         }
         if created_resource_route(declaration) is not None:
             headers[LOCATION_HEADER] = {
@@ -334,6 +344,56 @@ def _operation(
     return operation
 
 
+def _header_parameters() -> dict[str, Any]:
+    """The request headers keyed operations take: the key, and the wait preference."""
+    return {
+        IDEMPOTENCY_KEY_HEADER: {
+            "name": IDEMPOTENCY_KEY_HEADER,
+            "in": "header",
+            "required": True,
+            "description": (
+                f"1-{MAX_KEY_LENGTH} visible ASCII characters, quoted (structured-field string) "
+                "or bare; a UUIDv7 is recommended. Generate it once per operation, store it, and "
+                "send it unchanged on every retry."
+            ),
+            "schema": {"type": "string", "minLength": 1, "maxLength": 2 * MAX_KEY_LENGTH + 2},
+        },
+        PREFER_HEADER: {
+            "name": PREFER_HEADER,
+            "in": "header",
+            "required": False,
+            "description": (
+                "RFC 7240 preferences; the one read is `wait=N` (whole seconds). When an earlier "
+                "request with the same Idempotency-Key is still in progress, wait up to N seconds "
+                "(capped at the server's maximum, and within the request's deadline) for its "
+                "outcome and answer it (replayed, with Idempotent-Replayed: true), or run the "
+                "request if that attempt ended without an outcome, instead of 409 at once. Past "
+                "the wait, 409 as without it. A wait value that is not a whole number of seconds "
+                "is refused with 400; other preferences are ignored."
+            ),
+            "schema": {"type": "string", "examples": ["wait=5"]},
+        },
+    }
+
+
+def _response_headers() -> dict[str, Any]:
+    """The response headers answers refer to."""
+    return {
+        RETRY_AFTER_HEADER: {
+            "description": "Seconds to wait before sending the same request again.",
+            "schema": {"type": "integer", "minimum": 1},
+        },
+        PREFERENCE_APPLIED_HEADER: {
+            "description": (
+                f"`wait=M` when the request's `{PREFER_HEADER}: wait=N` was honoured: M is the "
+                "longest wait granted, N capped at the server's maximum (the deadline bounds it "
+                "further). On every answer to such a request, including 409."
+            ),
+            "schema": {"type": "string", "examples": ["wait=5"]},
+        },
+    }
+
+
 def openapi_document(title: str = "shard-router", version: str = "v1") -> dict[str, Any]:
     """The OpenAPI 3.1 document of every RPC with an HTTP route, plus the compact `POST /transfers`."""
     schemas = _Schemas()
@@ -360,33 +420,17 @@ def openapi_document(title: str = "shard-router", version: str = "v1") -> dict[s
                 "from their google.api.http declarations, bodies in the proto3 JSON mapping (fields in "
                 "lowerCamelCase or as in the proto, unknown fields refused). Mutating calls take an "
                 "Idempotency-Key header (IETF draft): 201 on first apply, the stored answer replayed with "
-                "Idempotent-Replayed: true, 409 + Retry-After while in flight, 422 on reuse with a "
-                "different request, 400 when missing or malformed. Errors are problem+json carrying the "
-                "gRPC ErrorInfo reason."
+                "Idempotent-Replayed: true, 409 + Retry-After while in flight (or, with Prefer: wait=N, "
+                "the in-flight request's outcome once it has one, and Preference-Applied), 422 on reuse "
+                "with a different request, 400 when missing or malformed. Errors are problem+json "
+                "carrying the gRPC ErrorInfo reason."
             ),
         },
         "paths": paths,
         "components": {
             "schemas": components_schemas,
-            "parameters": {
-                IDEMPOTENCY_KEY_HEADER: {
-                    "name": IDEMPOTENCY_KEY_HEADER,
-                    "in": "header",
-                    "required": True,
-                    "description": (
-                        f"1-{MAX_KEY_LENGTH} visible ASCII characters, quoted (structured-field string) "
-                        "or bare; a UUIDv7 is recommended. Generate it once per operation, store it, and "
-                        "send it unchanged on every retry."
-                    ),
-                    "schema": {"type": "string", "minLength": 1, "maxLength": 2 * MAX_KEY_LENGTH + 2},
-                }
-            },
-            "headers": {
-                RETRY_AFTER_HEADER: {
-                    "description": "Seconds to wait before sending the same request again.",
-                    "schema": {"type": "integer", "minimum": 1},
-                }
-            },
+            "parameters": _header_parameters(),
+            "headers": _response_headers(),
             "responses": {
                 f"Problem{status.capitalize()}": response for status, response in _ERROR_RESPONSES.items()
             },

@@ -78,6 +78,8 @@ class GuardedCall:
     request_hash: bytes
     #: The account the call is routed by, if its method names one.
     account_id: str | None
+    #: How long (ms) the call may wait for its key's original in flight, as granted (0: not at all).
+    wait_ms: int = 0
 
     @property
     def scoped_key(self) -> ScopedKey:

@@ -25,6 +25,9 @@ class IdempotencyConfig:
     #: Refuse every key but a UUIDv7 (INVALID_ARGUMENT): only a key that dates itself lets a retry
     #: that comes after its record was dropped be refused as expired instead of applied again.
     require_uuidv7: bool = False
+    #: Longest a duplicate that asked to wait for its original in flight waits (ms); a longer ask is
+    #: capped to it, and 0 turns waiting off (every duplicate in flight is answered ABORTED at once).
+    max_duplicate_wait_ms: int = 10_000
 
     def __post_init__(self) -> None:
         if self.retention <= timedelta(0):
@@ -34,6 +37,8 @@ class IdempotencyConfig:
         for name in ("claim_lock_timeout_ms", "handler_lock_timeout_ms", "in_flight_retry_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.max_duplicate_wait_ms < 0:
+            raise ValueError("max_duplicate_wait_ms must not be negative")
 
 
 __all__ = [

@@ -3,7 +3,7 @@
 It wraps each configured method as a bytes-in, bytes-out handler, so a replay returns the stored
 response bytes exactly. Per call, the steps of `steps.py`, chained once per method: read and check
 the key -> decode and validate the request (failures are answered before any claim and never stored)
--> answer from this process's memory when it can (a key it completed recently is replayed; a
+-> wait for the original of a key in flight, for a call that asked to (`waiting`) -> answer from this process's memory when it can (a key it completed recently is replayed; a
 duplicate of a key one of its threads is working on joins that call: `process_keys`) -> take an
 admission slot (`shardd.admission`) -> open one transaction -> claim the key (a completed key is
 replayed by a plain read, no lock) -> run the real handler in that transaction (published through
@@ -46,6 +46,7 @@ from shardrouter.core.wire_names import (
     OUTCOME_TRAILER,
     REPLAYED_TRAILER,
     REPLAYED_VALUE,
+    WAIT_APPLIED_TRAILER,
     OutcomeKind,
 )
 from shardrouter.shardd.admission import Admission
@@ -75,6 +76,7 @@ from shardrouter.shardd.idempotency.steps import (
     expiry,
     read_key,
 )
+from shardrouter.shardd.idempotency.waiting import KeyWaits, WaitForOriginal, read_wait
 from shardrouter.shardd.identity import IdentityPolicy
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,8 @@ class Collaborators:
     admission: Admission | None
     completed: CompletedKeys
     flights: KeyFlights
+    #: This process's waiting duplicates and the wait requests it answers.
+    waits: KeyWaits
 
 
 class IdempotencyInterceptor(UnaryInterceptor):
@@ -122,6 +126,10 @@ class IdempotencyInterceptor(UnaryInterceptor):
     ) -> None:
         super().__init__()
         self._methods: Mapping[str, MutatingMethod] = {m.full_name: m for m in methods}
+        completed = (
+            completed if completed is not None else CompletedKeys(max_entries=10_000, max_bytes=16 * 1024 * 1024)
+        )
+        flights = KeyFlights()
         self._with = Collaborators(
             database=database,
             config=config,
@@ -131,14 +139,16 @@ class IdempotencyInterceptor(UnaryInterceptor):
             tracer=tracer,
             shard_id=shard_id,
             admission=admission,
-            completed=(
-                completed
-                if completed is not None
-                else CompletedKeys(max_entries=10_000, max_bytes=16 * 1024 * 1024)
-            ),
-            flights=KeyFlights(),
+            completed=completed,
+            flights=flights,
+            waits=KeyWaits(database, flights, completed),
         )
         self._keys = DatabaseKeys(database, config, tracer)
+
+    @property
+    def key_waits(self) -> KeyWaits:
+        """This process's waiting duplicates: subscribe them to the process's listener."""
+        return self._with.waits
 
     @property
     def guarded_methods(self) -> frozenset[str]:
@@ -159,14 +169,20 @@ class IdempotencyInterceptor(UnaryInterceptor):
 def chain(
     collaborators: Collaborators, method: MutatingMethod, handler: MethodHandler, keys: KeyStore
 ) -> CallStep:
-    """The steps after decoding, built once per method: answer_from_memory -> admit -> claim_or_replay
-    -> store_outcome -> run_handler (admit left out when there are no admission limits)."""
-    name, config = method.full_name, collaborators.config
+    """The steps after decoding, built once per method: wait_for_original -> answer_from_memory ->
+    admit -> claim_or_replay -> store_outcome -> run_handler (admit left out when there are no
+    admission limits, wait_for_original when the daemon's maximum wait is 0)."""
+    name, config, waits = method.full_name, collaborators.config, collaborators.waits
     in_transaction = StoreOutcome(RunHandler(handler, name), keys)
     to_database: FlightStep = ClaimOrReplay(in_transaction, keys, name, config)
     if collaborators.admission is not None:
         to_database = Admit(to_database, collaborators.admission)
-    return AnswerFromMemory(to_database, collaborators.completed, collaborators.flights, config)
+    from_memory = AnswerFromMemory(
+        to_database, collaborators.completed, collaborators.flights, config, waits.announce
+    )
+    if config.max_duplicate_wait_ms == 0:
+        return from_memory
+    return WaitForOriginal(from_memory, waits)
 
 
 class GuardedMethod:
@@ -212,7 +228,8 @@ class GuardedMethod:
             key = read_key(metadata, self._with.config, now)
             span.set_attribute(KEY_ATTRIBUTE, key.text)
             check_key_age(key, now, self._with.config)
-            call = self._decode_and_validate(raw, context, metadata, span, key)
+            wait_ms = read_wait(metadata, self._with.config.max_duplicate_wait_ms)
+            call = self._decode_and_validate(raw, context, metadata, span, key, wait_ms)
             outcome, kind, dated = self._run(call)
         except ShardRouterError as error:
             self._refuse(context, span, started, error, key, call)
@@ -256,7 +273,7 @@ class GuardedMethod:
             if dated == call.key.time
             else expiry(dated, self._with.config.retention)[1]
         )
-        trailers = [*outcome.trailers, expiry_trailer]
+        trailers = [*outcome.trailers, expiry_trailer, *_wait_trailer(call)]
         if kind is OutcomeKind.REPLAY:
             trailers.append((REPLAYED_TRAILER, REPLAYED_VALUE))
         if outcome.is_ok:
@@ -292,7 +309,14 @@ class GuardedMethod:
         trailers: list[Trailer] = [(OUTCOME_TRAILER, kind.value)]
         if key is not None:
             trailers.append(key.expiry_trailer)
+        if call is not None:
+            trailers += _wait_trailer(call)
         abort_with_error(context, error, trailers)
+
+
+def _wait_trailer(call: GuardedCall) -> tuple[Trailer, ...]:
+    """`idempotency-wait-applied-ms` for a call that asked to wait: the wait granted to it."""
+    return ((WAIT_APPLIED_TRAILER, str(call.wait_ms)),) if call.wait_ms > 0 else ()
 
 
 def _trace_outcome(span: trace.Span, kind: OutcomeKind, code: grpc.StatusCode, message: str) -> None:

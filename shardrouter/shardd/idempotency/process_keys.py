@@ -8,6 +8,10 @@ Two answers need no database round trip, no pool connection and no admission slo
 - a key this process completed (or replayed) recently has an immutable outcome (`CompletedKeys`):
   answered from memory, byte for byte the stored one.
 
+A duplicate that waits for its original (`waiting`) asks every daemon of the shard to tell it when the
+original ends; `KeyFlights.answer_wait_request` and `KeyFlights.land` decide, under the flights' one
+lock, who tells it (the argument that no wake-up is lost is in `waiting`'s docstring).
+
 Neither decides anything the database would decide differently: the database still settles every
 claim, between processes too. A completed record never changes until its partition is dropped, and
 the interceptor refuses a key older than the retention window before it looks here, so a cached
@@ -34,17 +38,22 @@ class KeyFlight:
     joins (under the flights' lock, which also guards the settled flag, so no wake-up is missed).
     """
 
-    __slots__ = ("_event", "_lock", "_settled", "record")
+    __slots__ = ("_event", "_lock", "_settled", "claimed", "record", "waited")
 
     def __init__(self, lock: threading.Lock) -> None:
         self._lock = lock
         self._event: threading.Event | None = None
         self._settled = False
+        #: A duplicate somewhere in the shard waits for this call to end (set under the flights' lock).
+        self.waited = False
+        #: The call claimed the key: it is the key's original, whose end changes what a duplicate finds.
+        self.claimed = False
         #: The key's completed record, once this call has seen or made it.
         self.record: IdempotencyRecord | None = None
 
     def mark_claimed(self) -> None:
         """The call claimed the key; its duplicates need not wait any longer."""
+        self.claimed = True
         self._settle()
 
     def wait_settled(self, timeout_s: float) -> bool:
@@ -72,12 +81,18 @@ class KeyFlight:
         self._settle()
 
 
+#: How many ended flights a process remembers for the wait requests that arrive after the end.
+ENDED_KEPT = 4096
+
+
 class KeyFlights:
-    """The keys this process's worker threads are working on, each led by one call."""
+    """The keys this process's worker threads are working on, each led by one call, and the last
+    `ENDED_KEPT` keys whose flight ended here."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._flights: dict[ScopedKey, KeyFlight] = {}
+        self._ended: OrderedDict[ScopedKey, None] = OrderedDict()
 
     def join(self, scoped: ScopedKey) -> tuple[KeyFlight, bool]:
         """The flight of `scoped`, and whether the caller leads it (no other call was on the key)."""
@@ -89,12 +104,41 @@ class KeyFlights:
             flight = self._flights[scoped] = KeyFlight(self._lock)
             return flight, True
 
-    def land(self, scoped: ScopedKey, flight: KeyFlight, record: IdempotencyRecord | None) -> None:
-        """The leading call of `flight` ended, with the key's completed record if it has one."""
+    def land(self, scoped: ScopedKey, flight: KeyFlight, record: IdempotencyRecord | None) -> bool:
+        """The leading call of `flight` ended (after its commit, if it made one), with the key's
+        completed record if it has one; whether a duplicate waits to be told.
+
+        Only a flight that claimed the key or saw its record ends something a waiter cares about; a
+        flight that found the key in flight elsewhere (a waiter's own look, say) changes nothing."""
+        decisive = flight.claimed or record is not None
         with self._lock:
             if self._flights.get(scoped) is flight:
                 del self._flights[scoped]
+            if decisive:
+                ended = self._ended
+                ended[scoped] = None
+                ended.move_to_end(scoped)
+                if len(ended) > ENDED_KEPT:
+                    ended.popitem(last=False)
+            waited = flight.waited and decisive
         flight._end(record)
+        return waited
+
+    def answer_wait_request(self, scoped: ScopedKey, completed: CompletedKeys) -> bool:
+        """A duplicate somewhere asks to be told when `scoped`'s original ends: True if a flight that
+        claimed the key or saw its record has ended here (tell it now); a flight here is marked to
+        tell it when it lands (False); a key this process knows nothing of is not its to answer."""
+        with self._lock:
+            flight = self._flights.get(scoped)
+            if flight is not None:
+                flight.waited = True
+                return False
+            if self._ended.pop(scoped, 0) is None:
+                # Forgotten once told: a retry that claimed the key elsewhere since must not be
+                # answered "ended" again (a waiter would spin), and a request sent after this
+                # answer reads after the end anyway.
+                return True
+            return completed.get(scoped) is not None
 
     def __len__(self) -> int:
         return len(self._flights)

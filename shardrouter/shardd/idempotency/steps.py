@@ -1,6 +1,8 @@
 """The steps of a guarded call, each with one job; the interceptor chains them once per method.
 
     read_key -> check_key_age -> decode_and_validate      build the call's input (`GuardedCall`)
+    -> wait_for_original    a duplicate in flight that asked to wait looks again (the whole chain
+                            below) until its original ended or its bound (`waiting.py`)
     -> answer_from_memory   a key this process completed, or a duplicate joining its flight
     -> admit                an admission slot (left out of the chain when there are no limits)
     -> claim_or_replay      claim the key, or replay its committed record; a claimed key's handler
@@ -18,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import datetime, timedelta
 from typing import Any
@@ -62,7 +64,7 @@ from shardrouter.shardd.idempotency.call import (
 )
 from shardrouter.shardd.idempotency.config import IdempotencyConfig
 from shardrouter.shardd.idempotency.outcomes import OutcomeKind
-from shardrouter.shardd.idempotency.process_keys import CompletedKeys, KeyFlight, KeyFlights
+from shardrouter.shardd.idempotency.process_keys import CompletedKeys, KeyFlight, KeyFlights, ScopedKey
 from shardrouter.shardd.idempotency.record import (
     Claim,
     ClaimStatus,
@@ -165,8 +167,11 @@ class DecodeAndValidate:
         metadata: Sequence[tuple[str, str | bytes]],
         span: trace.Span,
         key: KeyRead,
+        wait_ms: int = 0,
     ) -> GuardedCall:
-        """The call's input for the next steps; InvalidArgument (never stored) for a bad request."""
+        """The call's input for the next steps; InvalidArgument (never stored) for a bad request.
+
+        `wait_ms`: the wait for an original in flight granted to the call (`waiting.read_wait`)."""
         method = self._method
         request = self._decode(raw)
         method.validate(request)
@@ -180,7 +185,7 @@ class DecodeAndValidate:
         ).digest()
         routing_field = method.routing_field
         account_id = str(getattr(request, routing_field)) if routing_field else None
-        return GuardedCall(context, span, scope, key, request, request_hash, account_id)
+        return GuardedCall(context, span, scope, key, request, request_hash, account_id, wait_ms)
 
     def _decode(self, raw: bytes) -> Message:
         if self._deserialize is None:
@@ -196,14 +201,21 @@ class AnswerFromMemory:
     """answer_from_memory: a key this process completed is replayed; a duplicate of a key another
     thread here works on joins that call's flight; the flight's leader goes on to the database."""
 
-    __slots__ = ("_completed", "_flights", "_follow_timeout_s", "_in_flight_retry_ms", "_next")
+    __slots__ = ("_announce", "_completed", "_flights", "_follow_timeout_s", "_in_flight_retry_ms", "_next")
 
     def __init__(
-        self, next_step: FlightStep, completed: CompletedKeys, flights: KeyFlights, config: IdempotencyConfig
+        self,
+        next_step: FlightStep,
+        completed: CompletedKeys,
+        flights: KeyFlights,
+        config: IdempotencyConfig,
+        announce: Callable[[ScopedKey], None] | None = None,
     ) -> None:
         self._next = next_step
         self._completed = completed
         self._flights = flights
+        #: Tells the shard's waiting duplicates that a flight they wait for landed (`waiting`).
+        self._announce = announce
         # The leading call settles within one database read unless it claimed the key; a bounded
         # wait keeps a worker thread from queueing behind a slow database.
         self._follow_timeout_s = config.claim_lock_timeout_ms / 1000
@@ -236,8 +248,9 @@ class AnswerFromMemory:
         finally:
             if record is not None:
                 self._completed.put(call.scoped_key, record)
-            if listed:
-                self._flights.land(call.scoped_key, flight, record)
+            # Landed after the commit (or the rollback); a duplicate waiting for it is told now.
+            if listed and self._flights.land(call.scoped_key, flight, record) and self._announce:
+                self._announce(call.scoped_key)
         assert record.outcome is not None
         if made:
             # Committed, the flight landed, the answer not yet written: a crash here leaves the caller
