@@ -7,6 +7,7 @@ Scenarios (rows of the table; `python -m bench --list` prints this):
   pgbench-limit     one Deposit's writes folded into one CTE statement: the limit
   shard-deposit     Deposit with new keys, straight to the shard daemon
   shard-deposit-nopipeline  the same to a daemon with SHARDD_DB_PIPELINE=false (12 round trips, less CPU)
+  hot-account       shard-deposit's load with every Deposit on one account (a merchant's, a fee account)
   shard-transfer    same-shard Transfer with new keys, straight to the shard daemon
   noidem-deposit    the same Deposit handler without the idempotency interceptor (bench/noidem_server.py)
   router-deposit    Deposit with new keys through the router
@@ -59,6 +60,7 @@ SCENARIOS = (
     "pgbench-limit",
     "shard-deposit",
     "shard-deposit-nopipeline",
+    "hot-account",
     "shard-transfer",
     "noidem-deposit",
     "router-deposit",
@@ -372,6 +374,8 @@ class _Cells:
         accounts = system.accounts_file("a")
         if scenario in _DEPOSIT_TARGETS:
             return LoadSpec(self._address(_DEPOSIT_TARGETS[scenario]), accounts=accounts)
+        if scenario == "hot-account":  # shard-a's Deposits, every one on the same account
+            return LoadSpec(self._address("shard-a"), accounts=self._hot_accounts())
         if scenario == "shard-transfer":
             return LoadSpec(self._address("shard-a"), method="transfer", accounts=accounts, amount=1)
         if scenario == "http-deposit":
@@ -395,12 +399,17 @@ class _Cells:
             )
         raise ValueError(f"unknown scenario {scenario}")
 
+    def _hot_accounts(self) -> Path:
+        """An accounts file holding only the hot account."""
+        hot = self.system.workdir / "hot.json"
+        hot.write_text(json.dumps([self.system.hot_account]))
+        return hot
+
     def _conflict_rows(self, scenario: str) -> None:
         """Every concurrency of a conflict row: calls on one key that is held in flight meanwhile."""
         system = self.system
         with self._key_in_flight() as key:
-            hot = system.workdir / "hot.json"
-            hot.write_text(json.dumps([system.hot_account]))
+            hot = self._hot_accounts()
             if scenario == "conflict":
                 spec = LoadSpec(
                     self._address("shard-a"),
