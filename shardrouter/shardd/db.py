@@ -79,7 +79,7 @@ class Database:
         #: Called when a write meets a slot fence: the shard daemon re-reads its shard map then, so
         #: once a move has committed its next refusal names the new owner (ACCOUNT_MOVED).
         self.on_slot_fenced: Callable[[], object] | None = None
-        configure = functools.partial(_trace_statements, tracer_provider=tracer_provider) if traced else None
+        configure = functools.partial(_configure, traced=traced, tracer_provider=tracer_provider)
         self.checks = ConnectionChecks()
         self.pool: psycopg_pool.ConnectionPool[Connection] = psycopg_pool.ConnectionPool(
             dsn,
@@ -172,6 +172,20 @@ def _check_connection(conn: Connection) -> None:
     finally:
         with contextlib.suppress(Exception):  # a closed connection must not hide the first error
             conn.autocommit = was_autocommit
+
+
+def _configure(conn: Connection, *, traced: bool, tracer_provider: TracerProvider | None) -> None:
+    """A new pooled connection: generic plans, and its statements traced when asked.
+
+    Generic plans: a custom plan of a statement on the partitioned key table is made again on every
+    call (the planner prices the generic plan with every partition in it, so `auto` keeps choosing
+    custom ones), about 0.1 ms of the database's time per claim; a generic plan prunes partitions
+    when it starts. The shard's statements are short lookups by key, where a custom plan buys
+    nothing.
+    """
+    conn.execute("SET plan_cache_mode = force_generic_plan")
+    if traced:
+        _trace_statements(conn, tracer_provider=tracer_provider)
 
 
 def _trace_statements(conn: Connection, *, tracer_provider: TracerProvider | None) -> None:

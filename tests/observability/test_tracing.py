@@ -106,18 +106,19 @@ def test_first_call_then_replay(traced: Traced, db) -> None:
         ]
 
     first_sql = statements(db_spans[0])
-    # The claim alone; the handler's transaction (a Deposit is one statement); the completed record,
-    # stored by the statement that releases the key at the COMMIT; the COMMIT.
+    # The claim alone; the handler's transaction with its bounds (a Deposit is one statement); the
+    # completed record, stored by the statement that releases the key at the COMMIT; the COMMIT.
     expected = [
-        "SELECT c.claim, c.claimed_at, (c.record).* FROM idempotency_claim(",
+        "SELECT now() AS claimed_at, CASE WHEN r.key IS NULL THEN pg_try_advisory_lock(",
         "BEGIN",
+        "SELECT set_config('lock_timeout'",
         "WITH account AS ( INSERT INTO accounts",
         "WITH stored AS (INSERT INTO idempotency_record",
         "COMMIT",
     ]
     assert len(first_sql) == len(expected), first_sql
     assert all(q.startswith(prefix) for q, prefix in zip(first_sql, expected, strict=True)), first_sql
-    assert "INSERT INTO ledger_entries" in first_sql[2], first_sql
+    assert "INSERT INTO ledger_entries" in first_sql[3], first_sql
     assert all(q and key not in q for q in first_sql), first_sql
     # This process completed the key, so it replays from memory: no database transaction at all.
     assert replay.attributes["idempotency.record_source"] == "memory"

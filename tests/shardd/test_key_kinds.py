@@ -244,7 +244,7 @@ def test_a_shard_requiring_uuidv7_refuses_other_keys_and_stores_nothing(database
 def test_the_key_stays_held_from_its_hand_over_until_the_commit(database):
     """The record's statement exchanges the claim's session lock for a transaction lock: between it
     and the COMMIT a twin still finds the key in flight (the record is not visible yet), after the
-    COMMIT the key is free, and the session's own bounds are back."""
+    COMMIT the key is free; the handler's bounds were the transaction's alone."""
     prepare_database(database, timedelta(days=30))
     key = "handover/" + uuid.uuid4().hex
     now = datetime.now(UTC)
@@ -253,11 +253,12 @@ def test_the_key_stays_held_from_its_hand_over_until_the_commit(database):
         psycopg.connect(database, autocommit=True) as twin,
     ):
         own_timeout = holder.execute("SELECT current_setting('lock_timeout')").fetchone()
-        claim = store.claim_key(holder, scope="s", key=key, key_time=now, handler_lock_timeout_ms=1234)
+        claim = store.claim_key(holder, scope="s", key=key, key_time=now)
         assert claim.status is ClaimStatus.CLAIMED
+        store.begin_handler(holder, lock_timeout_ms=1234)
         assert holder.execute("SELECT current_setting('lock_timeout')").fetchone() == ("1234ms",)
-        store.begin_handler(holder)
-        assert holder.execute("SELECT idempotency_release('s', %s, true)", (key,)).fetchone() == (True,)
+        handed_over = store.HAND_OVER.format(rows="(SELECT 1) AS one")
+        assert holder.execute(handed_over, {"scope": "s", "key": key}).fetchone() == (True,)
         assert _claim(twin, key, now, dated_by_key=False).status is ClaimStatus.IN_FLIGHT
         holder.execute("COMMIT")
         assert holder.execute("SELECT current_setting('lock_timeout')").fetchone() == own_timeout

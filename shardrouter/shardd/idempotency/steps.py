@@ -490,25 +490,23 @@ class DatabaseKeys:
                 raise
 
     def claim(self, conn: Any, call: GuardedCall) -> Claim:
-        """`store.claim_key` for the call; a claim bounds the handler's statements by the call's deadline."""
+        """`store.claim_key` for the call."""
         return store.claim_key(
-            conn,
-            scope=call.scope,
-            key=call.key.text,
-            key_time=call.key.time,
-            dated_by_key=call.key.dated_by_key,
-            handler_lock_timeout_ms=self._handler_lock_timeout_ms,
-            statement_timeout_ms=statement_timeout_ms(call.context),
+            conn, scope=call.scope, key=call.key.text, key_time=call.key.time, dated_by_key=call.key.dated_by_key
         )
 
     @contextmanager
     def handler_transaction(self, conn: Any, call: GuardedCall) -> Iterator[Any]:
         """The handler's transaction, in pipeline mode unless the database says otherwise: BEGIN and
-        the bounds go with the handler's first statement, and the Sync that ends the pipeline carries
+        its bounds (a row lock's wait, the call's deadline) go with the handler's first statement, and the Sync that ends the pipeline carries
         the record, the COMMIT and the lock's release (`store`'s timeline)."""
         try:
             with conn.pipeline() if self._database.pipeline else nullcontext():
-                store.begin_handler(conn)
+                store.begin_handler(
+                    conn,
+                    lock_timeout_ms=self._handler_lock_timeout_ms,
+                    statement_timeout_ms=statement_timeout_ms(call.context),
+                )
                 yield conn
             if conn.info.transaction_status is not TransactionStatus.IDLE:
                 raise Internal(f"the handler's transaction of {call.scope} was left open")

@@ -5,25 +5,33 @@ record is found by its full primary key (scope, key, key_time) in one partition.
 UUID version, an opaque key) is dated by its first receipt: its record is found by (scope, key) across
 the live partitions.
 
-A guarded call takes three round trips when it applies, one when it replays; PostgreSQL runs six
-statements inside them for a new-key Deposit (the record read, the session bounds, a slot fence check
-per row written, the release; seven for a key dated by receipt, read twice) and one for a replay (`tests/shardd/test_statement_budget.py` pins
-these, `bench/statement_cost.py` lists them):
+A guarded call takes three round trips when it applies (four for a key dated by receipt), one when
+it replays. PostgreSQL runs four statements for a new-key Deposit and three nested in triggers (a
+slot fence check per row written), and one for a replay, with nothing nested and no function of ours
+on the way (`tests/shardd/test_statement_budget.py` pins these, `bench/statement_cost.py` lists
+them):
 
-    1  claim_key (autocommit, no transaction): `idempotency_claim` (migrations 12 and 17) reads the
-       key's committed record; found -> EXISTING, replayed, no lock taken or waited for. Else it
-       tries the key's session advisory lock, hash(scope, key):
-         lock granted, key dated by receipt: it reads again, in a query started after the lock was
-           granted, which sees every twin that committed (and so let the lock go) before it:
-           nothing found -> CLAIMED, found -> EXISTING (the lock is let go at once)
+    1  claim_key (autocommit, no transaction): one plain statement reads the key's committed record
+       and, only when there is none, tries the key's session advisory lock, hash(scope, key):
+         record found                  -> EXISTING, replayed, no lock taken or waited for
          lock granted, UUIDv7 key      -> CLAIMED without a second read: a twin that committed in
            between is caught by the primary key (below)
-         lock refused                  -> EXISTING if the holder has just committed, else IN_FLIGHT
-    2  the handler: BEGIN and the call's timeouts (`begin_handler`) travel in the pipeline with its
-       first statement; a Deposit is one statement
+         lock granted, key dated by receipt: a second statement reads again, started after the lock
+           was granted, so it sees every twin that committed (and so let the lock go) before it:
+           nothing found -> CLAIMED, found -> EXISTING (the lock is let go at once)
+         lock refused                  -> a second read: EXISTING if the holder has just committed,
+           else IN_FLIGHT
+    2  the handler: BEGIN and the transaction's bounds (`begin_handler`: a row lock's wait and the
+       caller's deadline, `set_config(..., is_local)`, so the COMMIT or ROLLBACK puts the session's
+       back) travel in the pipeline with its first statement; a Deposit is one statement
     3  complete_key: the completed record's INSERT, in the statement that hands the key from the
-       session lock to a transaction lock (`idempotency_release`, which is let go by the COMMIT),
-       and the COMMIT, sent with the pipeline's Sync
+       session lock to a transaction lock (`HAND_OVER`, which the COMMIT lets go), and the COMMIT,
+       sent with the pipeline's Sync
+
+The pooled connections use generic plans (`db.py`): a custom plan of the claim on the partitioned
+key table was made again on every call, about 0.1 ms of the database's time. The lock's key is the
+expression of migrations 12 and 17's functions (`idempotency_claim`, `idempotency_release`), which
+stay for a daemon of an earlier release: both exclude each other's twins.
 
 There is no in-progress row: while the handler runs, the session lock is the claim, and the record
 appears, completed, with the handler's writes at COMMIT or not at all. The lock is a session lock (it
@@ -63,7 +71,34 @@ _COLUMNS = (
     "scope, key, key_time, method, request_hash, state, status_code, status_message,"
     " status_details, response, trailers, created_at, completed_at, first_traceparent"
 )
-_CLAIM = "SELECT c.claim, c.claimed_at, (c.record).* FROM idempotency_claim(%s, %s, %s, %s, %s) AS c"
+_RECORD_COLUMNS = ", ".join(f"r.{column.strip()}" for column in _COLUMNS.split(","))
+#: The advisory lock of a key: the same expression as the functions of migrations 12 and 17, so a
+#: daemon of either release excludes the other's twins.
+_KEY_LOCK = "hashtextextended(%(scope)s || ' ' || %(key)s, 0)"
+#: The key's completed record, found by its full primary key (a UUIDv7: one partition).
+_DATED_RECORD = (
+    f"SELECT {_RECORD_COLUMNS} FROM idempotency_record r"
+    " WHERE r.scope = %(scope)s AND r.key = %(key)s AND r.key_time = %(key_time)s AND r.state = 'completed'"
+)
+#: The key's completed record in any live partition (a key dated by its first receipt).
+_UNDATED_RECORD = (
+    f"SELECT {_RECORD_COLUMNS} FROM idempotency_record r"
+    " WHERE r.scope = %(scope)s AND r.key = %(key)s AND r.state = 'completed' ORDER BY r.key_time LIMIT 1"
+)
+#: The claim: the key's record if it is there, else the key's session lock tried (CASE evaluates the
+#: lock only when no record was found: a replay takes no lock).
+_CLAIM_SQL = (
+    f"SELECT now() AS claimed_at, CASE WHEN r.key IS NULL THEN pg_try_advisory_lock({_KEY_LOCK}) END AS locked,"
+    " r.* FROM (SELECT 1) AS one LEFT JOIN LATERAL ({record}) AS r ON true"
+)
+#: The hand-over of a claimed key, once per row of `{rows}`: its transaction lock taken (the COMMIT
+#: lets it go), then its session lock let go; OFFSET 0 keeps the two in that order.
+HAND_OVER = (
+    f"SELECT pg_advisory_unlock({_KEY_LOCK}) FROM"
+    f" (SELECT pg_advisory_xact_lock({_KEY_LOCK}) FROM {{rows}} OFFSET 0) AS handed_over"
+)
+_CLAIM_DATED = _CLAIM_SQL.format(record=_DATED_RECORD)
+_CLAIM_UNDATED = _CLAIM_SQL.format(record=_UNDATED_RECORD)
 
 
 def claim_key(
@@ -73,32 +108,61 @@ def claim_key(
     key: str,
     key_time: datetime,
     dated_by_key: bool = True,
-    handler_lock_timeout_ms: int = 2000,
-    statement_timeout_ms: int | None = None,
 ) -> Claim:
-    """Claim a key (one statement, on an autocommit connection outside any transaction).
+    """Claim a key (on an autocommit connection outside any transaction).
 
     `key_time`: the date of a record this call makes; `dated_by_key`: whether the key carries it (a
     UUIDv7), so its record can only be in that partition, or it is this receipt's time, so a record
-    of the key may be in any partition. CLAIMED leaves the key's session lock held by `conn`, and the
-    session's statements bound by `handler_lock_timeout_ms` (a row lock's wait) and
-    `statement_timeout_ms` (the caller's deadline; None keeps the session's) until `complete_key` or
-    `release_claim` lets the key go and puts the session's own bounds back.
+    of the key may be in any partition. CLAIMED leaves the key's session lock held by `conn` until
+    `complete_key` or `release_claim` lets it go.
     """
-    bounds = (f"{handler_lock_timeout_ms}ms", f"{statement_timeout_ms}ms" if statement_timeout_ms else None)
+    params = {"scope": scope, "key": key, "key_time": key_time}
     with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(_CLAIM, (scope, key, key_time if dated_by_key else None, *bounds)).fetchone()
-    assert row is not None  # the function returns one row
-    status = ClaimStatus(row["claim"])
-    if status is ClaimStatus.EXISTING:
-        return Claim(status, _record(row))
-    return Claim(status, created_at=row["claimed_at"])
+        row = cur.execute(_CLAIM_DATED if dated_by_key else _CLAIM_UNDATED, params).fetchone()
+        assert row is not None  # one row, from the one-row left side
+        if row["key"] is not None:
+            return Claim(ClaimStatus.EXISTING, _record(row))
+        if row["locked"] and dated_by_key:
+            # No second read: a twin that committed between the read and the lock is caught by the
+            # primary key when this call's record is inserted (the retry replays the twin's).
+            return Claim(ClaimStatus.CLAIMED, created_at=row["claimed_at"])
+        # Read again, in a statement started after the lock was granted or refused: granted (a key
+        # dated by receipt) -> it sees every twin that committed and so let the lock go; refused ->
+        # the holder may have just committed.
+        again = cur.execute(_DATED_RECORD if dated_by_key else _UNDATED_RECORD, params).fetchone()
+    if again is not None:
+        if row["locked"]:
+            _release(conn, scope, key)
+        return Claim(ClaimStatus.EXISTING, _record(again))
+    if not row["locked"]:
+        return Claim(ClaimStatus.IN_FLIGHT)
+    return Claim(ClaimStatus.CLAIMED, created_at=row["claimed_at"])
 
 
-def begin_handler(conn: psycopg.Connection[Any]) -> None:
-    """Open the handler's transaction (the claim has set its bounds). Nothing is fetched, so in
-    pipeline mode it travels with the handler's first statement."""
+#: The handler transaction's bounds, for that transaction alone (`is_local`): the COMMIT or ROLLBACK
+#: puts the session's own back, with no statement of ours.
+_BOUNDS = (
+    "SELECT set_config('lock_timeout', coalesce(%s, current_setting('lock_timeout')), true),"
+    " set_config('statement_timeout', coalesce(%s, current_setting('statement_timeout')), true)"
+)
+
+
+def begin_handler(
+    conn: psycopg.Connection[Any], *, lock_timeout_ms: int | None = None, statement_timeout_ms: int | None = None
+) -> None:
+    """Open the handler's transaction, bounded by `lock_timeout_ms` (a row lock's wait) and
+    `statement_timeout_ms` (the caller's deadline; None keeps the session's), or not at all when
+    neither is given. Nothing is fetched, so in pipeline mode it travels with the handler's first
+    statement."""
     conn.execute("BEGIN")
+    if lock_timeout_ms is not None or statement_timeout_ms is not None:
+        conn.execute(
+            _BOUNDS,
+            (
+                f"{lock_timeout_ms}ms" if lock_timeout_ms is not None else None,
+                f"{statement_timeout_ms}ms" if statement_timeout_ms else None,
+            ),
+        )
 
 
 def complete_key(
@@ -125,8 +189,7 @@ def complete_key(
         " first_traceparent, account_hash)"
         " VALUES (%(scope)s, %(key)s, %(key_time)s, %(method)s, %(hash)s, 'completed', %(code)s, %(message)s,"
         " %(details)s, %(response)s, %(trailers)s, %(created_at)s, now(), %(traceparent)s, %(account_hash)s)"
-        " RETURNING 1)"
-        " SELECT idempotency_release(%(scope)s, %(key)s, true) FROM stored",
+        " RETURNING 1) " + HAND_OVER.format(rows="stored"),
         {
             "scope": record.scope,
             "key": record.key,
@@ -159,7 +222,7 @@ def release_claim(conn: psycopg.Connection[Any], *, scope: str, key: str) -> Non
 
 
 def _release(conn: psycopg.Connection[Any], scope: str, key: str) -> psycopg.Cursor[Any]:
-    return conn.execute("SELECT idempotency_release(%s, %s, false)", (scope, key))
+    return conn.execute(f"SELECT pg_advisory_unlock({_KEY_LOCK})", {"scope": scope, "key": key})
 
 
 def find_key(
@@ -225,6 +288,7 @@ def _bytes(value: Any) -> bytes | None:
 
 
 __all__ = [
+    "HAND_OVER",
     "begin_handler",
     "claim_key",
     "complete_key",
