@@ -11,11 +11,12 @@ the first network call and sent unchanged on every retry, so the shard applies i
         print(result.state, result.replayed)
 
 Modules: `operation` (the record), `kinds` (one operation kind per keyed RPC, from the proto's
-declarations), `store` (durability), `retry` (rules), `client` (sending), `status` (reading rich
-errors), `wire` (protobuf mapping), `money` (decimal text), `service_config` (made from the declarations).
+declarations), `store` (durability), `retry` (rules), `client` (sending; `send_hedged` sends a slow
+call again under the same key, `hedging`), `status` (reading rich errors), `wire` (protobuf mapping), `money` (decimal text), `service_config` (made from the declarations).
 """
 
 from shardrouter.client.client import SendResult, TransferClient
+from shardrouter.client.hedging import Hedge
 from shardrouter.client.money import AmountError, exponent, format_amount, parse_amount
 from shardrouter.client.operation import Attempt, Operation, OperationKind, OperationState, Outcome
 from shardrouter.client.retry import RetryPolicy, Verdict, classify
@@ -34,6 +35,7 @@ __all__ = [
     "Attempt",
     "DuplicateOperation",
     "ErrorDetails",
+    "Hedge",
     "InvalidOperation",
     "Operation",
     "OperationKind",

@@ -20,12 +20,14 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, TypeVar, cast
 
 import grpc
 from google.protobuf.message import Message
 from opentelemetry import trace
 
+from shardrouter.client.hedging import Hedge, Race
 from shardrouter.client.kinds import OPERATION_TYPES, Argument, OperationKind, OperationType, kind_name
 from shardrouter.client.operation import Attempt, Operation, OperationState, Outcome, utc_now
 from shardrouter.client.retry import RetryPolicy, Verdict, backoff_s, classify, server_delay_s
@@ -49,9 +51,10 @@ from shardrouter.core.callers import CALLER_METADATA
 from shardrouter.core.keys import KEY_METADATA
 from shardrouter.core.rpcs import PUBLIC_SERVICE, rpc
 from shardrouter.core.wire import MetadataEntry
+from shardrouter.core.wire_names import WAIT_METADATA
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 
-__all__ = ["SendResult", "TransferClient"]
+__all__ = ["Hedge", "SendResult", "TransferClient"]
 
 
 def _declared_kind(method_name: str) -> OperationType:
@@ -154,6 +157,9 @@ class TransferClient:
         self._clock = clock
         self._rng = rng or random.Random()  # jitter, not secrets
         self._tracing = OperationTracer(tracer_provider)
+        #: Second attempts `send_hedged` sent, and those whose answer was the one returned.
+        self.hedges_sent = 0
+        self.hedges_won = 0
 
     def close(self) -> None:
         """Close the channel if this client created it."""
@@ -235,24 +241,101 @@ class TransferClient:
         that is already final is sent once more anyway: the shard replays its stored outcome.
         """
         policy = RetryPolicy(attempt_timeout_s, budget_s, base_backoff_s, max_backoff_s)
-        store = self._require_store()
-        op = store.get(operation.id)
-        if op is None:
-            raise UnknownOperation(
-                f"operation {operation.id} is not in the store; create it there before sending"
-            )
+        op = self._stored(operation)
         with self._tracing.operation(op, OPERATION_TYPES[op.kind].method) as spans:
             result = self._send(op, policy, spans)
             record_operation(result.state.value, result.attempts)
         return result
 
-    def _send(self, op: Operation, policy: RetryPolicy, spans: AttemptSpans) -> SendResult:
-        store = self._require_store()
+    def send_hedged(
+        self,
+        operation: Operation,
+        hedge: Hedge,
+        *,
+        attempt_timeout_s: float = 2.0,
+        budget_s: float = 30.0,
+        base_backoff_s: float = 0.05,
+        max_backoff_s: float = 2.0,
+    ) -> SendResult:
+        """Send the stored operation, and again with the same key if it is not answered within
+        `hedge.after_s` (`shardrouter.client.hedging`): the first final answer wins, the other attempt
+        is cancelled. Both ask the shard to wait for the other (up to `attempt_timeout_s`), so the one
+        that lands second returns the first one's outcome. Without a final answer from either, the
+        operation goes on as `send_with_retries` does, within what is left of `budget_s`.
+
+        `hedges_sent` and `hedges_won` count the second attempts sent and those whose answer won."""
+        policy = RetryPolicy(attempt_timeout_s, budget_s, base_backoff_s, max_backoff_s)
+        op = self._stored(operation)
+        with self._tracing.operation(op, OPERATION_TYPES[op.kind].method) as spans:
+            result = self._send_hedged(op, policy, spans, hedge)
+            record_operation(result.state.value, result.attempts)
+        return result
+
+    def _send_hedged(self, op: Operation, policy: RetryPolicy, spans: AttemptSpans, hedge: Hedge) -> SendResult:
+        request = build_request(op.kind, op.arguments)
+        wait = (WAIT_METADATA, str(int(policy.attempt_timeout_s * 1000)))
+        metadata = (*self._mutating_metadata(op), wait)
+        method = OPERATION_TYPES[op.kind].method
+        calls = [self._raw[op.kind], (hedge.channel or self._channel).unary_unary(method, _serialize, None)]
+        race, sent_at = Race(), []
+        spans_of: list[trace.Span] = []
+
+        def launch(index: int) -> None:
+            sent, span = spans.start(metadata, hedge=index > 0)
+            sent_at.append((utc_now(), self._clock()))
+            spans_of.append(span)
+            race.add(calls[index].future(request, timeout=policy.attempt_timeout_s, metadata=sent))
+
+        start = self._clock()
+        launch(0)
+        ended = race.next(hedge.after_s)
+        if ended is None:
+            launch(1)
+            self.hedges_sent += 1
+        attempts, last = 0, None
+        while attempts < len(race.futures):
+            index = ended if ended is not None else race.next()
+            ended = None
+            assert index is not None
+            answer = _answer_of(race.futures[index], *sent_at[index], self._clock)
+            record_attempt(spans_of[index], answer.code, answer.message, replayed=answer.replayed)
+            spans_of[index].end()
+            attempts += 1
+            op, verdict, details, _ = self._record(op, answer)
+            last = (answer, details)
+            if verdict is not Verdict.RETRY:
+                for cancelled in race.cancel_all_but(index):
+                    spans_of[cancelled].set_attribute("shardrouter.client.cancelled", True)
+                    spans_of[cancelled].end()
+                if index > 0:
+                    self.hedges_won += 1
+                return self._result(op, answer.code, answer.message, answer.raw, details, answer.replayed, attempts)
+        left = policy.budget_s - (self._clock() - start)
+        if left <= _MIN_ATTEMPT_S:
+            assert last is not None
+            answer, details = last
+            return self._result(
+                op, answer.code, answer.message, answer.raw, details, answer.replayed, attempts, exhausted=True
+            )
+        rest = RetryPolicy(min(policy.attempt_timeout_s, left), left, policy.base_backoff_s, policy.max_backoff_s)
+        return self._send(op, rest, spans, attempts)
+
+    def _stored(self, operation: Operation) -> Operation:
+        """The operation as stored (UnknownOperation if it is not)."""
+        op = self._require_store().get(operation.id)
+        if op is None:
+            raise UnknownOperation(
+                f"operation {operation.id} is not in the store; create it there before sending"
+            )
+        return op
+
+    def _send(self, op: Operation, policy: RetryPolicy, spans: AttemptSpans, attempts: int = 0) -> SendResult:
+        """Attempts one after the other until a final answer or the budget's end (`attempts`: made
+        already by this call)."""
         request = build_request(op.kind, op.arguments)
         call = self._raw[op.kind]
         metadata = self._mutating_metadata(op)
         start = self._clock()
-        attempts = 0
         while True:
             timeout = min(policy.attempt_timeout_s, policy.budget_s - (self._clock() - start))
             started_at, t0 = utc_now(), self._clock()
@@ -264,40 +347,49 @@ class TransferClient:
                 except grpc.RpcError as error:
                     code, message = error.code(), error.details() or ""
                     trailers = _trailers_of(error)
-                replayed = was_replayed(trailers)
-                record_attempt(span, code, message, replayed=replayed)
+                record_attempt(span, code, message, replayed=was_replayed(trailers))
             attempts += 1
-            details = ErrorDetails() if raw is not None else error_details(trailers)
-            delay_hint = server_delay_s(details, pushback_s(trailers))
-            verdict = classify(code, details, delay_hint)
-            attempt = Attempt(
-                started_at=started_at,
-                code=code.name,
-                message=message,
-                replayed=replayed,
-                duration_ms=int((self._clock() - t0) * 1000),
-                reason=details.reason,
-            )
-            outcome = Outcome(
-                code=code.name,
-                message=message,
-                reason=details.reason,
-                domain=details.domain,
-                error_metadata=details.metadata,
-                field_violations=details.field_violations,
-                response_b64=base64.b64encode(raw).decode("ascii") if raw is not None else None,
-                replayed=replayed,
-            )
-            op = store.record_attempt(op.id, attempt, state=verdict.state, outcome=outcome)
+            answer = _Answer(code, message, raw, trailers, started_at, int((self._clock() - t0) * 1000))
+            op, verdict, details, delay_hint = self._record(op, answer)
             if verdict is not Verdict.RETRY:
-                return self._result(op, code, message, raw, details, replayed, attempts)
+                return self._result(op, code, message, raw, details, answer.replayed, attempts)
             if delay_hint is not None:
                 delay = delay_hint * (1 + self._rng.uniform(0, _SERVER_DELAY_JITTER))
             else:
                 delay = backoff_s(attempts, policy, self._rng)
             if self._clock() - start + delay + _MIN_ATTEMPT_S >= policy.budget_s:
-                return self._result(op, code, message, raw, details, replayed, attempts, exhausted=True)
+                return self._result(
+                    op, code, message, raw, details, answer.replayed, attempts, exhausted=True
+                )
             self._sleep(delay)
+
+    def _record(self, op: Operation, answer: _Answer) -> tuple[Operation, Verdict, ErrorDetails, float | None]:
+        """Record one attempt's answer in the store: the operation as stored, the verdict, the
+        decoded details and the server's delay hint."""
+        trailers = answer.trailers
+        details = ErrorDetails() if answer.raw is not None else error_details(trailers)
+        delay_hint = server_delay_s(details, pushback_s(trailers))
+        verdict = classify(answer.code, details, delay_hint)
+        attempt = Attempt(
+            started_at=answer.started_at,
+            code=answer.code.name,
+            message=answer.message,
+            replayed=answer.replayed,
+            duration_ms=answer.duration_ms,
+            reason=details.reason,
+        )
+        outcome = Outcome(
+            code=answer.code.name,
+            message=answer.message,
+            reason=details.reason,
+            domain=details.domain,
+            error_metadata=details.metadata,
+            field_violations=details.field_violations,
+            response_b64=base64.b64encode(answer.raw).decode("ascii") if answer.raw is not None else None,
+            replayed=answer.replayed,
+        )
+        stored = self._require_store().record_attempt(op.id, attempt, state=verdict.state, outcome=outcome)
+        return stored, verdict, details, delay_hint
 
     def resume_pending(self, **timing: float) -> list[SendResult]:
         """Send every PENDING operation in the store again, oldest first, each with its own key."""
@@ -381,6 +473,38 @@ class TransferClient:
             attempts=attempts,
             budget_exhausted=exhausted,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """One attempt's answer, as the store records it."""
+
+    code: grpc.StatusCode
+    message: str
+    raw: bytes | None
+    trailers: tuple[MetadataEntry, ...]
+    started_at: datetime
+    duration_ms: int
+
+    @property
+    def replayed(self) -> bool:
+        return was_replayed(self.trailers)
+
+
+def _answer_of(
+    future: grpc.Future[Any], started_at: datetime, sent_at: float, clock: Callable[[], float]
+) -> _Answer:
+    """The answer of an attempt sent as a future (ended)."""
+    duration_ms = int((clock() - sent_at) * 1000)
+    try:
+        raw = future.result()
+    except grpc.RpcError as error:
+        failed: grpc.Call = error  # type: ignore[assignment]  # a failed call is both
+        trailers = _trailers_of(error)
+        return _Answer(failed.code(), failed.details() or "", None, trailers, started_at, duration_ms)
+    call: grpc.Call = future  # type: ignore[assignment]  # a future call is both
+    trailers = tuple((k, v) for k, v in cast(Sequence[MetadataEntry], call.trailing_metadata() or ()))
+    return _Answer(grpc.StatusCode.OK, "", bytes(raw), trailers, started_at, duration_ms)
 
 
 def _serialize(message: Any) -> bytes:

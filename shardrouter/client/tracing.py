@@ -43,16 +43,22 @@ class AttemptSpans:
     @contextmanager
     def attempt(self, metadata: MetadataPairs) -> Iterator[tuple[MetadataPairs, trace.Span]]:
         """A CLIENT span around one attempt; yields the metadata to send (with its traceparent)."""
+        sent, span = self.start(metadata)
+        with trace.use_span(span, end_on_exit=True):
+            yield sent, span
+
+    def start(self, metadata: MetadataPairs, *, hedge: bool = False) -> tuple[MetadataPairs, trace.Span]:
+        """A CLIENT span for one attempt, started and not made current (the caller ends it: attempts
+        of a hedged send run at once), and the metadata to send with its traceparent."""
         if self.tracer is None:
-            yield metadata, trace.INVALID_SPAN
-            return
+            return metadata, trace.INVALID_SPAN
         self._count += 1
         links: Sequence[Link] = (
             [Link(self._first_attempt, {"shardrouter.client.link": "first_attempt"})]
             if self._first_attempt is not None
             else []
         )
-        with self.tracer.start_as_current_span(
+        span = self.tracer.start_span(
             self.method.lstrip("/"),
             kind=SpanKind.CLIENT,
             links=links,
@@ -62,12 +68,16 @@ class AttemptSpans:
                 KEY_ATTRIBUTE: self.operation.idempotency_key,
                 "operation.id": self.operation.id,
                 "shardrouter.client.attempt": self._count,
+                "shardrouter.client.hedge": hedge,
             },
-        ) as span:
-            if self._first_attempt is None:
-                self._first_attempt = span.get_span_context()
-            sent = tuple((k, v) for k, v in tracing.inject_trace_context(metadata) if isinstance(v, str))
-            yield sent, span
+        )
+        if self._first_attempt is None:
+            self._first_attempt = span.get_span_context()
+        context = trace.set_span_in_context(span)
+        sent = tuple(
+            (k, v) for k, v in tracing.inject_trace_context(metadata, context) if isinstance(v, str)
+        )
+        return sent, span
 
 
 def record_attempt(span: trace.Span, code: grpc.StatusCode, message: str, *, replayed: bool) -> None:
