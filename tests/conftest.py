@@ -59,8 +59,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 #: Folders whose tests start processes of their own (daemons, routers, clusters, kubectl, promtool,
-#: the bench) or servers beyond the session's PostgreSQL.
-_PROCESS_FOLDERS = frozenset({"bench", "deploy", "e2e", "faults", "localcluster", "reconcile", "reshard"})
+#: the bench, another release's daemons) or servers beyond the session's PostgreSQL.
+_PROCESS_FOLDERS = frozenset(
+    {"bench", "deploy", "e2e", "faults", "localcluster", "reconcile", "reshard", "upgrade"}
+)
 #: Words in a test module's source that mean it starts processes or servers of its own.
 _PROCESS_WORDS = re.compile(
     r"\b(subprocess|tests\.processes|run_shardd|ServiceProcess|LocalCluster|own_postgres|sys\.executable|Popen)\b"

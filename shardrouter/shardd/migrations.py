@@ -1,19 +1,30 @@
-"""Numbered schema migrations, applied at start-up and tracked in `schema_version`.
+"""Numbered schema migrations, applied at start-up and tracked in `schema_version`, and which
+releases can serve which schema.
 
-Each migration runs once, in its own transaction, under an advisory lock so two daemons starting
+Each migration runs once, in a transaction of its own, under an advisory lock so two daemons starting
 against one database do not race. Never edit a released migration: add the next number.
 
-Every lock the migrations wait for (the advisory lock, and the table locks of their DDL) is bounded by
-`lock_timeout`: a migration stuck behind a long transaction would otherwise queue an ACCESS EXCLUSIVE
-request that every later query of the table waits behind, stalling the shard. It fails instead
-(`MigrationLockTimeout`, nothing applied) and the next start retries. A database whose schema is
-newer than this code knows (a rollback of the daemon after a newer one migrated) is refused
-(`SchemaNewerThanCode`): this code would misread tables it does not know.
+Every lock the migrations wait for (the advisory lock, and the table locks of their DDL) is bounded:
+each attempt waits at most `ATTEMPT_LOCK_TIMEOUT_S` (`lock_timeout`), since a queued ACCESS EXCLUSIVE
+request makes every later query of its table wait behind it, and is retried until the caller's
+`lock_timeout_s` is spent (`MigrationLockTimeout`, nothing of that migration applied; the next start
+retries).
+
+Rolling upgrades run two releases on one database, the new one's migrations applied while the old one
+still serves, so each migration declares its compatibility (`COMPATIBILITY`): an *expand* step leaves
+everything an older release reads and writes working; a *contract* step does not, and names the oldest
+release that serves the schema after it. `schema_version` records that per version
+(`serves_code_from`), so a release meeting a newer schema than its own knows whether it can serve it
+(only expand steps since its own) or must refuse (`SchemaNewerThanCode`, naming both versions). The
+rule: docs/migrations.md.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -664,8 +675,98 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
 
 LATEST_VERSION = MIGRATIONS[-1][0]
 
-#: Longest wait for a lock a migration needs (s), unless the caller says otherwise.
+
+class Step(enum.Enum):
+    """What a migration does to the releases before it."""
+
+    #: Everything an older release reads and writes keeps working, with the same meaning: new tables,
+    #: new nullable (or defaulted) columns, new functions beside the old ones, functions replaced with
+    #: the same signature and answers, triggers that fill what older writers leave out.
+    EXPAND = "expand"
+    #: An older release would misread, fail, or break an invariant the new code relies on: a column
+    #: dropped, renamed or retyped, a function's signature changed, a fact only the new code writes.
+    CONTRACT = "contract"
+
+
+@dataclass(frozen=True)
+class Compatibility:
+    """A migration's compatibility, declared beside it (metadata: the released SQL stays untouched)."""
+
+    step: Step
+    #: Why it is that step, in one line.
+    why: str
+    #: CONTRACT only: the oldest release (named by its newest migration) that serves the schema after
+    #: this step. A contract that follows its expand step a release later names the release that
+    #: stopped reading what it drops; one without (a released mistake) names itself.
+    serves_code_from: int | None = None
+    #: It rewrites a hot table under an ACCESS EXCLUSIVE lock, for as long as the table takes to copy:
+    #: allowed only in the migrations released before the rule (docs/migrations.md), listed here so
+    #: the test that applies each migration under load checks what it sees against it.
+    rewrites_hot_tables: bool = False
+
+
+_E, _C = Step.EXPAND, Step.CONTRACT
+
+#: Every migration's compatibility, by number. A test applies each migration under load to a database
+#: one version behind, measures the longest stall of the load, and checks the rewrites declared here.
+COMPATIBILITY: dict[int, Compatibility] = {
+    1: Compatibility(_E, "the first tables"),
+    2: Compatibility(_E, "a new table"),
+    3: Compatibility(_E, "new tables"),
+    4: Compatibility(_E, "a new table"),
+    5: Compatibility(_E, "a nullable column no older release writes or reads"),
+    6: Compatibility(
+        _E,
+        "columns older writers leave out, computed by the database (generated, triggers); new triggers",
+        rewrites_hot_tables=True,
+    ),
+    7: Compatibility(_E, "a new table"),
+    8: Compatibility(_E, "generated columns turned into trigger-set ones: same values, same writers"),
+    9: Compatibility(_E, "sequences moved forward"),
+    10: Compatibility(
+        _C,
+        "key columns retyped uuid -> text: an older release's uuid parameters fail (text = uuid)",
+        serves_code_from=10,
+        rewrites_hot_tables=True,
+    ),
+    11: Compatibility(_E, "a statement trigger on the outbox"),
+    12: Compatibility(_E, "new functions; no older release calls them"),
+    13: Compatibility(_E, "a function replaced with the same signature and values"),
+    14: Compatibility(_E, "a new table and a nullable column"),
+    15: Compatibility(_E, "replica identity: the catalog only"),
+    16: Compatibility(
+        _C,
+        "voided credits are a fact every daemon must write: an older VoidCredit leaves it out, and a "
+        "credit of a voided transfer could then land",
+        serves_code_from=16,
+    ),
+    17: Compatibility(_E, "functions replaced with the same signatures and answers"),
+}
+
+#: The oldest schema this release's code works on: it writes migration 16's voided credits, and
+#: migration 17 only replaced functions with the same signatures and answers. A daemon migrates to its
+#: own version before it serves, so it meets an older schema only in `shardd migrate`'s absence.
+OLDEST_SCHEMA_SERVED = 16
+
+#: The longest one attempt waits for a lock (s): a queued ACCESS EXCLUSIVE request stalls every later
+#: query of its table this long at most; the attempt is retried until the caller's bound is spent.
+ATTEMPT_LOCK_TIMEOUT_S = 0.5
+
+#: Longest wait for a lock a migration needs (s), retries included, unless the caller says otherwise.
 DEFAULT_LOCK_TIMEOUT_S = 5.0
+
+
+def serves_code_from(version: int) -> int:
+    """The oldest release (named by its newest migration) that serves the schema at `version`: the
+    last contract step's declaration at or below it (1 when there is none)."""
+    oldest = 1
+    for number, _, _ in MIGRATIONS:
+        if number > version:
+            break
+        declared = COMPATIBILITY[number]
+        if declared.step is Step.CONTRACT:
+            oldest = declared.serves_code_from if declared.serves_code_from is not None else number
+    return oldest
 
 
 class MigrationError(Exception):
@@ -673,15 +774,24 @@ class MigrationError(Exception):
 
 
 class SchemaNewerThanCode(MigrationError):
-    """The database was migrated by a newer release than this one."""
+    """The database was migrated by a newer release, past a contract step this release cannot serve."""
 
-    def __init__(self, database_version: int) -> None:
+    def __init__(self, database_version: int, served_from: int | None) -> None:
+        latest = MIGRATIONS[-1][0]
+        by = (
+            f"only releases of schema {served_from} or newer serve it"
+            if served_from is not None
+            else "the release that migrated it recorded no compatibility"
+        )
         super().__init__(
-            f"the database's schema is at version {database_version}, newer than this release knows "
-            f"(up to {LATEST_VERSION}): a newer shardd migrated it. Run that release (or newer); "
-            "rolling the daemon back onto a newer schema is refused, since this code would misread it"
+            f"the database's schema is at version {database_version}, newer than this release's "
+            f"{latest}, and {by}; this release serves schema versions {OLDEST_SCHEMA_SERVED} to {latest}, "
+            f"and newer ones only while every step past {latest} is an expand step "
+            "(docs/migrations.md). Run the release that migrated it (or a newer one); a contract step "
+            "is never undone by a rollback"
         )
         self.database_version = database_version
+        self.served_from = served_from
 
 
 class MigrationLockTimeout(MigrationError):
@@ -698,45 +808,103 @@ class MigrationLockTimeout(MigrationError):
 def apply_migrations(
     conn: psycopg.Connection[Any], *, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S
 ) -> list[int]:
-    """Apply every migration newer than the database's version; returns the numbers applied.
+    """Apply every migration newer than the database's version, each in a transaction of its own;
+    returns the numbers applied.
 
-    Raises `SchemaNewerThanCode` when the database is ahead of this code, and `MigrationLockTimeout`
-    when a lock stays out of reach for `lock_timeout_s`.
+    Each attempt waits at most `ATTEMPT_LOCK_TIMEOUT_S` for a lock and is retried until
+    `lock_timeout_s` went by without progress (`MigrationLockTimeout`). A schema newer than this code
+    is served when every step past this release's is an expand step, and refused otherwise
+    (`SchemaNewerThanCode`).
     """
-    try:
-        return _apply(conn, lock_timeout_s)
-    except psycopg.errors.LockNotAvailable as exc:
-        raise MigrationLockTimeout(lock_timeout_s, str(exc).strip()) from exc
-
-
-def _apply(conn: psycopg.Connection[Any], lock_timeout_s: float) -> list[int]:
     applied: list[int] = []
+    while True:
+        version = _apply_next_retried(conn, lock_timeout_s)
+        if version is None:
+            return applied
+        applied.append(version)
+
+
+def _apply_next_retried(conn: psycopg.Connection[Any], lock_timeout_s: float) -> int | None:
+    deadline = time.monotonic() + lock_timeout_s
+    pause = 0.02
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            return _apply_next(conn, max(0.001, min(ATTEMPT_LOCK_TIMEOUT_S, remaining)))
+        # A deadlock with the load (the migration locks tables in another order than the writers
+        # do) rolled the attempt back like a lock timeout: nothing applied, try again.
+        except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected) as exc:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise MigrationLockTimeout(lock_timeout_s, str(exc).strip()) from exc
+            # Let the queries queued behind the abandoned lock request run before asking again.
+            time.sleep(min(pause, remaining))
+            pause = min(pause * 2, 0.25)
+
+
+def _apply_next(conn: psycopg.Connection[Any], lock_timeout_s: float) -> int | None:
+    """Apply the next migration (its number), or None when there is none to apply."""
+    latest = MIGRATIONS[-1][0]
     with conn.transaction():
         conn.execute(
             "SELECT set_config('lock_timeout', %s, true)", (f"{max(1, round(lock_timeout_s * 1000))}ms",)
         )
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        current, served_from = _recorded_version(conn)
+        if current > latest:
+            if served_from is None or served_from > latest:
+                raise SchemaNewerThanCode(current, served_from)
+            log.warning(
+                "the database's schema is at version %d, newer than this release's %d; served, since every "
+                "step since %d is an expand step (schema served by releases from %d on)",
+                current,
+                latest,
+                latest,
+                served_from,
+            )
+            return None
+        pending = [m for m in MIGRATIONS if m[0] > current]
+        if not pending:
+            return None
+        version, description, sql = pending[0]
+        conn.execute(sql.encode())
         conn.execute(
-            "CREATE TABLE IF NOT EXISTS schema_version ("
-            " version integer PRIMARY KEY, description text NOT NULL,"
-            " applied_at timestamptz NOT NULL DEFAULT now())"
+            "INSERT INTO schema_version (version, description, serves_code_from) VALUES (%s, %s, %s)",
+            (version, description, serves_code_from(version)),
         )
-        row = conn.execute("SELECT coalesce(max(version), 0) FROM schema_version").fetchone()
-        current = int(row[0]) if row else 0
-        if current > LATEST_VERSION:
-            raise SchemaNewerThanCode(current)
-        for version, description, sql in MIGRATIONS:
-            if version <= current:
-                continue
-            with conn.transaction():
-                conn.execute(sql.encode())
-                conn.execute(
-                    "INSERT INTO schema_version (version, description) VALUES (%s, %s)",
-                    (version, description),
-                )
-            log.info("applied migration %d: %s", version, description)
-            applied.append(version)
-    return applied
+    log.info("applied migration %d (%s): %s", version, COMPATIBILITY[version].step.value, description)
+    return version
+
+
+def _recorded_version(conn: psycopg.Connection[Any]) -> tuple[int, int | None]:
+    """The database's newest version and the oldest release that serves it (None: not recorded).
+
+    Made or brought up to date under the migrations' lock: releases before the compatibility record
+    wrote no `serves_code_from`; the versions this code knows get theirs filled in.
+    """
+    conn.execute(
+        "CREATE TABLE IF NOT EXISTS schema_version ("
+        " version integer PRIMARY KEY, description text NOT NULL,"
+        " applied_at timestamptz NOT NULL DEFAULT now(), serves_code_from integer)"
+    )
+    missing = conn.execute(
+        "SELECT NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'schema_version'::regclass"
+        " AND attname = 'serves_code_from' AND NOT attisdropped)"
+    ).fetchone()
+    if missing and missing[0]:
+        conn.execute("ALTER TABLE schema_version ADD COLUMN serves_code_from integer")
+    known = [number for number, _, _ in MIGRATIONS]
+    conn.execute(
+        "UPDATE schema_version s SET serves_code_from = k.serves FROM unnest(%s::int[], %s::int[]) AS k(v, serves)"
+        " WHERE s.version = k.v AND s.serves_code_from IS NULL",
+        (known, [serves_code_from(v) for v in known]),
+    )
+    row = conn.execute(
+        "SELECT version, serves_code_from FROM schema_version ORDER BY version DESC LIMIT 1"
+    ).fetchone()
+    if row is None:
+        return 0, None
+    return int(row[0]), None if row[1] is None else int(row[1])
 
 
 def schema_version(conn: psycopg.Connection[Any]) -> int:
@@ -745,14 +913,38 @@ def schema_version(conn: psycopg.Connection[Any]) -> int:
     return int(row[0]) if row else 0
 
 
+def _check_declarations() -> None:
+    """Every migration declares its compatibility, and a contract names the oldest release after it."""
+    numbers = [number for number, _, _ in MIGRATIONS]
+    if numbers != list(range(1, len(numbers) + 1)) or sorted(COMPATIBILITY) != numbers:
+        raise MigrationError("every migration, numbered from 1 without a gap, needs its COMPATIBILITY entry")
+    for number, declared in COMPATIBILITY.items():
+        oldest = declared.serves_code_from
+        if declared.step is Step.CONTRACT and (
+            oldest is None or not serves_code_from(number - 1) <= oldest <= number
+        ):
+            raise MigrationError(
+                f"contract migration {number} must name the oldest release serving the schema after it"
+            )
+
+
+_check_declarations()
+
+
 __all__ = [
+    "ATTEMPT_LOCK_TIMEOUT_S",
+    "COMPATIBILITY",
     "DEFAULT_LOCK_TIMEOUT_S",
     "FENCED_TABLES",
     "LATEST_VERSION",
     "MIGRATIONS",
+    "OLDEST_SCHEMA_SERVED",
+    "Compatibility",
     "MigrationError",
     "MigrationLockTimeout",
     "SchemaNewerThanCode",
+    "Step",
     "apply_migrations",
     "schema_version",
+    "serves_code_from",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from datetime import timedelta
@@ -29,22 +30,121 @@ def test_migrating_twice_applies_nothing_the_second_time(database):
         assert migrations.schema_version(conn) == migrations.LATEST_VERSION
 
 
-def test_a_schema_newer_than_the_code_is_refused_by_serve_and_migrate(database):
-    prepare_database(database, timedelta(days=30))
+def _record_newer_version(database: str, served_from: int | None) -> int:
+    """What a newer release's migration leaves in `schema_version` (without its SQL: this code would
+    not read what it made anyway)."""
     newer = migrations.LATEST_VERSION + 1
     with psycopg.connect(database, autocommit=True) as conn:
         conn.execute(
-            "INSERT INTO schema_version (version, description) VALUES (%s, 'from the future')", (newer,)
+            "INSERT INTO schema_version (version, description, serves_code_from)"
+            " VALUES (%s, 'from the future', %s)",
+            (newer, served_from),
         )
-        with pytest.raises(SchemaNewerThanCode, match=f"version {newer}, newer than this release knows"):
+    return newer
+
+
+@pytest.mark.parametrize("served_from", [migrations.LATEST_VERSION + 1, None], ids=["contract", "unrecorded"])
+def test_a_newer_schema_past_a_contract_step_is_refused_by_serve_and_migrate(database, served_from):
+    prepare_database(database, timedelta(days=30))
+    newer = _record_newer_version(database, served_from)
+    with psycopg.connect(database, autocommit=True) as conn:
+        with pytest.raises(SchemaNewerThanCode, match=f"version {newer}, newer than this release's"):
             migrations.apply_migrations(conn)
     for command in ("migrate", "serve"):
         result = run_shardd(
             command, "--dsn", database, "--dev-mode", "true", "--listen", "127.0.0.1:0", "--metrics-port", "0"
         )
         assert result.returncode == 2, (command, result.stderr)
-        assert f"schema is at version {newer}" in result.stderr
+        # One line naming both versions and what to do.
+        assert f"schema is at version {newer}, newer than this release's {migrations.LATEST_VERSION}" in (
+            result.stderr
+        )
+        assert (
+            f"serves schema versions {migrations.OLDEST_SCHEMA_SERVED} to {migrations.LATEST_VERSION}"
+            in result.stderr
+        )
+        assert "Run the release that migrated it" in result.stderr
         assert "Traceback" not in result.stderr
+
+
+def test_a_newer_schema_of_expand_steps_only_is_served(database):
+    """A newer release migrated, and every step past this release's is an expand step: this release's
+    daemon starts and serves (what a rolling update needs when an old pod restarts mid-way)."""
+    prepare_database(database, timedelta(days=30))
+    newer = _record_newer_version(database, migrations.serves_code_from(migrations.LATEST_VERSION))
+    with psycopg.connect(database, autocommit=True) as conn:
+        assert migrations.apply_migrations(conn) == []
+        assert migrations.schema_version(conn) == newer
+    result = run_shardd("migrate", "--dsn", database)
+    assert result.returncode == 0, result.stderr
+    assert "schema up to date" in result.stdout
+
+
+def test_a_database_migrated_before_the_compatibility_record_gets_it_filled_in(database):
+    """Releases before the record wrote no `serves_code_from`: the versions this code knows get it."""
+    prepare_database(database, timedelta(days=30))
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute("ALTER TABLE schema_version DROP COLUMN serves_code_from")
+        conn.execute("DELETE FROM schema_version WHERE version = %s", (migrations.LATEST_VERSION,))
+        assert migrations.apply_migrations(conn) == [migrations.LATEST_VERSION]
+        rows = conn.execute(
+            "SELECT version, serves_code_from FROM schema_version ORDER BY version"
+        ).fetchall()
+    assert rows == [
+        (version, migrations.serves_code_from(version)) for version, _, _ in migrations.MIGRATIONS
+    ]
+    assert rows[-1] == (migrations.LATEST_VERSION, migrations.OLDEST_SCHEMA_SERVED)
+
+
+#: What an expand step may not do: drop, rename or retype what an older release reads, or change a
+#: function's signature (a function is replaced with the same one, or added beside it).
+_CONTRACTING = re.compile(
+    r"\bDROP\s+(COLUMN|TABLE|FUNCTION|INDEX|TRIGGER|CONSTRAINT|VIEW|TYPE)\b|\bRENAME\b|"
+    r"\bALTER\s+COLUMN\s+\w+\s+(SET\s+DATA\s+)?TYPE\b|\bDROP\s+DEFAULT\b",
+    re.IGNORECASE,
+)
+
+
+def contracting_statements(sql: str) -> list[str]:
+    """The statements of `sql` that only a contract step may hold (comments left out)."""
+    code = "\n".join(line.split("--", 1)[0] for line in sql.splitlines())
+    return [match.group(0) for match in _CONTRACTING.finditer(code)]
+
+
+def misdeclared(all_migrations=None, compatibility=None) -> dict[int, list[str]]:
+    """Expand steps whose SQL holds a contracting statement, by number."""
+    found = {}
+    for version, _, sql in all_migrations or migrations.MIGRATIONS:
+        declared = (compatibility or migrations.COMPATIBILITY)[version]
+        if declared.step is migrations.Step.EXPAND and (statements := contracting_statements(sql)):
+            found[version] = statements
+    return found
+
+
+def test_every_expand_step_drops_renames_and_retypes_nothing():
+    assert misdeclared() == {}
+    # The contract steps say so: migration 10 retypes the key columns.
+    assert contracting_statements(migrations.MIGRATIONS[9][2])
+    assert migrations.COMPATIBILITY[10].step is migrations.Step.CONTRACT
+
+
+def test_a_planted_expand_step_that_drops_a_column_is_caught():
+    planted = (*migrations.MIGRATIONS, (18, "drop what older releases read", PLANTED_DROP))
+    compatibility = {
+        **migrations.COMPATIBILITY,
+        18: migrations.Compatibility(migrations.Step.EXPAND, "wrong"),
+    }
+    assert misdeclared(planted, compatibility) == {18: ["DROP COLUMN"]}
+
+
+#: A contract step declared as an expand step: the column every release's Deposit writes.
+PLANTED_DROP = "ALTER TABLE ledger_entries DROP COLUMN reference;"
+
+
+def test_the_compatibility_record_follows_the_contract_steps():
+    assert migrations.serves_code_from(9) == 1
+    assert migrations.serves_code_from(10) == 10
+    assert migrations.serves_code_from(migrations.LATEST_VERSION) == migrations.OLDEST_SCHEMA_SERVED
 
 
 def test_a_migration_behind_a_held_lock_gives_up_after_the_lock_timeout(database):
