@@ -703,6 +703,11 @@ class Compatibility:
     #: allowed only in the migrations released before the rule (docs/migrations.md), listed here so
     #: the test that applies each migration under load checks what it sees against it.
     rewrites_hot_tables: bool = False
+    #: Its statements run one by one outside a transaction (`CREATE INDEX CONCURRENTLY`, which builds
+    #: an index without blocking writers, cannot run inside one), under the migrations' session lock.
+    #: Each must be safe to run again (IF NOT EXISTS); an index a failed build left INVALID is dropped
+    #: before the next attempt. Statements are split at a `;` ending a line: no DO blocks.
+    outside_transaction: bool = False
 
 
 _E, _C = Step.EXPAND, Step.CONTRACT
@@ -821,7 +826,8 @@ def apply_migrations(
         version = _apply_next_retried(conn, lock_timeout_s)
         if version is None:
             return applied
-        applied.append(version)
+        if version:
+            applied.append(version)
 
 
 def _apply_next_retried(conn: psycopg.Connection[Any], lock_timeout_s: float) -> int | None:
@@ -843,7 +849,8 @@ def _apply_next_retried(conn: psycopg.Connection[Any], lock_timeout_s: float) ->
 
 
 def _apply_next(conn: psycopg.Connection[Any], lock_timeout_s: float) -> int | None:
-    """Apply the next migration (its number), or None when there is none to apply."""
+    """Apply the next migration: its number (0: another migrator applied it meanwhile), or None when
+    there is none to apply."""
     latest = MIGRATIONS[-1][0]
     with conn.transaction():
         conn.execute(
@@ -867,13 +874,65 @@ def _apply_next(conn: psycopg.Connection[Any], lock_timeout_s: float) -> int | N
         if not pending:
             return None
         version, description, sql = pending[0]
-        conn.execute(sql.encode())
-        conn.execute(
-            "INSERT INTO schema_version (version, description, serves_code_from) VALUES (%s, %s, %s)",
-            (version, description, serves_code_from(version)),
-        )
+        outside = COMPATIBILITY[version].outside_transaction
+        if not outside:
+            conn.execute(sql.encode())
+            _record(conn, version, description)
+    if outside and not _apply_outside_transaction(conn, lock_timeout_s, version, description, sql):
+        return 0  # another migrator applied it meanwhile
     log.info("applied migration %d (%s): %s", version, COMPATIBILITY[version].step.value, description)
     return version
+
+
+def _record(conn: psycopg.Connection[Any], version: int, description: str) -> None:
+    conn.execute(
+        "INSERT INTO schema_version (version, description, serves_code_from) VALUES (%s, %s, %s)",
+        (version, description, serves_code_from(version)),
+    )
+
+
+def _apply_outside_transaction(
+    conn: psycopg.Connection[Any], lock_timeout_s: float, version: int, description: str, sql: str
+) -> bool:
+    """Run a migration's statements one by one in autocommit mode, under the migrations' lock taken for
+    the session; False when another migrator applied it first."""
+    conn.execute(
+        "SELECT set_config('lock_timeout', %s, false)", (f"{max(1, round(lock_timeout_s * 1000))}ms",)
+    )
+    try:
+        conn.execute("SELECT pg_advisory_lock(%s)", (_MIGRATION_LOCK,))
+        try:
+            if schema_version(conn) >= version:
+                return False
+            # What a build that failed (a lock timeout, a crash) left: an index PostgreSQL keeps
+            # INVALID, which IF NOT EXISTS would then take for done. Only migrations build indexes,
+            # and this session holds their lock.
+            for (invalid,) in conn.execute(
+                "SELECT i.indexrelid::regclass::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
+                " WHERE NOT i.indisvalid AND c.relnamespace = current_schema()::regnamespace"
+            ).fetchall():
+                conn.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {invalid}".encode())
+                log.info(
+                    "dropped index %s, left INVALID by a failed build, before migration %d", invalid, version
+                )
+            for statement in _statements(sql):
+                conn.execute(statement.encode())
+            _record(conn, version, description)
+            return True
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(%s)", (_MIGRATION_LOCK,))
+    finally:
+        conn.execute("RESET lock_timeout")
+
+
+def _statements(sql: str) -> list[str]:
+    """`sql` split at each `;` that ends a line, leaving out what holds only comments."""
+    chunks = [chunk.strip() for chunk in sql.split(";\n")]
+    return [
+        chunk.rstrip(";")
+        for chunk in chunks
+        if any(line.strip() and not line.strip().startswith("--") for line in chunk.splitlines())
+    ]
 
 
 def _recorded_version(conn: psycopg.Connection[Any]) -> tuple[int, int | None]:

@@ -17,6 +17,7 @@ tables and rows, so they take the same locks.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -215,3 +216,49 @@ def test_each_migration_under_load_stalls_no_statement_beyond_the_bound(database
             assert f.errors == [], f
         assert bool(f.rewrote) == declared.rewrites_hot_tables, f
         assert f.transactions > 20, f  # the load ran
+
+
+#: An index added the way the rule says: built concurrently, outside the migration's transaction.
+PLANTED_INDEX = (
+    migrations.LATEST_VERSION + 1,
+    "planted: an index on the ledger entries' reference, built concurrently",
+    """
+    -- Writers keep writing while it is built.
+    CREATE INDEX CONCURRENTLY IF NOT EXISTS ledger_entries_reference ON ledger_entries (reference);
+    """,
+)
+
+
+def test_an_index_built_concurrently_under_load_stalls_nothing_and_survives_a_failed_build(
+    database, monkeypatch, capsys, caplog
+):
+    """A transaction holding an old snapshot makes the build wait: each attempt gives up after its lock
+    timeout and leaves an INVALID index, which the next attempt drops; once the snapshot is gone the
+    index is built, and no load statement waited on any of it."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        migrations.apply_migrations(conn)
+    _preload(database)
+    monkeypatch.setattr(migrations, "MIGRATIONS", (*migrations.MIGRATIONS, PLANTED_INDEX))
+    monkeypatch.setitem(
+        migrations.COMPATIBILITY,
+        PLANTED_INDEX[0],
+        migrations.Compatibility(migrations.Step.EXPAND, "an index", outside_transaction=True),
+    )
+    blocker = psycopg.connect(database)
+    blocker.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    blocker.execute("SELECT count(*) FROM accounts").fetchone()  # a snapshot the build must outwait
+    threading.Timer(1.5, blocker.close).start()
+    with caplog.at_level(logging.INFO, logger=migrations.__name__):
+        figures = _under_load(database, PLANTED_INDEX[0], monkeypatch)
+    with capsys.disabled():
+        print(f"\nconcurrent index: {figures}")
+    # It waited out the snapshot, attempt after attempt, each leaving an index the next one dropped.
+    assert "dropped index ledger_entries_reference, left INVALID by a failed build" in caplog.text
+    assert figures.stall_s < STALL_BOUND_S and figures.errors == [] and figures.rewrote == [], figures
+    with psycopg.connect(database) as conn:
+        indexes = conn.execute(
+            "SELECT c.relname, i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
+            " WHERE c.relname LIKE 'ledger_entries_reference%'"
+        ).fetchall()
+        assert indexes == [("ledger_entries_reference", True)]
+        assert migrations.schema_version(conn) == PLANTED_INDEX[0]
