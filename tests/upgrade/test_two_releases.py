@@ -18,12 +18,13 @@ import itertools
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import psycopg
 import pytest
 
-from shardrouter.core.keys import KEY_METADATA
+from shardrouter.core.keys import KEY_METADATA, new_key
 from shardrouter.core.wire_names import REPLAYED_TRAILER, REPLAYED_VALUE
 from shardrouter.shardd import migrations
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
@@ -112,14 +113,47 @@ def _replayed_alike(dsn: str, keys: set[str], daemons: list[ServiceProcess]) -> 
     return seen
 
 
-def _check(result: LoadResult, dsn: str) -> Ledger:
+def _twins(first: ServiceProcess, second: ServiceProcess, count: int) -> tuple[int, Counter[str]]:
+    """`count` Deposits each sent twice at the same moment, one copy to each daemon (retried while the
+    other holds the key): both copies get the same answer. Returns the amount deposited and the
+    transient answers seen (in-flight conflicts)."""
+    seen: Counter[str] = Counter()
+    total = 0
+
+    def send(address: str, key: str, request: bytes) -> bytes:
+        with grpc.insecure_channel(address) as channel:
+            call = channel.unary_unary(DEPOSIT)
+            for _ in range(100):
+                try:
+                    return call(request, metadata=[(KEY_METADATA, key)], timeout=10)
+                except grpc.RpcError as err:
+                    if err.code() is not grpc.StatusCode.ABORTED:
+                        raise
+                    seen[err.code().name] += 1
+                    time.sleep(0.02)
+        raise AssertionError(f"{key} stayed in flight")
+
+    with ThreadPoolExecutor(8) as pool:
+        for n in range(count):
+            key, amount = str(new_key()), 1 + n % 50
+            request = transfer_pb2.DepositRequest(
+                account_id=f"twin-{n % 5}", amount=transfer_pb2.Money(amount_minor=amount, currency="EUR")
+            ).SerializeToString()
+            a = pool.submit(send, first.address, key, request)
+            b = pool.submit(send, second.address, key, request)
+            assert a.result() == b.result(), key
+            total += amount
+    return total, seen
+
+
+def _check(result: LoadResult, dsn: str, extra: int = 0) -> Ledger:
     ledger = Ledger.read([dsn])
     assert result.failed == set(), {k: result.outcomes[k] for k in sorted(result.failed)[:5]}
     assert result.lost(ledger) == []
     assert ledger.duplicates_applied == 0
     assert result.applied_unreported(ledger) == []
     assert ledger.unfinished == 0 and ledger.orphans == 0 and ledger.empty == 0
-    assert ledger.balance == result.expected_balance(ledger)
+    assert ledger.balance == result.expected_balance(ledger) + extra
     return ledger
 
 
@@ -140,7 +174,9 @@ def test_a_rolling_update_from_the_previous_release_fails_no_call(
         load = DepositLoad(rotation, seed=37, accounts=12, workers=6, interval_s=0.01)  # type: ignore[arg-type]
         load.start()
         time.sleep(1.5)
+        migrating = time.monotonic()
         new_a.start()  # migrates to this release's schema while the old daemon serves under load
+        migrated = time.monotonic()
         with psycopg.connect(database) as conn:
             assert migrations.schema_version(conn) == migrations.LATEST_VERSION
         rotation.add(new_a)
@@ -149,26 +185,33 @@ def test_a_rolling_update_from_the_previous_release_fails_no_call(
         with load._lock:  # a snapshot of the keys answered so far
             answered = set(load._result.completed)
         side_by_side = _replayed_alike(database, answered, [old, new_a])
+        # Twins in flight at once, one on each release: one claim wins, the other replays it.
+        twin_amount, twin_conflicts = _twins(old, new_a, 60)
         new_b.start()
         rotation.add(new_b)
         rotation.remove(old)  # out of the endpoints first, as Kubernetes does, then SIGTERM
         assert old.terminate() == 0, old.log_text()[-2000:]
         time.sleep(1.5)
         result = load.stop()
-        ledger = _check(result, database)
+        ledger = _check(result, database, twin_amount)
         after = _replayed_alike(database, set(result.completed) - answered, [new_a, new_b])
     finally:
         for daemon in daemons:
             daemon.kill()
+    # The longest call answered while the new daemon started and migrated (through the old one).
+    stall = max((d for t, d in result.latencies if t <= migrated and t + d >= migrating), default=0.0)
     with capsys.disabled():
         transient = {k: v for k, v in result.counts.items() if k.isupper()}
         print(
             f"\ntwo releases ({previous_release.commit[:9]}, schema {previous_release.schema} -> "
             f"{migrations.LATEST_VERSION}): operations {len(result.outcomes)}, duplicates sent "
             f"{result.counts['duplicates sent']}, transient answers {transient}, ledger keys {len(ledger.entries)}; "
-            f"replayed side by side {dict(side_by_side)}, after {dict(after)}; {time.monotonic() - started:.1f} s"
+            f"replayed side by side {dict(side_by_side)}, after {dict(after)}; twins in flight 60 "
+            f"({dict(twin_conflicts)}); longest call while migration {migrations.LATEST_VERSION} ran "
+            f"{stall:.3f} s; {time.monotonic() - started:.1f} s"
         )
     assert side_by_side["old"] > 20 and side_by_side["new-a"] == side_by_side["old"]
+    assert stall < 1.0
 
 
 def test_a_planted_contract_migration_fails_the_previous_releases_calls(
