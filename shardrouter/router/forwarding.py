@@ -59,6 +59,7 @@ from shardrouter.core.shardmap_file import ShardMapFile
 from shardrouter.core.status import abort_with_error_async
 from shardrouter.core.wire import DETAILS_TRAILER
 from shardrouter.router.channels import ChannelPool
+from shardrouter.router.hedging import HedgeBudget, first_decisive, with_wait
 from shardrouter.router.metadata import CallContext, CallerPolicy, MetadataEntry, forwardable
 from shardrouter.router.metrics import GRPC, HTTP, CallRecord, RouterMetrics
 from shardrouter.router.routing import METHODS_BY_PATH, routing_account
@@ -85,6 +86,8 @@ MOVE_WAIT_STEP_S = 0.025
 MOVE_RESEND_MIN_S = 0.05
 #: Longest a call waits for a re-read of the shard map file (s): a stalled volume must not hold calls.
 MAP_RECHECK_TIMEOUT_S = 0.25
+#: What a hedge's wait for its twin leaves of the call's deadline (s), to send the answer back.
+HEDGE_ANSWER_MARGIN_S = 0.1
 #: Refusals meaning "not served here, nothing applied": another shard owns, or is taking over, the account.
 MOVE_REASONS = frozenset({Reason.ACCOUNT_MOVED, Reason.SLOT_RANGE_MOVING})
 
@@ -222,6 +225,8 @@ class Forwarder(_GenericHandler):
         forward_retries: int,
         max_deadline_s: float,
         move_wait_s: float = 2.0,
+        hedge_after_s: float = 0.0,
+        hedge_budget: float = 0.1,
         tracer_provider: trace.TracerProvider | None = None,
         traced: bool = False,
         metrics: RouterMetrics | None = None,
@@ -231,6 +236,9 @@ class Forwarder(_GenericHandler):
         #: Ranges shards named with a newer owner than this router's map (ACCOUNT_MOVED).
         self._learned = LearnedOwners()
         self._move_wait_s = move_wait_s
+        #: Hedged forwarding (`hedging`): off at 0.
+        self._hedge_after_s = hedge_after_s
+        self._hedges = HedgeBudget(hedge_budget)
         self._metrics = metrics
         # With tracing on, each forwarding attempt is a CLIENT span whose traceparent the shard sees.
         self._traced = traced
@@ -433,9 +441,16 @@ class Forwarder(_GenericHandler):
         addresses = shard.addresses
         first = next(self._turns) % len(addresses)
         attempt = 0
+        hedged = resendable and self._hedge_after_s > 0 and len(addresses) > 1
+        if hedged:
+            self._hedges.earn()
         while True:
-            address = addresses[(first + attempt) % len(addresses)]
-            outcome = await self._attempt(shard, address, method, raw, metadata, context, note)
+            turn = first + attempt
+            if hedged:
+                outcome = await self._hedged_attempt(shard, turn, method, raw, metadata, context, note)
+            else:
+                address = addresses[turn % len(addresses)]
+                outcome = await self._attempt(shard, address, method, raw, metadata, context, note)
             if not unreached(outcome.code, outcome.trailing_metadata) and not (
                 resendable and interrupted(outcome)
             ):
@@ -450,6 +465,44 @@ class Forwarder(_GenericHandler):
             if delay:
                 await asyncio.sleep(delay)
             attempt += 1
+
+    async def _hedged_attempt(
+        self,
+        shard: Shard,
+        turn: int,
+        method: RpcDeclaration,
+        raw: bytes,
+        metadata: tuple[MetadataEntry, ...],
+        context: CallContext,
+        note: MoveNote | None,
+    ) -> Outcome:
+        """An attempt at the shard's daemon of this `turn`, hedged at the next one when it is slow."""
+        addresses = shard.addresses
+
+        def hedge() -> Awaitable[Outcome] | None:
+            if not self._hedges.take():
+                return None
+            if self._metrics is not None:
+                self._metrics.hedged(shard.id, won=False)
+            # The hedge waits for a twin in flight (the call's deadline less a margin to answer).
+            wait_ms = int((self._timeout(context) - HEDGE_ANSWER_MARGIN_S) * 1000) if method.keyed else 0
+            return self._attempt(
+                shard,
+                addresses[(turn + 1) % len(addresses)],
+                method,
+                raw,
+                with_wait(metadata, wait_ms),
+                context,
+                note,
+            )
+
+        primary = self._attempt(shard, addresses[turn % len(addresses)], method, raw, metadata, context, note)
+        outcome, hedge_won = await first_decisive(
+            primary, hedge, hedge_after_s=self._hedge_after_s, decisive=decisive
+        )
+        if hedge_won and self._metrics is not None:
+            self._metrics.hedged(shard.id, won=True)
+        return outcome
 
     async def _attempt(
         self,
@@ -546,6 +599,17 @@ def _entries(metadata: object) -> tuple[MetadataEntry, ...]:
     """Metadata (a `grpc.aio.Metadata`, a tuple of pairs, or None) as a tuple of (key, value)."""
     # The type stubs say the sync API's `_Metadatum` for AioRpcError; at run time it is aio Metadata.
     return tuple(cast("Iterable[MetadataEntry]", metadata or ()))
+
+
+def decisive(outcome: Outcome) -> bool:
+    """Whether a hedged attempt's outcome is the caller's answer: anything but a daemon not reached,
+    a call cut off, or a twin found in flight (the other attempt holds the key: its answer comes)."""
+    if unreached(outcome.code, outcome.trailing_metadata) or interrupted(outcome):
+        return False
+    if outcome.code is not grpc.StatusCode.ABORTED:
+        return True
+    info = our_error_info(outcome.trailing_metadata)
+    return info is None or info.reason != Reason.IDEMPOTENCY_KEY_IN_FLIGHT
 
 
 def interrupted(outcome: Outcome) -> bool:

@@ -114,6 +114,11 @@ class RouterMetrics:
             unit="{redirect}",
             description="Calls sent on to another shard after the shard tried said the account moved.",
         )
+        self.hedges = meter.create_counter(
+            "router_hedges",
+            unit="{hedge}",
+            description="Second attempts of slow calls at another daemon of the shard (result=sent), and those whose answer the caller got (result=won).",
+        )
         #: (protocol, shard id) -> method path -> code -> the label set of a call (filled on first use).
         self._call_labels: dict[tuple[str, str], dict[str, dict[grpc.StatusCode, _Labels]]] = {}
         #: shard id -> reason -> the label set of a redirect.
@@ -152,6 +157,10 @@ class RouterMetrics:
                 reason, {"reason": reason, "shard": shard}
             )
         self.redirects.add(1, labels)
+
+    def hedged(self, shard: str, *, won: bool) -> None:
+        """Count a hedge sent to `shard`'s next daemon, or (`won`) one whose answer was the caller's."""
+        self.hedges.add(1, {"result": "won" if won else "sent", "shard": shard})
 
     def call_labels(
         self, method: str, code: grpc.StatusCode, shard: str = NO_SHARD, protocol: str = GRPC

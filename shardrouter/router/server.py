@@ -135,6 +135,8 @@ async def start_router(
         forward_retries=settings.forward_retries,
         max_deadline_s=settings.max_deadline_s,
         move_wait_s=settings.move_wait_s,
+        hedge_after_s=settings.hedge_after_ms / 1000,
+        hedge_budget=settings.hedge_budget_percent / 100,
         tracer_provider=tracer_provider,
         traced=traced,
         metrics=metrics,

@@ -72,6 +72,14 @@ class RouterSettings:
     #: few tens of ms, so the call lands once the move commits (at the new owner) or is called off;
     #: past it, or near the call's deadline, the shard's retryable answer is passed on. 0: at once.
     move_wait_s: float = 2.0
+    #: Hedged forwarding, off at 0: a keyed call or a read that a shard's daemon has not answered
+    #: after this many ms is also sent to the shard's next daemon (the key keeps it applied once; the
+    #: second attempt waits for a twin in flight and replays it); the first answer is the caller's.
+    #: Set it near the calls' p95, for shards served by two or more daemons.
+    hedge_after_ms: int = 0
+    #: Most hedges, in percent of the calls that could be hedged (a token bucket, as gRPC's retry
+    #: throttling): a shard slow for every call cannot multiply the router's load.
+    hedge_budget_percent: float = 10.0
     #: Seconds to finish in-flight calls on SIGTERM.
     shutdown_grace_s: float = 10.0
     #: Oldest a caller's connection may get (s, grpc adds +-10% jitter): then the router sends GOAWAY
@@ -146,6 +154,14 @@ class RouterSettings:
             (
                 not 0 <= self.forward_retries <= MAX_FORWARD_RETRIES,
                 f"forward_retries must be between 0 and {MAX_FORWARD_RETRIES}",
+            ),
+            (
+                not 0 <= self.hedge_after_ms <= self.max_deadline_s * 1000,
+                "hedge_after_ms must be between 0 (off) and max_deadline_s",
+            ),
+            (
+                not 0 <= self.hedge_budget_percent <= 100,
+                "hedge_budget_percent must be between 0 and 100",
             ),
             (
                 not 0 <= self.move_wait_s <= self.max_deadline_s,
