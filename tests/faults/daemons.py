@@ -165,8 +165,10 @@ class OneShard:
         tmp_path: Path,
         count: int = 2,
         extra_env: Mapping[str, str] | None = None,
+        router_env: Mapping[str, str] | None = None,
     ) -> OneShard:
-        """The processes, not started (arm a daemon first if the test needs to)."""
+        """The processes, not started (arm a daemon first if the test needs to); `extra_env` for the
+        daemons, `router_env` for the router."""
         name = f"fp_{uuid.uuid4().hex[:10]}"
         postgres.create_database(name)
         dsn = postgres.dsn_for(name)
@@ -184,7 +186,8 @@ class OneShard:
                 }
             )
         )
-        return cls(dsn, daemons, router_process(tmp_path, shard_map=map_path), map_path)
+        router = router_process(tmp_path, shard_map=map_path, extra_env=dict(router_env or {}))
+        return cls(dsn, daemons, router, map_path)
 
     def start(self) -> None:
         """Every daemon, then the router."""
