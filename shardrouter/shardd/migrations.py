@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from psycopg import sql as pgsql
 
 log = logging.getLogger(__name__)
 
@@ -708,9 +709,27 @@ class Compatibility:
     #: Each must be safe to run again (IF NOT EXISTS); an index a failed build left INVALID is dropped
     #: before the next attempt. Statements are split at a `;` ending a line: no DO blocks.
     outside_transaction: bool = False
+    #: The hot tables it locks, taken first in the writers' order (`WRITER_LOCK_ORDER`): a migration
+    #: that locks one table and then waits for another, which a writer holding rows of the second
+    #: wants next, deadlocks with the writers. Taken first and in order, the migration waits but
+    #: holds nothing while it waits.
+    locks_first: tuple[str, ...] = ()
 
 
 _E, _C = Step.EXPAND, Step.CONTRACT
+
+#: The order a call's transaction locks the hot tables in (a Deposit: the account, its entry, the key's
+#: record; a Transfer: the accounts, the transfer, the entries, the outbox, the record).
+WRITER_LOCK_ORDER = (
+    "accounts",
+    "transfers",
+    "ledger_entries",
+    "outbox",
+    "delivery_attempts",
+    "dead_letters",
+    "voided_credits",
+    "idempotency_record",
+)
 
 #: Every migration's compatibility, by number. A test applies each migration under load to a database
 #: one version behind, measures the longest stall of the load, and checks the rewrites declared here.
@@ -724,21 +743,31 @@ COMPATIBILITY: dict[int, Compatibility] = {
         _E,
         "columns older writers leave out, computed by the database (generated, triggers); new triggers",
         rewrites_hot_tables=True,
+        locks_first=(*_FENCED_BEFORE_16,),
     ),
     7: Compatibility(_E, "a new table"),
-    8: Compatibility(_E, "generated columns turned into trigger-set ones: same values, same writers"),
+    8: Compatibility(
+        _E,
+        "generated columns turned into trigger-set ones: same values, same writers",
+        locks_first=("accounts", "transfers", "ledger_entries"),
+    ),
     9: Compatibility(_E, "sequences moved forward"),
     10: Compatibility(
         _C,
         "key columns retyped uuid -> text: an older release's uuid parameters fail (text = uuid)",
         serves_code_from=10,
         rewrites_hot_tables=True,
+        locks_first=("ledger_entries", "outbox", "dead_letters", "idempotency_record"),
     ),
     11: Compatibility(_E, "a statement trigger on the outbox"),
     12: Compatibility(_E, "new functions; no older release calls them"),
     13: Compatibility(_E, "a function replaced with the same signature and values"),
     14: Compatibility(_E, "a new table and a nullable column"),
-    15: Compatibility(_E, "replica identity: the catalog only"),
+    15: Compatibility(
+        _E,
+        "replica identity: the catalog only",
+        locks_first=(*_FENCED_BEFORE_16,),
+    ),
     16: Compatibility(
         _C,
         "voided credits are a fact every daemon must write: an older VoidCredit leaves it out, and a "
@@ -876,12 +905,19 @@ def _apply_next(conn: psycopg.Connection[Any], lock_timeout_s: float) -> int | N
         version, description, sql = pending[0]
         outside = COMPATIBILITY[version].outside_transaction
         if not outside:
+            _lock_first(conn, COMPATIBILITY[version].locks_first)
             conn.execute(sql.encode())
             _record(conn, version, description)
     if outside and not _apply_outside_transaction(conn, lock_timeout_s, version, description, sql):
         return 0  # another migrator applied it meanwhile
     log.info("applied migration %d (%s): %s", version, COMPATIBILITY[version].step.value, description)
     return version
+
+
+def _lock_first(conn: psycopg.Connection[Any], tables: tuple[str, ...]) -> None:
+    """Lock `tables` in the writers' order, one statement each (a LOCK of several waits for each in turn)."""
+    for table in sorted(tables, key=WRITER_LOCK_ORDER.index):
+        conn.execute(pgsql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(pgsql.Identifier(table)))
 
 
 def _record(conn: psycopg.Connection[Any], version: int, description: str) -> None:
@@ -998,6 +1034,7 @@ __all__ = [
     "LATEST_VERSION",
     "MIGRATIONS",
     "OLDEST_SCHEMA_SERVED",
+    "WRITER_LOCK_ORDER",
     "Compatibility",
     "MigrationError",
     "MigrationLockTimeout",
