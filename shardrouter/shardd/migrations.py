@@ -820,8 +820,8 @@ class SchemaNewerThanCode(MigrationError):
         super().__init__(
             f"the database's schema is at version {database_version}, newer than this release's "
             f"{latest}, and {by}; this release serves schema versions {OLDEST_SCHEMA_SERVED} to {latest}, "
-            f"and newer ones only while every step past {latest} is an expand step "
-            "(docs/migrations.md). Run the release that migrated it (or a newer one); a contract step "
+            f"and newer ones whose every step past {latest} is an expand step or a contract naming "
+            f"{latest} or older (docs/migrations.md). Run the release that migrated it (or a newer one); a contract step "
             "is never undone by a rollback"
         )
         self.database_version = database_version
@@ -891,8 +891,8 @@ def _apply_next(conn: psycopg.Connection[Any], lock_timeout_s: float) -> int | N
             if served_from is None or served_from > latest:
                 raise SchemaNewerThanCode(current, served_from)
             log.warning(
-                "the database's schema is at version %d, newer than this release's %d; served, since every "
-                "step since %d is an expand step (schema served by releases from %d on)",
+                "the database's schema is at version %d, newer than this release's %d; served, since no "
+                "step past %d contracted what it reads (schema served by releases from %d on)",
                 current,
                 latest,
                 latest,
