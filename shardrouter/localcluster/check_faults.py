@@ -37,6 +37,8 @@ from shardrouter.localcluster.postgres import LocalPostgres, ReplicatedPostgres,
 
 #: How long a killed process stays down before it is started again (s).
 DOWN_S = 0.5
+#: How many times a killed process is started before its schedule gives up (1 s apart).
+START_ATTEMPTS = 10
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -142,15 +144,25 @@ def kill_processes(targets: list[Daemon], kind: str, log: FaultLog) -> Callable[
         daemon.proc.wait()
         pid = daemon.proc.pid
         time.sleep(DOWN_S)
-        try:
-            daemon.start()
-        except (RuntimeError, TimeoutError) as exc:
-            raise RuntimeError(f"{daemon.name} did not start again: {exc}") from None
+        _start_again(daemon)
         new_pid = daemon.proc.pid if daemon.proc else 0
         log.record(kind, f"SIGKILL {daemon.name} (pid {pid}), started again (pid {new_pid})")
         return True
 
     return act
+
+
+def _start_again(daemon: Daemon) -> None:
+    """Start a killed process again, retrying while it exits at once (a shard daemon whose
+    database is down at that moment, under `--kill-postgres-every`, refuses to start)."""
+    for attempt in range(START_ATTEMPTS):
+        try:
+            daemon.start()
+            return
+        except (RuntimeError, TimeoutError) as exc:
+            if attempt == START_ATTEMPTS - 1:
+                raise RuntimeError(f"{daemon.name} did not start again: {exc}") from None
+            time.sleep(1.0)
 
 
 def _writable(db: LocalPostgres | ReplicatedPostgres) -> LocalPostgres:
@@ -286,10 +298,20 @@ def main(argv: Sequence[str]) -> int:
     finally:
         _stop(schedules, log)
         cluster.stop()
+        _keep_logs(data_dir, log)
         with contextlib.suppress(OSError):
             cluster.wipe()
         shutil.rmtree(data_dir.parent, ignore_errors=True)
     return code
+
+
+def _keep_logs(data_dir: Path, log: FaultLog) -> None:
+    """When a schedule failed, copy the cluster's logs here before the cluster is deleted."""
+    if not log.failures or not (data_dir / "logs").is_dir():
+        return
+    kept = Path.cwd() / datetime.now(UTC).strftime("check-local-logs-%Y%m%dT%H%M%SZ")
+    shutil.copytree(data_dir / "logs", kept, dirs_exist_ok=True)
+    print(f"a fault schedule failed: the cluster's logs are kept in {kept}", flush=True)
 
 
 def _stop(schedules: list[Schedule], log: FaultLog) -> str:

@@ -15,8 +15,12 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+import psycopg
 
 from shardrouter.core import failpoints
 from shardrouter.core.moves import Phase
@@ -31,7 +35,12 @@ from shardrouter.reshard.move import ShardDatabases, find_move
 KILL_AFTER = ("fenced", "committed", "caught_up", "verified", "published", "copied")
 #: How long one orchestrator (a move, or its resume) may take before the schedule gives up (s).
 MOVE_TIMEOUT_S = 300.0
+#: How many times a move whose orchestrator stopped on an error is resumed before the schedule gives up.
+MAX_RESUMES = 10
+#: Seconds between two tries.
+RETRY_PAUSE_S = 1.0
 _MOVE_ID = re.compile(r"move (m\w+):")
+T = TypeVar("T")
 _PAUSED = re.compile(r"failpoint (\S+): paused \(pid (\d+)\)")
 
 
@@ -53,6 +62,8 @@ class MoveDone:
     #: The step after which its first orchestrator was SIGKILLed, and that process's pid ("", 0: none).
     killed_after: str = ""
     killed_pid: int = 0
+    #: How many times it was resumed after an orchestrator stopped on an error.
+    resumes_after_errors: int = 0
 
     def describe(self) -> str:
         """One line for the run's report."""
@@ -61,6 +72,10 @@ class MoveDone:
             if self.killed_after
             else ""
         )
+        if self.resumes_after_errors:
+            killed += (
+                f"resumed {self.resumes_after_errors} time(s) after the orchestrator stopped on an error; "
+            )
         return (
             f"move {self.move_id} slots {self.first}-{self.last} {self.source} -> {self.target}: {killed}"
             f"done, {self.rows_moved} rows moved, shard map version {self.map_version}"
@@ -84,16 +99,26 @@ class Moves:
         target = self._away if n % 2 == 0 else self._home
         log = self._cluster.data_dir / "logs" / f"check-move-{n}.log"
         args = ["--slots", f"{self._first}-{self._last}", "--to", target]
-        killed_after, killed_pid = "", 0
-        if self._kill:
-            killed_after = KILL_AFTER[n % len(KILL_AFTER)]
-            killed_pid = self._run_to_pause(args, f"reshard.{killed_after}", log)
-            move_id = _move_id(log)
-            self._run(["resume", move_id], log)
-        else:
-            self._run(args, log)
-            move_id = _move_id(log)
-        record = find_move(ShardDatabases(read_shard_dsns(self._cluster.databases_path)), move_id)
+        killed_after = KILL_AFTER[n % len(KILL_AFTER)] if self._kill else ""
+        move_id, killed_pid, code = self._start(args, log, killed_after)
+        if killed_pid:
+            code = self._run(["resume", move_id], log)
+        else:  # not killed this turn: it stopped on an error before the step (resumed below)
+            killed_after = ""
+        resumes = 0
+        # An orchestrator that stopped on an error (a shard's database killed under it) is resumed,
+        # as its message tells a user to do.
+        while code != 0 and resumes < MAX_RESUMES:
+            resumes += 1
+            time.sleep(RETRY_PAUSE_S)
+            code = self._run(["resume", move_id], log)
+        if code != 0:
+            raise MoveFailed(
+                f"move {move_id}: shard-router reshard exited {code} {resumes + 1} times; see {log}"
+            )
+        record = _retrying(
+            lambda: find_move(ShardDatabases(read_shard_dsns(self._cluster.databases_path)), move_id)
+        )
         if record.phase is not Phase.DONE:
             raise MoveFailed(f"move {move_id} is {record.phase.value}, not done; see {log}")
         rows = record.figures.get("rows_moved", {})
@@ -107,14 +132,31 @@ class Moves:
             map_version=load_shard_map(self._cluster.shard_map_path).version,
             killed_after=killed_after,
             killed_pid=killed_pid,
+            resumes_after_errors=resumes,
         )
+
+    def _start(self, args: list[str], log: Path, kill_after: str) -> tuple[str, int, int]:
+        """Start the move, again while its orchestrator stops on an error before journaling it (a
+        database starting up); with `kill_after`, SIGKILL it once paused after that step. (The
+        move's id, the killed orchestrator's pid or 0, the exit code of an unkilled one.)"""
+        for attempt in range(MAX_RESUMES + 1):
+            if kill_after:
+                pid, code = self._run_to_pause(args, f"reshard.{kill_after}", log)
+            else:
+                pid, code = 0, self._run(args, log)
+            found = _MOVE_ID.findall(log.read_text(encoding="utf-8", errors="replace"))
+            if found:
+                return str(found[-1]), pid, code
+            if attempt < MAX_RESUMES:
+                time.sleep(RETRY_PAUSE_S)
+        raise MoveFailed(f"no move was started ({MAX_RESUMES + 1} tries); see {log}")
 
     def _command(self, args: list[str]) -> list[str]:
         files = ["--map", str(self._cluster.shard_map_path), "--databases", str(self._cluster.databases_path)]
         return [*installed_command("shard-router"), "reshard", *args, *files]
 
-    def _run(self, args: list[str], log: Path) -> None:
-        """One orchestrator to its end, its output appended to `log`."""
+    def _run(self, args: list[str], log: Path) -> int:
+        """One orchestrator to its end, its output appended to `log`; its exit code."""
         with log.open("ab") as out:
             done = subprocess.run(
                 self._command(args),
@@ -124,11 +166,11 @@ class Moves:
                 check=False,
                 start_new_session=True,
             )
-        if done.returncode != 0:
-            raise MoveFailed(f"shard-router reshard {args[0]} ... exited {done.returncode}; see {log}")
+        return done.returncode
 
-    def _run_to_pause(self, args: list[str], point: str, log: Path) -> int:
-        """Start an orchestrator with `point` armed, wait for its pause there, SIGKILL it; its pid."""
+    def _run_to_pause(self, args: list[str], point: str, log: Path) -> tuple[int, int]:
+        """Start an orchestrator with `point` armed, wait for its pause there, SIGKILL it: (its pid,
+        0); or (0, its exit code) when it stopped on an error before reaching the point."""
         env = {**os.environ, failpoints.ENV: f"{point}=pause", "PYTHONUNBUFFERED": "1"}
         with log.open("ab") as out:
             proc = subprocess.Popen(
@@ -138,7 +180,9 @@ class Moves:
             deadline = time.monotonic() + MOVE_TIMEOUT_S
             while not _paused_at(log, point):
                 if proc.poll() is not None:
-                    raise MoveFailed(f"the orchestrator ended ({proc.returncode}) before {point}; see {log}")
+                    if proc.returncode == 0:
+                        raise MoveFailed(f"the orchestrator ended before {point}; see {log}")
+                    return 0, proc.returncode
                 if time.monotonic() > deadline:
                     raise MoveFailed(f"the orchestrator did not reach {point}; see {log}")
                 time.sleep(0.05)
@@ -150,19 +194,21 @@ class Moves:
                 proc.wait(10)
         if code != -signal.SIGKILL:
             raise MoveFailed(f"the orchestrator paused at {point} ended with {code}, not by SIGKILL")
-        return proc.pid
+        return proc.pid, 0
 
 
 def _paused_at(log: Path, point: str) -> bool:
     return any(m[1] == point for m in _PAUSED.finditer(log.read_text(encoding="utf-8", errors="replace")))
 
 
-def _move_id(log: Path) -> str:
-    """The id of the move a log's orchestrator started (the last one named there)."""
-    found = _MOVE_ID.findall(log.read_text(encoding="utf-8", errors="replace"))
-    if not found:
-        raise MoveFailed(f"no move was started; see {log}")
-    return str(found[-1])
+def _retrying(read: Callable[[], T]) -> T:
+    """`read()`, again for a while if a shard's database cannot be reached (one restarting)."""
+    for _ in range(MAX_RESUMES):
+        try:
+            return read()
+        except psycopg.OperationalError:
+            time.sleep(RETRY_PAUSE_S)
+    return read()
 
 
 def _half_of_first_range(cluster: LocalCluster, shard_id: str) -> tuple[int, int]:
