@@ -59,7 +59,7 @@ from shardrouter.core.shardmap_file import ShardMapFile
 from shardrouter.core.status import abort_with_error_async
 from shardrouter.core.wire import DETAILS_TRAILER
 from shardrouter.router.channels import ChannelPool
-from shardrouter.router.hedging import HedgeBudget, first_decisive, with_wait
+from shardrouter.router.hedging import HedgeBudget, SlowDaemons, first_decisive, with_wait
 from shardrouter.router.metadata import CallContext, CallerPolicy, MetadataEntry, forwardable
 from shardrouter.router.metrics import GRPC, HTTP, CallRecord, RouterMetrics
 from shardrouter.router.routing import METHODS_BY_PATH, routing_account
@@ -86,6 +86,8 @@ MOVE_WAIT_STEP_S = 0.025
 MOVE_RESEND_MIN_S = 0.05
 #: Longest a call waits for a re-read of the shard map file (s): a stalled volume must not hold calls.
 MAP_RECHECK_TIMEOUT_S = 0.25
+#: How long new calls avoid a daemon a call was hedged past (s; at least ten hedge delays).
+SLOW_DAEMON_AVOID_S = 0.5
 #: What a hedge's wait for its twin leaves of the call's deadline (s), to send the answer back.
 HEDGE_ANSWER_MARGIN_S = 0.1
 #: Refusals meaning "not served here, nothing applied": another shard owns, or is taking over, the account.
@@ -239,6 +241,7 @@ class Forwarder(_GenericHandler):
         #: Hedged forwarding (`hedging`): off at 0.
         self._hedge_after_s = hedge_after_s
         self._hedges = HedgeBudget(hedge_budget)
+        self._slow = SlowDaemons(avoid_s=max(SLOW_DAEMON_AVOID_S, 10 * hedge_after_s))
         self._metrics = metrics
         # With tracing on, each forwarding attempt is a CLIENT span whose traceparent the shard sees.
         self._traced = traced
@@ -477,26 +480,25 @@ class Forwarder(_GenericHandler):
         note: MoveNote | None,
     ) -> Outcome:
         """An attempt at the shard's daemon of this `turn`, hedged at the next one when it is slow."""
-        addresses = shard.addresses
+        first, second = self._slow.order(shard.addresses, turn)
+
+        async def attempt_at(address: str, sent: tuple[MetadataEntry, ...]) -> Outcome:
+            outcome = await self._attempt(shard, address, method, raw, sent, context, note)
+            if not unreached(outcome.code, outcome.trailing_metadata):
+                self._slow.answered(address)
+            return outcome
 
         def hedge() -> Awaitable[Outcome] | None:
             if not self._hedges.take():
                 return None
+            self._slow.mark(first)
             if self._metrics is not None:
                 self._metrics.hedged(shard.id, won=False)
             # The hedge waits for a twin in flight (the call's deadline less a margin to answer).
             wait_ms = int((self._timeout(context) - HEDGE_ANSWER_MARGIN_S) * 1000) if method.keyed else 0
-            return self._attempt(
-                shard,
-                addresses[(turn + 1) % len(addresses)],
-                method,
-                raw,
-                with_wait(metadata, wait_ms),
-                context,
-                note,
-            )
+            return attempt_at(second, with_wait(metadata, wait_ms))
 
-        primary = self._attempt(shard, addresses[turn % len(addresses)], method, raw, metadata, context, note)
+        primary = attempt_at(first, metadata)
         outcome, hedge_won = await first_decisive(
             primary, hedge, hedge_after_s=self._hedge_after_s, decisive=decisive
         )
@@ -641,6 +643,7 @@ def move_refusal(outcome: Outcome) -> MoveRefusal | None:
 
 __all__ = [
     "DETAILS_TRAILER",
+    "HEDGE_ANSWER_MARGIN_S",
     "MAP_RECHECK_TIMEOUT_S",
     "MAX_REDIRECTS",
     "MOVE_REASONS",
@@ -648,13 +651,16 @@ __all__ = [
     "MOVE_WAIT_STEP_S",
     "RETRY_BACKOFF_S",
     "SHARD_UNAVAILABLE_RETRY_MS",
+    "SLOW_DAEMON_AVOID_S",
     "Forwarder",
     "MapRecheck",
     "MoveNote",
     "MoveRefusal",
     "Outcome",
     "Ownership",
+    "decisive",
     "has_our_error_info",
+    "interrupted",
     "move_refusal",
     "our_error_info",
     "unreached",

@@ -10,6 +10,8 @@ nothing to apply. A mutating call without a key is never hedged.
 A hedge is sent only after `hedge_after_s` without an answer, and only while the budget allows: a
 token bucket in the manner of gRPC's retry throttling, earning `ratio` of a token per hedgeable
 call, so a shard that is slow for everyone (not one stalled daemon) cannot double the router's load.
+A daemon a call was hedged past is avoided by new calls for a moment (`SlowDaemons`): a stalled
+daemon would otherwise take its share of calls, and spend a hedge on each, for as long as it stalls.
 
 What hedging cannot do: a call the stalled daemon had already claimed holds its key (the claim's
 lock lives in the database session of the stalled process), so its hedge waits for that daemon to
@@ -20,7 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from shardrouter.core.wire_names import WAIT_METADATA
@@ -54,6 +57,41 @@ class HedgeBudget:
                 return False
             self._tokens -= 1
             return True
+
+
+class SlowDaemons:
+    """Daemons a call was just hedged past: new calls of their shard start at another daemon for
+    `avoid_s`, or until one of their calls is answered, so a stalled daemon does not spend the
+    budget on every call that would have gone to it. Past `avoid_s` it gets calls again (one that
+    stalls marks it again), so a daemon is never left out for good."""
+
+    def __init__(self, avoid_s: float) -> None:
+        self._avoid_s = avoid_s
+        self._marked: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def mark(self, address: str) -> None:
+        """A call at `address` was hedged: it did not answer in time."""
+        with self._lock:
+            self._marked[address] = time.monotonic()
+
+    def answered(self, address: str) -> None:
+        """`address` answered a call."""
+        if address in self._marked:
+            with self._lock:
+                self._marked.pop(address, None)
+
+    def order(self, addresses: Sequence[str], turn: int) -> tuple[str, str]:
+        """The daemons a call of this `turn` tries first and hedges at: its turn's, unless that one is
+        marked slow and the next is not."""
+        first, second = addresses[turn % len(addresses)], addresses[(turn + 1) % len(addresses)]
+        if self._marked and self._slow(first) and not self._slow(second):
+            return second, first
+        return first, second
+
+    def _slow(self, address: str) -> bool:
+        marked = self._marked.get(address)
+        return marked is not None and time.monotonic() - marked < self._avoid_s
 
 
 def with_wait(
@@ -101,4 +139,4 @@ async def first_decisive(
                 task.cancel()
 
 
-__all__ = ["HEDGE_BURST", "HedgeBudget", "first_decisive", "with_wait"]
+__all__ = ["HEDGE_BURST", "HedgeBudget", "SlowDaemons", "first_decisive", "with_wait"]

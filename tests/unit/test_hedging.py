@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from shardrouter.core.wire_names import WAIT_METADATA
-from shardrouter.router.hedging import HEDGE_BURST, HedgeBudget, first_decisive, with_wait
+from shardrouter.router.hedging import HEDGE_BURST, HedgeBudget, SlowDaemons, first_decisive, with_wait
 
 
 def test_the_budget_saves_a_burst_then_earns_its_share_of_calls() -> None:
@@ -76,3 +76,18 @@ def test_without_budget_the_primary_alone_answers() -> None:
     log: list[str] = []
     assert _race(0.1, None, {"primary"}, log) == ("primary", False)
     assert log == ["hedged"]
+
+
+def test_a_daemon_hedged_past_is_avoided_until_it_answers_or_the_moment_passes() -> None:
+    slow = SlowDaemons(avoid_s=60)
+    daemons = ["a", "b"]
+    assert slow.order(daemons, 0) == ("a", "b")
+    slow.mark("a")
+    assert slow.order(daemons, 0) == ("b", "a") and slow.order(daemons, 1) == ("b", "a")
+    slow.mark("b")  # both slow: each call keeps its turn
+    assert slow.order(daemons, 0) == ("a", "b")
+    slow.answered("a")
+    assert slow.order(daemons, 1) == ("a", "b")
+    quick = SlowDaemons(avoid_s=0)
+    quick.mark("a")
+    assert quick.order(daemons, 0) == ("a", "b")  # the moment has passed
