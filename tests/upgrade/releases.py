@@ -42,6 +42,11 @@ def _git(*args: str) -> str:
     ).stdout
 
 
+def is_shallow_clone() -> bool:
+    """Whether this checkout lacks the history (`git clone --depth N`)."""
+    return _git("rev-parse", "--is-shallow-repository").strip() == "true"
+
+
 def previous_release_commit(before: int = migrations.LATEST_VERSION) -> tuple[str, int]:
     """The commit just before migration `before` was added (the release it came after), and that
     commit's newest migration."""
