@@ -24,14 +24,15 @@ class CertFiles:
 
 
 class TestCA:
-    """A CA that issues server and client certificates into a folder."""
+    """A CA that issues server and client certificates into a folder; two CAs in one bundle need two
+    names (`name`)."""
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, name: str = "shard-router test CA") -> None:
         self.folder = folder
         self.key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "shard-router test CA")])
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
         now = dt.datetime.now(dt.UTC)
         self.cert = (
             x509.CertificateBuilder()

@@ -1,6 +1,7 @@
 """The router's metrics: `router_requests_total{method,code,shard,protocol}`,
-`router_request_duration_seconds{method,code,shard,protocol}`, `router_redirects_total{reason,shard}`, and the
-shard map in force: `router_shard_map_version` and `router_shard_map_refused_total`.
+`router_request_duration_seconds{method,code,shard,protocol}`, `router_redirects_total{reason,shard}`,
+`router_tls_handshake_failures_total{protocol,reason}` (the HTTP front's), and the shard map in force:
+`router_shard_map_version` and `router_shard_map_refused_total`.
 
 Built on the pipeline every process shares (`core.metrics`), exposed at the router's /metrics.
 """
@@ -119,6 +120,15 @@ class RouterMetrics:
             unit="{hedge}",
             description="Second attempts of slow calls at another daemon of the shard (result=sent), and those whose answer the caller got (result=won).",
         )
+        self.tls_handshake_failures = meter.create_counter(
+            "router_tls_handshake_failures",
+            unit="{handshake}",
+            description=(
+                "TLS handshakes the HTTP front refused or lost, by reason (no_certificate, "
+                "untrusted_certificate, not_tls, client_refused, timeout, connection_lost, other). "
+                "Only protocol=http: gRPC's handshakes run inside grpc-core, which reports none to Python."
+            ),
+        )
         #: (protocol, shard id) -> method path -> code -> the label set of a call (filled on first use).
         self._call_labels: dict[tuple[str, str], dict[str, dict[grpc.StatusCode, _Labels]]] = {}
         #: shard id -> reason -> the label set of a redirect.
@@ -161,6 +171,10 @@ class RouterMetrics:
     def hedged(self, shard: str, *, won: bool) -> None:
         """Count a hedge sent to `shard`'s next daemon, or (`won`) one whose answer was the caller's."""
         self.hedges.add(1, {"result": "won" if won else "sent", "shard": shard})
+
+    def tls_handshake_failed(self, reason: str, protocol: str = HTTP) -> None:
+        """Count one failed TLS handshake on `protocol`'s front, for `reason` (a bounded set)."""
+        self.tls_handshake_failures.add(1, {"protocol": protocol, "reason": reason})
 
     def call_labels(
         self, method: str, code: grpc.StatusCode, shard: str = NO_SHARD, protocol: str = GRPC

@@ -31,7 +31,10 @@ bounded), code UNIMPLEMENTED. A refusal's duration runs from the request's first
 protocol's clock read, its only cost on the forwarding path). What the connection's protocol answers
 before the app runs is counted too, as method "unknown" (`UNREAD_REFUSAL_CODES`): a request line or
 headers it cannot parse (400), headers that do not arrive in time (408), 503 over
-`http_max_connections`. A failed TLS handshake is not counted (it never reaches the protocol).
+`http_max_connections`. A failed TLS handshake (no client certificate, an untrusted one, plain HTTP
+on the TLS port) is counted in `router_tls_handshake_failures_total{protocol="http",reason}`; a
+renewed certificate or caller CA bundle, a CA taken out included, holds for new connections without
+a restart (`_CallerTls`).
 
 The source document's compact `POST /transfers` (`{"src":8842,"dst":1190,"amount":2500}`) is the
 Transfer RPC; without a currency it is read from the source account (GetBalance) before sending.
@@ -562,9 +565,12 @@ class _FrontConfig(uvicorn.Config):
         max_header_bytes: int,
         header_timeout_s: float,
         metrics: RouterMetrics | None,
+        caller_tls: _CallerTls | None = None,
         **options: Any,
     ) -> None:
         super().__init__(app, **options)
+        #: The HTTPS front's TLS contexts (None: plain HTTP).
+        self.caller_tls = caller_tls
         self.max_header_bytes = max_header_bytes
         #: Longest a request's headers may take to arrive (s), from the connection or the request's
         #: first byte: a slow sender (slowloris) cannot hold a connection for ever before the app sees it.
@@ -710,27 +716,139 @@ class HttpServer:
             self.task.cancel()
 
 
-async def _follow_certificates(context: ssl.SSLContext, settings: RouterSettings) -> None:
-    """Load a renewed HTTPS certificate (and caller CA) into the live TLS context, as the gRPC server
-    does at its handshakes: new connections get it, open ones keep theirs. A half-written set is
-    skipped until it loads. An added CA is trusted at once; a CA taken away stays trusted until the
-    router restarts (OpenSSL's store only grows).
+class _CallerTls:
+    """The HTTPS front's TLS context for new handshakes, built afresh when its files change.
 
-    The load runs on the event loop's thread, where the handshakes run: `load_cert_chain` sets the
-    certificate and then the key with the GIL released between them, so from another thread a
-    handshake could land in between and meet the new certificate with the old key (the client
-    sees the connection dropped mid-handshake). A load happens only when the files changed."""
-    files = tls.WatchedFiles("HTTPS certificate", settings.tls_cert, settings.tls_key, settings.tls_ca)
+    A renewed certificate or caller CA bundle becomes a fresh context, never a change to the live one:
+    `load_verify_locations` only adds to OpenSSL's store, so a CA taken out of the bundle would stay
+    trusted. Each handshake (`_TlsAccept`) takes the context current when it starts; open connections
+    keep theirs. A half-written set of files is skipped until it loads.
 
-    def load() -> bool:
-        context.load_cert_chain(settings.tls_cert, settings.tls_key)
-        if settings.tls_ca:
-            context.load_verify_locations(settings.tls_ca)
-        return True
+    A fresh context also has its own session cache and ticket keys: a client cannot resume a session
+    from before the change and skip the verification of its certificate. (Switching contexts in an
+    `sni_callback` verifies against the fresh CA store too, but a TLS 1.2 session cached by the
+    listening context still resumes there.)
+    """
 
+    def __init__(self, settings: RouterSettings) -> None:
+        self._cert, self._key, self._ca = settings.tls_cert, settings.tls_key, settings.tls_ca
+        self._files = tls.WatchedFiles("HTTPS certificate", self._cert, self._key, self._ca)
+        self.current = self._context()
+
+    def _context(self) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self._cert, self._key)
+        if self._ca:
+            context.verify_mode = ssl.CERT_REQUIRED
+            context.load_verify_locations(self._ca)
+        return context
+
+    def reload_if_changed(self) -> None:
+        """Build a fresh context if the files changed (and load): new handshakes use it."""
+        fresh = self._files.load_if_changed(self._context)
+        if fresh is not None:
+            self.current = fresh
+
+
+async def _follow_certificates(caller_tls: _CallerTls, interval_s: float) -> None:
+    """Look at the HTTPS certificate files every `interval_s`, as the gRPC server does at its
+    handshakes. Runs on the event loop's thread, where the handshakes run."""
     while True:
-        await asyncio.sleep(settings.reload_interval_s)
-        files.load_if_changed(load)
+        await asyncio.sleep(interval_s)
+        caller_tls.reload_if_changed()
+
+
+#: OpenSSL's reasons for a first record that is not a TLS handshake (plain HTTP sent to the TLS port).
+_NOT_TLS = frozenset(
+    {
+        "HTTP_REQUEST",
+        "HTTPS_PROXY_REQUEST",
+        "WRONG_VERSION_NUMBER",
+        "UNKNOWN_PROTOCOL",
+        "UNSUPPORTED_PROTOCOL",
+        "PACKET_LENGTH_TOO_LONG",
+        "RECORD_LAYER_FAILURE",
+    }
+)
+
+
+def handshake_failure_reason(exc: BaseException) -> str:
+    """The `reason` label of a failed handshake: one of a fixed few, never OpenSSL's own text."""
+    if isinstance(exc, ssl.SSLError):
+        reason = exc.reason or ""
+        if reason == "PEER_DID_NOT_RETURN_A_CERTIFICATE":
+            return "no_certificate"
+        if isinstance(exc, ssl.SSLCertVerificationError) or reason == "CERTIFICATE_VERIFY_FAILED":
+            return "untrusted_certificate"
+        if reason in _NOT_TLS:
+            return "not_tls"
+        return "client_refused" if "ALERT" in reason else "other"
+    if isinstance(exc, ConnectionAbortedError):
+        return "timeout"  # asyncio's ssl_handshake_timeout
+    return "connection_lost" if isinstance(exc, OSError) else "other"
+
+
+class _Handshaking(asyncio.Protocol):
+    """Stands in for the connection's HTTP protocol during the TLS handshake: what arrives between
+    the handshake's end and the hand-over (a request sent with the client's last handshake flight)
+    is kept and given to the HTTP protocol, which never sees a connection whose handshake failed."""
+
+    def __init__(self) -> None:
+        self._early: list[bytes] = []
+        self._eof = False
+
+    def data_received(self, data: bytes) -> None:
+        self._early.append(data)
+
+    def eof_received(self) -> None:
+        self._eof = True
+
+    def hand_over(self, transport: asyncio.Transport, protocol: asyncio.Protocol) -> None:
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+        for data in self._early:
+            protocol.data_received(data)
+        if self._eof:
+            protocol.eof_received()
+
+
+class _TlsAccept(asyncio.Protocol):
+    """An accepted connection of the HTTPS front until its TLS handshake ends: the handshake runs
+    through `loop.start_tls` (public asyncio), whose failure is raised here, so it is counted in
+    `router_tls_handshake_failures_total`; then uvicorn's protocol (`_Protocol`) takes the connection.
+
+    Why not uvicorn's own `ssl=`: asyncio reports a failed server-side handshake to no one (an
+    `OSError` is not given to the loop's exception handler, the app protocol never hears of it)."""
+
+    def __init__(self, *, config: _FrontConfig, **options: Any) -> None:
+        self._config, self._options = config, options
+        self._task: asyncio.Task[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.pause_reading()  # start_tls reads from here on
+        self._task = asyncio.get_running_loop().create_task(self._handshake(transport))
+
+    async def _handshake(self, transport: asyncio.Transport) -> None:
+        caller_tls = self._config.caller_tls
+        assert caller_tls is not None
+        handshaking = _Handshaking()
+        try:
+            tls_transport = await asyncio.get_running_loop().start_tls(
+                transport,
+                handshaking,
+                caller_tls.current,
+                server_side=True,
+                ssl_handshake_timeout=self._config.header_timeout_s,
+            )
+        except Exception as exc:  # start_tls has closed the connection
+            reason = handshake_failure_reason(exc)
+            log.debug("TLS handshake failed (%s): %s", reason, exc)
+            if self._config.metrics is not None:
+                self._config.metrics.tls_handshake_failed(reason)
+            return
+        assert isinstance(tls_transport, asyncio.Transport)
+        handshaking.hand_over(tls_transport, _Protocol(config=self._config, **self._options))
 
 
 def _bind(listen: str) -> socket.socket:
@@ -755,17 +873,15 @@ def _bind(listen: str) -> socket.socket:
 async def start_http_server(front: HttpFront, settings: RouterSettings) -> HttpServer:
     """Serve `front` on `settings.http_listen` (port 0: a free one) on the running event loop."""
     sock = _bind(settings.http_listen)
-    files: dict[str, Any] = {}
-    if settings.tls_enabled:
-        files = {"ssl_certfile": settings.tls_cert, "ssl_keyfile": settings.tls_key}
-        if settings.tls_ca:
-            files |= {"ssl_ca_certs": settings.tls_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    caller_tls = _CallerTls(settings) if settings.tls_enabled else None
     config = _FrontConfig(
         front.app,
         max_header_bytes=settings.max_metadata_bytes,
         header_timeout_s=settings.http_body_timeout_s,
         metrics=front.metrics,
-        http=_Protocol,
+        caller_tls=caller_tls,
+        # With TLS the handshake is ours (`_TlsAccept`), uvicorn's `ssl=` stays off.
+        http=_Protocol if caller_tls is None else _TlsAccept,
         lifespan="off",
         log_config=None,
         access_log=False,
@@ -773,7 +889,6 @@ async def start_http_server(front: HttpFront, settings: RouterSettings) -> HttpS
         timeout_keep_alive=int(settings.http_keep_alive_s),
         limit_concurrency=settings.http_max_connections,
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
-        **files,
     )
     server = _Server(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
@@ -785,6 +900,8 @@ async def start_http_server(front: HttpFront, settings: RouterSettings) -> HttpS
     port = int(sock.getsockname()[1])
     log.info("HTTP front serving on port %d", port)
     certificates = None
-    if config.ssl is not None:
-        certificates = asyncio.get_running_loop().create_task(_follow_certificates(config.ssl, settings))
+    if caller_tls is not None:
+        certificates = asyncio.get_running_loop().create_task(
+            _follow_certificates(caller_tls, settings.reload_interval_s)
+        )
     return HttpServer(server, task, port, front, certificates)
