@@ -28,7 +28,9 @@ DEPOSIT = transfer_pb2.DepositRequest(
     account_id="acct-1", amount=transfer_pb2.Money(amount_minor=1, currency="EUR")
 ).SerializeToString()
 BALANCE = transfer_pb2.GetBalanceRequest(account_id="acct-1").SerializeToString()
-HEDGE_AFTER_MS = 50
+HEDGE_AFTER_MS = 100
+#: How long the router avoids a daemon a call was hedged past: ten hedge delays here.
+AVOID_S = max(SLOW_DAEMON_AVOID_S, 10 * HEDGE_AFTER_MS / 1000)
 
 
 class Stall:
@@ -100,15 +102,18 @@ def test_keyed_calls_and_reads_are_answered_past_a_stalled_daemon(shard) -> None
         # The stalled daemon is avoided for a moment after a call was hedged past it; then it gets
         # calls again, and a call it stalls is hedged again.
         avoided = len(stalled.calls)
-        time.sleep(SLOW_DAEMON_AVOID_S + 0.2)
+        time.sleep(AVOID_S + 0.3)
         took += [_timed(channel, "Deposit", DEPOSIT, ((KEY_METADATA, str(new_key())),)) for _ in range(2)]
-    assert max(took) < 2.0, took  # every call answered by the healthy daemon, after a hedge or not
-    assert avoided == 1, "after the first hedge, new calls started at the healthy daemon"
-    assert len(stalled.calls) == 2, "past the moment, the stalled daemon was tried again"
+    assert max(took) < 3.0, took  # every call answered by the healthy daemon, after a hedge or not
+    # Without avoiding it, every other call (5 of 10) would have started at the stalled daemon.
+    assert 1 <= avoided < 5, "after a hedge, new calls started at the healthy daemon for a moment"
+    assert len(stalled.calls) > avoided, "past the moment, the stalled daemon was tried again"
     hedged = [c for c in healthy.calls if c.method.endswith("/Deposit") and WAIT_METADATA in dict(c.metadata)]
-    assert len(hedged) == 2, "each hedged keyed call asks the other daemon to wait for its twin"
+    assert hedged, "a hedged keyed call asks the other daemon to wait for its twin"
     assert int(dict(hedged[0].metadata)[WAIT_METADATA]) > 5000  # most of the call's 10 s deadline
-    assert _hedges(metrics) == {"sent": 2.0, "won": 2.0}
+    # Every call that started at the stalled daemon was hedged, and the hedge answered.
+    stalled_calls = float(len(stalled.calls))
+    assert _hedges(metrics) == {"sent": stalled_calls, "won": stalled_calls}
 
 
 def test_a_keyless_write_is_not_hedged(shard) -> None:
