@@ -140,28 +140,39 @@ def claim_key(
 
 
 #: The handler transaction's bounds, for that transaction alone (`is_local`): the COMMIT or ROLLBACK
-#: puts the session's own back, with no statement of ours.
+#: puts the session's own back, with no statement of ours. The caller's deadline bounds each
+#: statement, and the transaction as a whole: a daemon that stalls mid-transaction (stopped,
+#: starved, a long pause) has its session ended by PostgreSQL once the call's deadline has passed,
+#: which rolls the transaction back and frees its row locks and the key for the retry, instead of
+#: holding them for as long as it stalls. `transaction_timeout` (PostgreSQL 17) is a timer that
+#: fires while the session waits for the client mid-pipeline; before 17, the idle-in-transaction
+#: timeout, which PostgreSQL arms only after a Sync (so for unpipelined calls alone).
 _BOUNDS = (
     "SELECT set_config('lock_timeout', coalesce(%s, current_setting('lock_timeout')), true),"
-    " set_config('statement_timeout', coalesce(%s, current_setting('statement_timeout')), true)"
+    " set_config('statement_timeout', coalesce(%s, current_setting('statement_timeout')), true),"
+    " set_config('{whole}', coalesce(%s, current_setting('{whole}')), true)"
 )
+_BOUNDS_17 = _BOUNDS.format(whole="transaction_timeout")
+_BOUNDS_BEFORE_17 = _BOUNDS.format(whole="idle_in_transaction_session_timeout")
 
 
 def begin_handler(
-    conn: psycopg.Connection[Any], *, lock_timeout_ms: int | None = None, statement_timeout_ms: int | None = None
+    conn: psycopg.Connection[Any],
+    *,
+    lock_timeout_ms: int | None = None,
+    statement_timeout_ms: int | None = None,
 ) -> None:
     """Open the handler's transaction, bounded by `lock_timeout_ms` (a row lock's wait) and
-    `statement_timeout_ms` (the caller's deadline; None keeps the session's), or not at all when
+    `statement_timeout_ms` (the caller's deadline, for each statement and each pause between them;
+    None keeps the session's), or not at all when
     neither is given. Nothing is fetched, so in pipeline mode it travels with the handler's first
     statement."""
     conn.execute("BEGIN")
     if lock_timeout_ms is not None or statement_timeout_ms is not None:
+        deadline = f"{statement_timeout_ms}ms" if statement_timeout_ms else None
+        bounds = _BOUNDS_17 if conn.info.server_version >= 170000 else _BOUNDS_BEFORE_17
         conn.execute(
-            _BOUNDS,
-            (
-                f"{lock_timeout_ms}ms" if lock_timeout_ms is not None else None,
-                f"{statement_timeout_ms}ms" if statement_timeout_ms else None,
-            ),
+            bounds, (f"{lock_timeout_ms}ms" if lock_timeout_ms is not None else None, deadline, deadline)
         )
 
 
