@@ -27,6 +27,8 @@ from prometheus_client import CollectorRegistry
 
 from shardrouter.core import metrics as core_metrics
 from shardrouter.router.metrics import RouterMetrics
+from shardrouter.shardd.idempotency.process_keys import CompletedKeys, KeyFlights
+from shardrouter.shardd.idempotency.waiting import KeyWaits
 from shardrouter.shardd.observability import ShardMetrics, ShardStateCollector
 from tests.deploy.test_k8s_manifests import K8S, ROOT, objects
 
@@ -85,6 +87,7 @@ def exported_metric_names(monkeypatch: pytest.MonkeyPatch) -> set[str]:
     try:
         # what `shardd serve` and `router` add once they follow a shard map and read their database
         shard.follow_ownership(None)  # type: ignore[arg-type]
+        shard.follow_key_waits(KeyWaits(None, KeyFlights(), CompletedKeys(max_entries=1, max_bytes=1)))  # type: ignore[arg-type]
         ShardStateCollector(None, retention=timedelta(days=30), metrics=shard)  # type: ignore[arg-type]
         router.follow_shard_map(None)  # type: ignore[arg-type]
         for m in meters:
