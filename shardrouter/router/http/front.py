@@ -772,7 +772,7 @@ _NOT_TLS = frozenset(
 )
 
 
-def handshake_failure_reason(exc: BaseException) -> str:
+def _handshake_failure_reason(exc: BaseException) -> str:
     """The `reason` label of a failed handshake: one of a fixed few, never OpenSSL's own text."""
     if isinstance(exc, ssl.SSLError):
         reason = exc.reason or ""
@@ -842,7 +842,7 @@ class _TlsAccept(asyncio.Protocol):
                 ssl_handshake_timeout=self._config.header_timeout_s,
             )
         except Exception as exc:  # start_tls has closed the connection
-            reason = handshake_failure_reason(exc)
+            reason = _handshake_failure_reason(exc)
             log.debug("TLS handshake failed (%s): %s", reason, exc)
             if self._config.metrics is not None:
                 self._config.metrics.tls_handshake_failed(reason)
