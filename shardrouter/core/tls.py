@@ -75,7 +75,9 @@ class CertificateFiles:
 
     grpc asks `fetch` at every TLS handshake; it answers None (keep the current configuration) unless
     the files changed since the last load, so a rotation (cert-manager renewing a Secret, which
-    Kubernetes swaps in atomically) reaches new connections without a restart.
+    Kubernetes swaps in atomically) reaches new connections without a restart. Each configuration is
+    a new OpenSSL context in grpc-core: a CA taken out of the bundle is distrusted by the next
+    handshakes too (tested).
     """
 
     def __init__(self, cert: str, key: str, ca: str) -> None:

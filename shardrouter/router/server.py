@@ -35,6 +35,7 @@ from shardrouter.core.shardmap_watch import ConfigMapMapWatch, watch_shard_map_c
 from shardrouter.router.channels import ChannelPool
 from shardrouter.router.forwarding import Forwarder
 from shardrouter.router.http.front import HttpFront, HttpServer, start_http_server
+from shardrouter.router.message_limit import MessageLimit, grpc_receive_cap
 from shardrouter.router.metadata import CallerPolicy
 from shardrouter.router.metrics import GRPC, NO_SHARD, UNKNOWN_METHOD, RouterMetrics
 from shardrouter.router.routing import SERVICE
@@ -141,10 +142,15 @@ async def start_router(
         traced=traced,
         metrics=metrics,
     )
+    # The size limit first: grpc-core only enforces a larger hard cap, so that an oversized request
+    # is refused (and counted) by the router (`message_limit`).
+    interceptors: list[Any] = [MessageLimit(settings.max_message_bytes, metrics)]
+    if traced:
+        interceptors.append(tracing.aio_server_interceptor(tracer_provider))
     server = grpc.aio.server(
-        interceptors=[tracing.aio_server_interceptor(tracer_provider)] if traced else [],
+        interceptors=interceptors,
         options=grpcserver.server_options(
-            max_message_bytes=settings.max_message_bytes,
+            max_message_bytes=grpc_receive_cap(settings.max_message_bytes),
             max_metadata_bytes=settings.max_metadata_bytes,
             max_streams=settings.max_calls,
             max_connection_age_s=settings.max_connection_age_s,
