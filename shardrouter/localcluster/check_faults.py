@@ -321,4 +321,4 @@ def _stop(schedules: list[Schedule], log: FaultLog) -> str:
     return log.summary()
 
 
-__all__ = ["FaultEvent", "FaultLog", "Schedule", "main"]
+__all__ = ["FaultEvent", "FaultLog", "Schedule", "fail_over", "kill_postgres", "kill_processes", "main", "moves"]
