@@ -1,5 +1,5 @@
 """The previous release, from the git history, installed into a virtual environment of its own, and its
-shard daemon as a process beside this release's.
+shard daemon and router as processes beside this release's.
 
 The previous release is the newest commit whose migrations stop before this release's newest one: the
 release a rolling update replaces. It is exported with `git archive` (the tree as committed, nothing of
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardrouter.shardd import migrations
-from tests.processes import ROOT, ServiceProcess, shardd_process, wait_serving
+from tests.processes import ROOT, ServiceProcess, router_process, shardd_process, wait_serving
 
 MIGRATIONS_FILE = "shardrouter/shardd/migrations.py"
 #: A migration's number as it opens its entry in MIGRATIONS.
@@ -115,9 +115,12 @@ class ReleaseProcess(ServiceProcess):
             wait_serving(self.address, timeout_s, self)
 
 
-def release_shardd(release: Release, tmp: Path, *, shard_id: str, dsn: str, name: str) -> ReleaseProcess:
-    """A shard daemon of `release` (dev mode, loopback), not started."""
-    plain = shardd_process(tmp, shard_id=shard_id, dsn=dsn, extra_env={"SHARDD_LOG_LEVEL": "WARNING"})
+def _quiet(extra_env: dict[str, str] | None, prefix: str) -> dict[str, str]:
+    return {f"{prefix}LOG_LEVEL": "WARNING", **(extra_env or {})}
+
+
+def _of_release(release: Release, plain: ServiceProcess, name: str, tmp: Path) -> ReleaseProcess:
+    """`plain` (a process of this checkout) as the same command of `release`."""
     env = {k: v for k, v in plain.env.items() if k != "PYTHONPATH"}
     return ReleaseProcess(
         name,
@@ -130,7 +133,58 @@ def release_shardd(release: Release, tmp: Path, *, shard_id: str, dsn: str, name
     )
 
 
-def this_release_shardd(tmp: Path, *, shard_id: str, dsn: str, name: str) -> ServiceProcess:
+def release_shardd(
+    release: Release,
+    tmp: Path,
+    *,
+    shard_id: str,
+    dsn: str,
+    name: str,
+    shard_map: Path | None = None,
+    port: int | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> ReleaseProcess:
+    """A shard daemon of `release` (dev mode, loopback), not started."""
+    plain = shardd_process(
+        tmp,
+        shard_id=shard_id,
+        dsn=dsn,
+        shard_map=shard_map,
+        port=port,
+        extra_env=_quiet(extra_env, "SHARDD_"),
+    )
+    return _of_release(release, plain, name, tmp)
+
+
+def this_release_shardd(
+    tmp: Path,
+    *,
+    shard_id: str,
+    dsn: str,
+    name: str,
+    shard_map: Path | None = None,
+    port: int | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> ServiceProcess:
     """A shard daemon of this checkout (dev mode, loopback), not started."""
-    plain = shardd_process(tmp, shard_id=shard_id, dsn=dsn, extra_env={"SHARDD_LOG_LEVEL": "WARNING"})
+    plain = shardd_process(
+        tmp,
+        shard_id=shard_id,
+        dsn=dsn,
+        shard_map=shard_map,
+        port=port,
+        extra_env=_quiet(extra_env, "SHARDD_"),
+    )
+    return ServiceProcess(name, plain.args, plain.env, plain.port, tmp / f"{name}.log")
+
+
+def release_router(release: Release, tmp: Path, *, shard_map: Path, name: str) -> ReleaseProcess:
+    """A router of `release` (dev mode, loopback) over the shards of `shard_map`, not started."""
+    plain = router_process(tmp, shard_map=shard_map, extra_env=_quiet(None, "ROUTER_"))
+    return _of_release(release, plain, name, tmp)
+
+
+def this_release_router(tmp: Path, *, shard_map: Path, name: str) -> ServiceProcess:
+    """A router of this checkout (dev mode, loopback) over the shards of `shard_map`, not started."""
+    plain = router_process(tmp, shard_map=shard_map, extra_env=_quiet(None, "ROUTER_"))
     return ServiceProcess(name, plain.args, plain.env, plain.port, tmp / f"{name}.log")

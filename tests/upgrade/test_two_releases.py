@@ -30,13 +30,7 @@ from shardrouter.shardd import migrations
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.faults.load import DepositLoad, Ledger, LoadResult
 from tests.processes import ServiceProcess, run_shardd
-from tests.upgrade.releases import (
-    Release,
-    install_release,
-    is_shallow_clone,
-    previous_release_commit,
-    release_shardd,
-)
+from tests.upgrade.releases import release_shardd
 from tests.upgrade.releases import this_release_shardd as new_shardd
 
 DEPOSIT = "/shardrouter.v1.TransferService/Deposit"
@@ -46,14 +40,6 @@ PLANTED_CONTRACT = (
     "planted: drop the ledger entries' reference",
     "ALTER TABLE ledger_entries DROP COLUMN reference;",
 )
-
-
-@pytest.fixture(scope="module")
-def previous_release() -> Release:
-    if is_shallow_clone():
-        pytest.skip("a shallow clone holds no previous release to install (git fetch --unshallow)")
-    commit, schema = previous_release_commit()
-    return install_release(commit, schema)
 
 
 @pytest.fixture
