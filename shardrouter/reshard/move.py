@@ -73,6 +73,9 @@ class MoveSettings:
     #: Cut over once the subscriber is within this many bytes of the old owner's WAL.
     cutover_lag_bytes: int = 256 * 1024
     copy_timeout_s: float = 600.0
+    #: How many times one run of the copy starts it again from nothing when PostgreSQL can no
+    #: longer finish it (a table copied, its sync slot gone: see `_stranded`).
+    copy_restarts: int = 3
     catch_up_timeout_s: float = 300.0
     #: How long the fence waits for older transactions before ending them.
     drain_timeout_s: float = 5.0
@@ -275,15 +278,11 @@ class Move:
         started = time.monotonic()
         name = self.plan.object_name
         self._record("subscription", name, self.plan.target)
-        replication.create_subscription(
-            self._target,
-            name,
-            source_conninfo=self._databases.replication_dsn(self.plan.source),
-            publication=name,
-            slot=name,
-        )
+        self._subscribe()
         deadline = started + self._settings.copy_timeout_s
         shown = 0.0
+        suspects: list[str] = []
+        restarts = 0
         while True:
             state = replication.copy_state(self._target, name)
             if state.copied:
@@ -293,10 +292,60 @@ class Move:
                 copied = sum(rows_in_range(self._target, self.plan).values())
                 journal.add_figures(self._source, self.record, rows_copied=copied)
                 self._progress(f"copying: {state.ready}/{state.tables} tables done, {copied} rows so far")
+                suspects, stranded = self._stranded(suspects)
+                if stranded:
+                    restarts += 1
+                    self._restart_copy(stranded, restarts)
+                    deadline = time.monotonic() + self._settings.copy_timeout_s
+                    suspects = []
             self._check_stream(deadline, "the initial copy")
             time.sleep(self._settings.poll_s)
         copied = sum(rows_in_range(self._target, self.plan).values())
         self._phase(Phase.COPIED, copy_s=round(time.monotonic() - started, 3), rows_copied=copied)
+
+    def _subscribe(self) -> None:
+        """The new owner's subscription to the move's publication, streaming from the move's slot."""
+        replication.create_subscription(
+            self._target,
+            self.plan.object_name,
+            source_conninfo=self._databases.replication_dsn(self.plan.source),
+            publication=self.plan.object_name,
+            slot=self.plan.object_name,
+        )
+
+    def _stranded(self, suspects: list[str]) -> tuple[list[str], list[str]]:
+        """The tables PostgreSQL can no longer copy (`replication.stranded_tables`): those seen so
+        now, and those seen so at the last look too (a second ago at least), which are stranded
+        for good (a worker between its slot's drop and its commit looks the same for a moment)."""
+        now = replication.stranded_tables(self._source, self._target, self.plan.object_name)
+        return now, [t for t in now if t in suspects]
+
+    def _restart_copy(self, stranded: list[str], restarts: int) -> None:
+        """Copy the range again from nothing: drop the subscription (and the table sync slots it
+        left on the old owner), delete what it copied, subscribe anew. The move's own slot stays
+        where the subscriber confirmed: the new subscription's tables are copied under snapshots
+        taken now, each followed from there, and the stream before them is skipped for every table
+        not yet copied, as at the first copy. Refused once `copy_restarts` ran out."""
+        name = self.plan.object_name
+        if restarts > self._settings.copy_restarts:
+            raise MoveError(
+                f"the copy of {', '.join(stranded)} cannot finish (copied, then its table sync slot was "
+                f"lost on {self.plan.source}), still after {restarts - 1} restart(s); abort the move, "
+                "or resume it to copy again"
+            )
+        subscription = replication.subscription_oid(self._target, name)
+        replication.drop_subscription(self._target, name)
+        if subscription is not None:
+            replication.drop_sync_slots(self._source, subscription)
+        removed = self._delete_range(self._target)
+        replication.release_slot(self._source, name)  # the old subscription's walsender, if still there
+        total = int(self.record.figures.get("copy_restarts") or 0) + 1
+        journal.add_figures(self._source, self.record, copy_restarts=total, copy_restarted_for=stranded)
+        self._progress(
+            f"copying again: {', '.join(stranded)} copied, then lost its table sync slot on "
+            f"{self.plan.source} (PostgreSQL never copies such a table again); {removed} copied rows removed"
+        )
+        self._subscribe()
 
     def _catch_up(self) -> None:
         started = time.monotonic()

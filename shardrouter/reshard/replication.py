@@ -151,10 +151,17 @@ def drop_slot(conn: psycopg.Connection[Any], name: str, timeout_s: float = 10.0)
 
 
 def create_subscription(
-    conn: psycopg.Connection[Any], name: str, *, source_conninfo: str, publication: str, slot: str
+    conn: psycopg.Connection[Any],
+    name: str,
+    *,
+    source_conninfo: str,
+    publication: str,
+    slot: str,
+    enabled: bool = True,
 ) -> None:
     """The target's subscription: copies every published row under the slot's snapshot, then
-    applies the changes. `conn` must be in autocommit mode."""
+    applies the changes (made disabled with `enabled=False`: nothing runs until it is enabled).
+    `conn` must be in autocommit mode."""
     if conn.execute("SELECT 1 FROM pg_subscription WHERE subname = %s", (name,)).fetchone():
         return
     conn.execute(
@@ -165,9 +172,13 @@ def create_subscription(
             # default, parallel, hands such a transaction to parallel apply workers mid-stream, and a
             # move disables the subscription (to verify, to commit) at any moment of a stream; that
             # path crashed a server.
-            " WITH (create_slot = false, slot_name = {}, copy_data = true, streaming = off)"
+            " WITH (create_slot = false, slot_name = {}, copy_data = true, streaming = off, enabled = {})"
         ).format(
-            sql.Identifier(name), sql.Literal(source_conninfo), sql.Identifier(publication), sql.Literal(slot)
+            sql.Identifier(name),
+            sql.Literal(source_conninfo),
+            sql.Identifier(publication),
+            sql.Literal(slot),
+            sql.Literal(enabled),
         )
     )
 
@@ -206,6 +217,88 @@ def copy_state(conn: psycopg.Connection[Any], name: str) -> CopyState:
     ).fetchall()
     states = {str(t): str(s) for t, s in rows}
     return CopyState(sum(1 for s in states.values() if s == "r"), len(states), states)
+
+
+def subscription_oid(conn: psycopg.Connection[Any], name: str) -> int | None:
+    """The subscription's oid in this database (None: there is none)."""
+    row = conn.execute(
+        "SELECT oid FROM pg_subscription WHERE subname = %s"
+        " AND subdbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        (name,),
+    ).fetchone()
+    return None if row is None else int(row[0])
+
+
+def _sync_slot_prefix(subscription: int, relid: int | None = None) -> str:
+    """How the names of a subscription's table sync slots start: PostgreSQL names them
+    `pg_<subscription oid>_sync_<table oid>_<subscriber's system id>`."""
+    return f"pg_{subscription}_sync_" + ("" if relid is None else f"{relid}_")
+
+
+def stranded_tables(source: psycopg.Connection[Any], target: psycopg.Connection[Any], name: str) -> list[str]:
+    """The tables whose copy PostgreSQL can no longer finish: in state `f` (copied, not yet caught
+    up) on the new owner while their table sync slot is gone from the old owner.
+
+    A table sync worker in state `f` only ever streams from that slot (it never copies again, nor
+    makes the slot anew), so without it the worker fails at each start, for good. The slot goes
+    when the worker, caught up, drops it in the same transaction that records the table synced;
+    if the old owner's server dies after the drop is done but before the worker hears so, that
+    transaction rolls back and leaves `f` without a slot. A worker between its drop and its commit
+    looks the same for a moment: callers look twice, some time apart."""
+    subscription = subscription_oid(target, name)
+    if subscription is None:
+        return []
+    finished = target.execute(
+        "SELECT c.relname, r.srrelid FROM pg_subscription_rel r JOIN pg_class c ON c.oid = r.srrelid"
+        " WHERE r.srsubid = %s AND r.srsubstate = 'f' ORDER BY 1",
+        (subscription,),
+    ).fetchall()
+    if not finished:
+        return []
+    slots = {
+        str(r[0])
+        for r in source.execute(
+            "SELECT slot_name FROM pg_replication_slots WHERE database = current_database()"
+            " AND starts_with(slot_name, %s)",
+            (_sync_slot_prefix(subscription),),
+        ).fetchall()
+    }
+    return [
+        str(table)
+        for table, relid in finished
+        if not any(s.startswith(_sync_slot_prefix(subscription, int(relid))) for s in slots)
+    ]
+
+
+def drop_sync_slots(conn: psycopg.Connection[Any], subscription: int) -> list[str]:
+    """Drop the table sync slots a dropped subscription left on the old owner (DROP SUBSCRIPTION
+    drops them only when it reaches the old owner); returns their names."""
+    names = [
+        str(r[0])
+        for r in conn.execute(
+            "SELECT slot_name FROM pg_replication_slots WHERE database = current_database()"
+            " AND starts_with(slot_name, %s) ORDER BY 1",
+            (_sync_slot_prefix(subscription),),
+        ).fetchall()
+    ]
+    for slot in names:
+        drop_slot(conn, slot)
+    return names
+
+
+def release_slot(conn: psycopg.Connection[Any], name: str, timeout_s: float = 10.0) -> None:
+    """Wait until no walsender streams from the slot (one whose subscriber went away lets go when
+    it notices), ending the walsender once `timeout_s` ran out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        row = conn.execute(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (name,)
+        ).fetchone()
+        if row is None or row[0] is None:
+            return
+        if time.monotonic() >= deadline:
+            conn.execute("SELECT pg_terminate_backend(%s)", (row[0],))
+        time.sleep(0.05)
 
 
 def apply_errors(conn: psycopg.Connection[Any], name: str) -> int:
@@ -383,6 +476,7 @@ __all__ = [
     "drop_publication",
     "drop_slot",
     "drop_subscription",
+    "drop_sync_slots",
     "ensure_replica_identity",
     "lacking_replica_identity",
     "lsn_at_least",
@@ -390,12 +484,15 @@ __all__ = [
     "point_subscription",
     "probe_id",
     "probe_published",
+    "release_slot",
     "replicated_relations",
     "set_enabled",
     "slot_lag_bytes",
     "slot_streaming",
     "stop_subscription",
+    "stranded_tables",
     "subscriber_state",
+    "subscription_oid",
     "wake_stream",
     "workers",
 ]
