@@ -410,16 +410,20 @@ class Move:
         state, still = self._still_subscriber(final)
         result = verify(self._source, self._target, self.plan, subscriber=state, subscriber_problems=still)
         if result.problems:
-            raise MoveError(
+            failure = (
                 "verification failed, the move stops here with both databases as they are (abort it to "
                 "roll back): " + "; ".join(result.problems) + "; " + self._stream_report(state, final)
             )
+            # In the journal too: the orchestrator's output may be gone by the time someone looks.
+            journal.add_figures(self._source, self.record, verify_failed=failure)
+            raise MoveError(failure)
         # What clean-up compares the old owner's rows with before it deletes them.
         journal.add_figures(
             self._source,
             self.record,
             verified_digests={t: [d.rows, str(d.checksum)] for t, d in result.source.items()},
             subscription_counters=state.counters,
+            **({"verify_failed": None} if self.record.figures.get("verify_failed") else {}),
         )
         self._phase(
             Phase.VERIFIED,

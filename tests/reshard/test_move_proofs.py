@@ -93,8 +93,28 @@ def test_a_verification_failure_shows_both_sides_of_the_accounts_it_names(pair: 
         )
         with pytest.raises(MoveError) as failed:
             move.run(until=Phase.VERIFIED)
+        # Both databases kept as verification found them, for whoever looks into it: the move
+        # stopped at its phase with every row on both sides, the subscription and slot in place,
+        # and the failure in its journal (a resumed move verifies again; an abort rolls back).
+        kept = find_move(pair.databases, record.plan.move_id)
+        assert kept.phase is Phase.FENCED
+        assert kept.figures["verify_failed"] == str(failed.value)
+        with (
+            psycopg.connect(pair.dsns["shard-0"], autocommit=True) as source,
+            psycopg.connect(pair.dsns["shard-1"], autocommit=True) as target,
+        ):
+            assert rows_in_range(source, record.plan) == rows_in_range(target, record.plan)
+        assert _subscription(pair, record.plan.object_name) == [(False, "f", 0)]
+        assert pair.sql(
+            "shard-0", "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (record.plan.object_name,)
+        ) == [(1,)]
         move.abort()
     message = str(failed.value)
+    # The stream's positions and the subscription's counters, then both sides of the account.
+    assert re.search(
+        r"stream: final position [0-9A-F]+/[0-9A-F]+, slot confirmed [0-9A-F]+/[0-9A-F]+, "
+        r"origin applied up to [0-9A-F]+/[0-9A-F]+; counters \{.*'confl_update_missing': 0", message
+    ), message
     assert "1 moved account(s) whose balance is not the sum of their ledger; on the old owner 0" in message
     assert "1 moved account(s) differ between the old owner and the new" in message
     assert (
