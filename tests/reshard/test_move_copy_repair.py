@@ -4,15 +4,16 @@ A table sync worker that finished its table's copy (state `f`) then streams from
 the old owner until it has caught up, and drops that slot in the transaction that records the table
 synced. When the old owner's server dies after the drop is done but before the worker hears so,
 that transaction rolls back: the table stays `f` and its slot is gone, and PostgreSQL never copies a
-table in state `f` again nor makes its slot anew, so every later start of the worker fails (the
-subscription counts an error every few seconds) and the copy never ends. Seen as a move resumed
-after the old owner's PostgreSQL was SIGKILLed during the copy (`test_move_faults`), where the
-copy then ran out of time with a table in `f` and ten errors counted.
+table in state `f` again nor makes its slot anew, so every later start of the worker fails ("replication
+slot ... does not exist" in the new owner's log every few seconds) and the copy never ends: the
+symptom a move resumed after the old owner's PostgreSQL was SIGKILLed during the copy showed now
+and then (`test_move_faults`: the copy ran out of time with a table in `f`, errors counted).
 
-Here that state is made on purpose, the same every run: the old owner's `accounts` is locked while
-its sync worker makes its slot, so an account inserted then commits after the copy's snapshot and
-reaches the new owner through the worker's catch-up; a transaction on the new owner holding the
-same id uncommitted keeps the worker waiting there, in state `f`, while its slot is dropped.
+Here that state is made on purpose, the same every run, with the old owner on a server of its own:
+the `accounts` COPY waits on the new owner for an id held there uncommitted, so an account inserted
+on the old owner meanwhile commits after the copy's snapshot and reaches the new owner through the
+worker's catch-up; that id held uncommitted too keeps the worker waiting there, in state `f`, while
+its slot is dropped.
 """
 
 from __future__ import annotations
@@ -185,7 +186,8 @@ def test_a_table_left_copied_without_its_sync_slot_is_copied_again(split_pair: P
 
 
 def test_a_copy_that_stays_stranded_is_given_up_after_a_few_restarts(split_pair: Pair) -> None:
-    """Bounded: a copy that PostgreSQL strands again at every start is not restarted forever."""
+    """Bounded: once a run's restarts (`copy_restarts`) ran out, a stranded copy is an error that
+    says to abort, not a copy started again forever."""
     pair = split_pair
     moving, staying = accounts(pair, 2)
     seed(pair, moving + staying)
