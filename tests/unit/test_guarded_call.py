@@ -27,6 +27,7 @@ from shardrouter.shardd.idempotency.interceptor import Collaborators, GuardedMet
 from shardrouter.shardd.idempotency.outcomes import CallOutcome, OutcomeKind, OutcomeReport
 from shardrouter.shardd.idempotency.process_keys import CompletedKeys, KeyFlights
 from shardrouter.shardd.idempotency.steps import Admit, AnswerFromMemory
+from shardrouter.shardd.idempotency.waiting import KeyWaits, WaitForOriginal
 from shardrouter.shardd.identity import IdentityPolicy
 from shardrouter.v1 import transfer_pb2
 from tests.unit.fakes import Aborted, FakeContext, FakeKeys
@@ -63,8 +64,10 @@ class Shard:
             tracer=None,
             shard_id="a",
             admission=admission,
-            completed=CompletedKeys(max_entries=100, max_bytes=1 << 20),
-            flights=KeyFlights(),
+            completed=(completed := CompletedKeys(max_entries=100, max_bytes=1 << 20)),
+            flights=(flights := KeyFlights()),
+            # No call here asks to wait, so the waits never reach a database.
+            waits=KeyWaits(cast(Database, None), flights, completed),
         )
         handler = grpc.unary_unary_rpc_method_handler(
             self._deposit,
@@ -406,10 +409,13 @@ def test_the_chain_leaves_admission_out_when_there_are_no_limits() -> None:
     with_limits = Shard(admission=Admission(AdmissionLimits(max_in_flight=4, max_waiting=0), dev_mode=True))
     handler = grpc.unary_unary_rpc_method_handler(lambda request, context: None)
     method = MutatingMethod(DEPOSIT, validate_deposit)
+    # The chain opens with the wait for an original (a no-op unless the call asks), then memory.
     first = chain(without.collaborators, method, handler, without.keys)
-    assert isinstance(first, AnswerFromMemory) and not isinstance(first._next, Admit)
+    assert isinstance(first, WaitForOriginal) and isinstance(first._next, AnswerFromMemory)
+    assert not isinstance(first._next._next, Admit)
     limited = chain(with_limits.collaborators, method, handler, with_limits.keys)
-    assert isinstance(limited, AnswerFromMemory) and isinstance(limited._next, Admit)
+    assert isinstance(limited, WaitForOriginal) and isinstance(limited._next, AnswerFromMemory)
+    assert isinstance(limited._next._next, Admit)
 
 
 # --- keys that do not date themselves -----------------------------------------------------------
