@@ -15,6 +15,8 @@ import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
+
 from shardrouter.check.history import read_history
 from shardrouter.localcluster.cluster import installed_command
 
@@ -108,6 +110,9 @@ def _moves(out: str, kind: str) -> list[re.Match[str]]:
     return [m for m in found if m is not None]
 
 
+# The next test moves the range too, with its orchestrator killed at each move: this plain variant
+# runs with --run-slow.
+@pytest.mark.slow
 def test_a_run_while_a_range_moves_away_and_back_passes(tmp_path: Path) -> None:
     history = tmp_path / "history.jsonl"
     out = _check(history, "--move-every", "0.2", operations=600, concurrency=3)
