@@ -55,8 +55,10 @@ class HedgingOptions:
     warmup_s: float = 1.0
     concurrency: int = 16
     stall_s: float = 2.0
-    hedge_after_ms: int = 20
+    hedge_after_ms: int = 80
     hedge_budget_percent: float = 10.0
+    #: The daemons' SHARDD_STALLED_CLAIM_MS (0: a hedge waits for a stalled claim to go on).
+    stalled_claim_ms: int = 100
     accounts: int = 1000
 
 
@@ -199,7 +201,13 @@ def run_hedging(options: HedgingOptions, say: Any = print) -> HedgingResult:
             system._ports[name] = port
             daemons.append(
                 system.start_shard(
-                    name, shard_id="shard-a", database="shard_a", extra={"SHARDD_SHARD_MAP": str(shard_map)}
+                    name,
+                    shard_id="shard-a",
+                    database="shard_a",
+                    extra={
+                        "SHARDD_SHARD_MAP": str(shard_map),
+                        "SHARDD_STALLED_CLAIM_MS": str(options.stalled_claim_ms),
+                    },
                 )
             )
         system.seed_accounts("shard_a", system.accounts_a)
@@ -253,7 +261,7 @@ def markdown_table(result: HedgingResult) -> str:
         f"One shard of two daemons; keyed Deposits through the router, {options.concurrency} callers,"
         f" {options.duration_s:g} s per cell after {options.warmup_s:g} s; stall: the second daemon"
         f" SIGSTOPped for {options.stall_s:g} s mid-cell; hedging after {options.hedge_after_ms} ms,"
-        f" budget {options.hedge_budget_percent:g} %.",
+        f" budget {options.hedge_budget_percent:g} %; SHARDD_STALLED_CLAIM_MS={options.stalled_claim_ms}.",
         "",
         "| cell | ops/s | p50 ms | p99 ms | p99.9 ms | slowest ms | errors | hedges / call (won) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -277,9 +285,15 @@ def parse_args(argv: list[str]) -> tuple[HedgingOptions, Path | None]:
     parser.add_argument("--concurrency", type=int, default=16, help="callers (default 16)")
     parser.add_argument("--stall", type=float, default=2.0, help="seconds the daemon is stopped (default 2)")
     parser.add_argument(
-        "--hedge-after-ms", type=int, default=20, help="the hedging router's delay (default 20)"
+        "--hedge-after-ms", type=int, default=80, help="the hedging router's delay, near the p99 (default 80)"
     )
     parser.add_argument("--hedge-budget-percent", type=float, default=10.0, help="its budget (default 10)")
+    parser.add_argument(
+        "--stalled-claim-ms",
+        type=int,
+        default=100,
+        help="the daemons' SHARDD_STALLED_CLAIM_MS (default 100; 0: a hedge waits for a stalled claim)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     if args.stall >= args.duration:
@@ -291,6 +305,7 @@ def parse_args(argv: list[str]) -> tuple[HedgingOptions, Path | None]:
         stall_s=args.stall,
         hedge_after_ms=args.hedge_after_ms,
         hedge_budget_percent=args.hedge_budget_percent,
+        stalled_claim_ms=args.stalled_claim_ms,
     ), args.json
 
 

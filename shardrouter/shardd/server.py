@@ -111,6 +111,7 @@ def idempotency_config(settings: ShardSettings) -> IdempotencyConfig:
         in_flight_retry_ms=settings.in_flight_retry_ms,
         require_uuidv7=settings.require_uuidv7,
         max_duplicate_wait_ms=settings.max_duplicate_wait_ms,
+        stalled_claim_ms=settings.stalled_claim_ms,
     )
 
 

@@ -79,6 +79,11 @@ class ShardSettings:
     #: Longest a duplicate that asked to wait (`idempotency-wait-ms`, HTTP `Prefer: wait=N`) waits for
     #: its original in flight (ms); a longer ask is capped to it. 0: never wait (answer in flight).
     max_duplicate_wait_ms: int = 10_000
+    #: A duplicate waiting for its original (it asked to) ends the original's database session once
+    #: that session has waited this long (ms) on its own daemon in the middle of the call (the daemon
+    #: stalled: stopped, starved, a long pause), which rolls the original back, and runs the call
+    #: itself; what makes a hedged write escape a stalled daemon. 0: never (wait for the original).
+    stalled_claim_ms: int = 0
     #: Accept only UUIDv7 idempotency keys (INVALID_ARGUMENT for any other UUID or an opaque key).
     #: A UUIDv7 dates itself, so a retry after its record was dropped is refused as expired; any
     #: other key is dated by its first receipt, and such a late retry looks like a new operation.
@@ -209,6 +214,10 @@ class ShardSettings:
             (
                 not 0 <= self.max_duplicate_wait_ms <= 600_000,
                 "max_duplicate_wait_ms must be between 0 and 600000",
+            ),
+            (
+                not 0 <= self.stalled_claim_ms <= 600_000,
+                "stalled_claim_ms must be between 0 (never) and 600000",
             ),
             (self.retention_days < 1, "retention_days must be at least 1"),
             (

@@ -280,3 +280,32 @@ def test_over_http_prefer_wait_returns_the_originals_answer_with_preference_appl
     created = transfer_pb2.TransferResponse.FromString(original.response).transfer
     assert json.loads(answer)["transfer"]["transferId"] == created.transfer_id
     _applied_once(shard, key)
+
+
+def test_a_waiter_ends_a_claim_stalled_on_its_daemon_and_runs_the_call_itself(
+    postgres: LocalPostgres, tmp_path: Path
+) -> None:
+    """SHARDD_STALLED_CLAIM_MS: the original, on daemon 0, is paused at `claimed_before_commit`
+    (its session waits on the daemon, its key and row held); a duplicate that asked to wait, on
+    daemon 1, ends that session once it has waited past the setting, and runs the call itself, long
+    before the original's deadline. Without the setting it would wait until its own bound."""
+    shard = OneShard.build(postgres, tmp_path, extra_env={"SHARDD_STALLED_CLAIM_MS": "300"})
+    stalled, waiter = shard.daemons
+    stalled.arm(CLAIMED)
+    try:
+        shard.start()
+        key, request = str(new_key()), deposit_request("acct-stalled", 40)
+        original = call_in_background(stalled.address, DEPOSIT, request, key)
+        paused = stalled.wait_paused(CLAIMED)
+        started = time.monotonic()
+        duplicate = _call(waiter.address, DEPOSIT, request, key, wait_ms=20_000)
+        took = time.monotonic() - started
+        assert duplicate.code is grpc.StatusCode.OK and not duplicate.replayed, duplicate
+        assert took < 5.0, f"the duplicate waited {took:.1f} s for a stalled claim"
+        assert not original.done()  # the original's daemon is still paused; its session is gone
+        stalled.kill_paused(paused)
+        assert entries(shard.dsn, key) == [("deposit", "acct-stalled", 40)]
+        assert balances(shard.dsn, "acct-stalled") == [40]
+        assert original.result(20).code is not grpc.StatusCode.OK  # its daemon died before answering
+    finally:
+        shard.stop()

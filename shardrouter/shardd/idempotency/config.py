@@ -28,6 +28,9 @@ class IdempotencyConfig:
     #: Longest a duplicate that asked to wait for its original in flight waits (ms); a longer ask is
     #: capped to it, and 0 turns waiting off (every duplicate in flight is answered ABORTED at once).
     max_duplicate_wait_ms: int = 10_000
+    #: A waiting duplicate ends a claim whose session has waited this long on its stalled daemon (ms),
+    #: and runs the call itself; 0: never.
+    stalled_claim_ms: int = 0
 
     def __post_init__(self) -> None:
         if self.retention <= timedelta(0):
@@ -37,8 +40,8 @@ class IdempotencyConfig:
         for name in ("claim_lock_timeout_ms", "handler_lock_timeout_ms", "in_flight_retry_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        if self.max_duplicate_wait_ms < 0:
-            raise ValueError("max_duplicate_wait_ms must not be negative")
+        if self.max_duplicate_wait_ms < 0 or self.stalled_claim_ms < 0:
+            raise ValueError("max_duplicate_wait_ms and stalled_claim_ms must not be negative")
 
 
 __all__ = [

@@ -127,7 +127,9 @@ class IdempotencyInterceptor(UnaryInterceptor):
         super().__init__()
         self._methods: Mapping[str, MutatingMethod] = {m.full_name: m for m in methods}
         completed = (
-            completed if completed is not None else CompletedKeys(max_entries=10_000, max_bytes=16 * 1024 * 1024)
+            completed
+            if completed is not None
+            else CompletedKeys(max_entries=10_000, max_bytes=16 * 1024 * 1024)
         )
         flights = KeyFlights()
         self._with = Collaborators(
@@ -141,7 +143,7 @@ class IdempotencyInterceptor(UnaryInterceptor):
             admission=admission,
             completed=completed,
             flights=flights,
-            waits=KeyWaits(database, flights, completed),
+            waits=KeyWaits(database, flights, completed, stalled_claim_s=config.stalled_claim_ms / 1000),
         )
         self._keys = DatabaseKeys(database, config, tracer)
 

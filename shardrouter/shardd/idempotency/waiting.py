@@ -146,8 +146,18 @@ class KeyWaits:
     Counters: `waits`, duplicates that started waiting; `ends`, how their waits ended (`WaitEnd`);
     `requests_sent`, `done_sent`, the notifications this process sent."""
 
-    def __init__(self, database: Database, flights: KeyFlights, completed: CompletedKeys) -> None:
+    def __init__(
+        self,
+        database: Database,
+        flights: KeyFlights,
+        completed: CompletedKeys,
+        *,
+        stalled_claim_s: float = 0.0,
+    ) -> None:
         self._database = database
+        #: Past this wait on its own daemon (s), an original's session is ended by a waiter; 0: never.
+        self.stalled_claim_s = stalled_claim_s
+        self.claims_ended = 0
         self._flights = flights
         self._completed = completed
         self.watches: Waits[ScopedKey] = Waits()
@@ -189,6 +199,31 @@ class KeyWaits:
         if scoped is not None:
             self.watches.notify([scoped])
 
+    def end_stalled_claim(self, scoped: ScopedKey) -> bool:
+        """End the session holding `scoped`'s claim if it has waited on its own daemon for longer than
+        `stalled_claim_s`: True when one was told to end (its transaction rolls back, its key and row
+        locks go with the session). A failure to look is False: the waiter goes on waiting."""
+        try:
+            with tracing.untraced(), self._database.connection() as conn:
+                row = conn.execute(
+                    _END_STALLED_CLAIM,
+                    {
+                        "scope": scoped[0],
+                        "key": scoped[1],
+                        "stalled": f"{int(self.stalled_claim_s * 1000)}ms",
+                    },
+                ).fetchone()
+        except Exception as exc:
+            log.info("a stalled claim could not be looked for: %s", exc)
+            return False
+        ended = bool(row and row[0])
+        if ended:
+            self.claims_ended += 1
+            log.warning(
+                "ended the session of a claim stalled on its daemon for over %.2f s", self.stalled_claim_s
+            )
+        return ended
+
     def started(self) -> None:
         """A duplicate started waiting."""
         self.waits += 1
@@ -207,6 +242,21 @@ class KeyWaits:
             log.info("%s notification for a waited key not sent: %s", channel, exc)
             return False
         return True
+
+
+#: The session holding a key's claim (its advisory lock, the expression of `store`), when it waits on
+#: its client (the daemon) since `stalled` ago: told to end. Waiting on the client in the middle of
+#: a call means the daemon does not go on; `state_change` is when the session last began a statement
+#: or went idle, so a session whose last statement ran long counts from that statement's start.
+_END_STALLED_CLAIM = (
+    "WITH k AS (SELECT hashtextextended(%(scope)s || ' ' || %(key)s, 0) AS h)"
+    " SELECT bool_or(pg_terminate_backend(a.pid)) FROM k, pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+    " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    " AND l.classid = ((k.h >> 32) & 4294967295)::oid AND l.objid = (k.h & 4294967295)::oid"
+    " AND a.pid <> pg_backend_pid() AND a.wait_event = 'ClientRead'"
+    " AND a.state_change < clock_timestamp() - %(stalled)s::interval"
+)
 
 
 def wait_bound_s(call: GuardedCall) -> float:
@@ -269,7 +319,12 @@ class WaitForOriginal:
                     if remaining <= 0:
                         end = WaitEnd.BOUND_REACHED
                         raise in_flight
-                    watch.wait(min(BACKSTOP_S if waits.listening else POLL_S, remaining))
+                    step = BACKSTOP_S if waits.listening else POLL_S
+                    if waits.stalled_claim_s > 0:
+                        # A session told to end goes in a moment: look again soon.
+                        ended = waits.end_stalled_claim(scoped)
+                        step = POLL_S if ended else min(step, waits.stalled_claim_s)
+                    watch.wait(min(step, remaining))
         finally:
             waits.ended(end)
             span.set_attribute("idempotency.wait.end", end.value)
