@@ -30,6 +30,7 @@ import psycopg
 
 from shardrouter.check.drive import Workload, drive
 from shardrouter.check.history import History, read_history
+from shardrouter.check.http import CallerTls
 from shardrouter.check.verify import Verdict, prove
 from shardrouter.core.shard_dsns import parse_shard_dsn_pairs, read_shard_dsns
 
@@ -59,6 +60,19 @@ def _parser(default_dir: Path | None) -> argparse.ArgumentParser:
         metavar="URL",
         help="send over the router's HTTP/JSON front at URL (e.g. http://127.0.0.1:8080) instead of gRPC",
     )
+    p.add_argument(
+        "--tls-ca",
+        default="",
+        metavar="FILE",
+        help="call the router over TLS, trusting this CA (PEM) for its certificate",
+    )
+    p.add_argument(
+        "--tls-cert",
+        default="",
+        metavar="FILE",
+        help="with --tls-ca: a client certificate (PEM) for a router that verifies its callers (mTLS)",
+    )
+    p.add_argument("--tls-key", default="", metavar="FILE", help="with --tls-cert: its private key (PEM)")
     p.add_argument("--databases", type=Path, help="YAML of shard-id: DSN" + local)
     p.add_argument(
         "--dsn", action="append", default=[], metavar="SHARD=DSN", help="a shard's database (repeatable)"
@@ -188,6 +202,18 @@ def _default_history(args: argparse.Namespace, default_dir: Path | None) -> Path
     return where / datetime.now(UTC).strftime("check-%Y%m%dT%H%M%SZ.jsonl")
 
 
+def _tls(args: argparse.Namespace) -> CallerTls | None:
+    """The TLS flags, checked: a client certificate needs its key and the router's CA."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together")
+    if args.tls_cert and not args.tls_ca:
+        raise UsageError("--tls-cert needs --tls-ca (the CA of the router's certificate)")
+    for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path and not Path(path).is_file():
+            raise UsageError(f"{flag} {path}: no such file")
+    return CallerTls(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
+
+
 def _workload(args: argparse.Namespace) -> Workload:
     if args.operations < 0 or args.concurrency < 1 or args.accounts < 2:
         raise UsageError("--operations must be >= 0, --concurrency >= 1, --accounts >= 2")
@@ -288,7 +314,7 @@ def main(
         path = args.verify
         if path is None:
             path = args.history or _default_history(args, default_dir)
-            summary = drive(args.target, dsns, _workload(args), path, args.http)
+            summary = drive(args.target, dsns, _workload(args), path, args.http, _tls(args))
             print(
                 f"sent {summary.operations} operations in {summary.attempts} attempts, {summary.seconds:.1f} s; history {path}",
                 file=out,

@@ -26,11 +26,12 @@ from typing import Any
 import grpc
 
 from shardrouter.check.history import Attempt, HistoryWriter, Operation, b64, sha256_hex
-from shardrouter.check.http import Exchange, post
+from shardrouter.check.http import CallerTls, Exchange, post
 from shardrouter.check.ledgers import owners
 from shardrouter.client.status import error_details, pushback_s, trailer, was_replayed
 from shardrouter.core.keys import new_key
 from shardrouter.core.rpcs import rpc
+from shardrouter.core.tls import channel_credentials
 from shardrouter.core.wire_names import CALLER_METADATA, KEY_METADATA, OUTCOME_TRAILER
 from shardrouter.v1 import transfer_pb2
 
@@ -93,10 +94,22 @@ def request_bytes(op: Operation, amount_minor: int | None = None) -> tuple[str, 
 class Sender:
     """Sends request bytes with a key through one channel and records each attempt."""
 
-    def __init__(self, target: str, writer: HistoryWriter, workload: Workload, http: str = "") -> None:
+    def __init__(
+        self,
+        target: str,
+        writer: HistoryWriter,
+        workload: Workload,
+        http: str = "",
+        tls: CallerTls | None = None,
+    ) -> None:
         #: The HTTP front's base URL; "" sends over gRPC to `target`.
         self._http = http
-        self._channel = grpc.insecure_channel(target)
+        self._ssl = tls.ssl_context() if tls is not None and http else None
+        self._channel = (
+            grpc.secure_channel(target, channel_credentials(tls.cert, tls.key, tls.ca))
+            if tls is not None
+            else grpc.insecure_channel(target)
+        )
         self._writer = writer
         self._workload = workload
         self._calls = {path: self._channel.unary_unary(path, None, None) for path in (DEPOSIT, TRANSFER)}
@@ -143,7 +156,7 @@ class Sender:
         started = time.time()
         if self._http:
             w = self._workload
-            ex = post(self._http, method, body, key, w.caller, w.attempt_timeout_s)
+            ex = post(self._http, method, body, key, w.caller, w.attempt_timeout_s, self._ssl)
         else:
             ex = self._grpc(key, method, body)
         attempt = Attempt(
@@ -288,15 +301,21 @@ def _run_all(
 
 
 def drive(
-    target: str, dsns: dict[str, str], workload: Workload, history: Path, http: str = ""
+    target: str,
+    dsns: dict[str, str],
+    workload: Workload,
+    history: Path,
+    http: str = "",
+    tls: CallerTls | None = None,
 ) -> DriveSummary:
     """Send the workload through the router at `target` (or its HTTP front at the URL `http`),
-    recording it in `history`."""
+    recording it in `history`; over TLS with `tls` (the router's CA, and a client certificate for
+    a router that verifies its callers)."""
     began = time.monotonic()
     stop_at = began + workload.duration_s
     tag = datetime.now(UTC).strftime("%Y%m%d%H%M%S") + f"-{random.getrandbits(24):06x}"
     writer = HistoryWriter(history)
-    sender = Sender(target, writer, workload, http)
+    sender = Sender(target, writer, workload, http, tls)
     try:
         writer.header(
             target=target, seed=workload.seed, tag=tag, started_at=time.time(), workload=vars(workload)

@@ -10,6 +10,7 @@ renders deterministically from the stored answer: a replay is compared byte for 
 from __future__ import annotations
 
 import json
+import ssl
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -28,6 +29,23 @@ from shardrouter.router.http.problems import REASON_ROWS
 
 #: Statuses without a known reason, in the gRPC code the front gives them (others are indefinite).
 _BY_STATUS = {400: "INVALID_ARGUMENT", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 422: "FAILED_PRECONDITION"}
+
+
+@dataclass(frozen=True)
+class CallerTls:
+    """The checker's TLS towards the router: the CA that signed the router's certificate, and a
+    client certificate and key for a router that verifies its callers (mTLS; "" for none)."""
+
+    ca: str
+    cert: str = ""
+    key: str = ""
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same, for the HTTPS front."""
+        context = ssl.create_default_context(cafile=self.ca)
+        if self.cert:
+            context.load_cert_chain(self.cert, self.key)
+        return context
 
 
 @dataclass(frozen=True)
@@ -53,7 +71,15 @@ def json_request(method: str, proto_bytes: bytes) -> bytes:
     return json.dumps(as_dict, sort_keys=True, separators=(",", ":")).encode()
 
 
-def post(base_url: str, method: str, proto_bytes: bytes, key: str, caller: str, timeout_s: float) -> Exchange:
+def post(
+    base_url: str,
+    method: str,
+    proto_bytes: bytes,
+    key: str,
+    caller: str,
+    timeout_s: float,
+    context: ssl.SSLContext | None = None,
+) -> Exchange:
     """POST the request to its route and read the answer (a connection failure is UNAVAILABLE)."""
     route = RPCS_BY_PATH[method].http
     assert route is not None, f"{method} has no HTTP route"
@@ -66,7 +92,7 @@ def post(base_url: str, method: str, proto_bytes: bytes, key: str, caller: str, 
     url = base_url.rstrip("/") + route.path
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")  # noqa: S310 (scheme checked above)
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as answer:  # noqa: S310 (scheme checked above)
+        with urllib.request.urlopen(request, timeout=timeout_s, context=context) as answer:  # noqa: S310 (scheme checked above)
             return Exchange(
                 body, "OK", "", "", answer.read(), answer.headers.get(REPLAYED_HEADER) == REPLAYED_VALUE, None
             )
@@ -95,4 +121,4 @@ def _problem(sent: bytes, status: int, payload: bytes, replayed: bool, wait_s: f
     return Exchange(sent, code, reason, detail, b"", replayed, wait_s)
 
 
-__all__ = ["Exchange", "json_request", "post"]
+__all__ = ["CallerTls", "Exchange", "json_request", "post"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +22,9 @@ from shardrouter.check.history import History, read_history
 from shardrouter.check.verify import answers_of
 from shardrouter.localcluster.cluster import LocalCluster, installed_command
 from shardrouter.v1 import transfer_pb2
+from tests.processes import ROOT, ServiceProcess, router_process
 from tests.reconcile.drive import dsns, running_cluster, sql
+from tests.tls import CertFiles, TestCA
 
 
 @dataclass
@@ -213,3 +216,63 @@ def _holding(run: Run, account: str) -> str:
         if sql(dsn, "SELECT 1 FROM accounts WHERE id = %s", (account,)):
             return dsn
     raise AssertionError(f"no shard holds {account}")
+
+
+def _tls_router(run: Run, tmp_path: Path, server: CertFiles) -> ServiceProcess:
+    """A router over the module's cluster that speaks only TLS and verifies its callers (mTLS)."""
+    process = router_process(
+        tmp_path,
+        shard_map=run.cluster.shard_map_path,
+        extra_env={
+            "ROUTER_DEV_MODE": "false",
+            "ROUTER_TLS_CERT": str(server.cert),
+            "ROUTER_TLS_KEY": str(server.key),
+            "ROUTER_TLS_CA": str(server.ca),
+        },
+    )
+    # ServiceProcess.start waits on a plaintext health check; this router speaks only TLS.
+    with process.log_path.open("ab") as log:
+        process.proc = subprocess.Popen(
+            [sys.executable, *process.args], env=process.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+        )
+    return process
+
+
+def test_a_run_over_mutual_tls_passes(run: Run, tmp_path: Path) -> None:
+    """What a production router asks of the checker: TLS, and a client certificate it verifies."""
+    ca = TestCA(tmp_path)
+    router = _tls_router(run, tmp_path, ca.issue("router.local", server=True))
+    checker = ca.issue("shard-router-check")
+    try:
+        code, verdict = _check(
+            *("--target", router.address, "--databases", str(run.databases)),
+            *("--tls-ca", str(checker.ca), "--tls-cert", str(checker.cert), "--tls-key", str(checker.key)),
+            *("--history", str(tmp_path / "tls.jsonl"), "--operations", "40", "--concurrency", "4"),
+            *("--seed", "5", "--accounts", "4"),
+        )
+    finally:
+        router.kill()
+    assert code == 0, verdict["violations"]
+    figures = verdict["figures"]
+    assert figures["operations"] == 4 + 40 + 2 and figures["pending"] == 0, figures
+    assert figures["replays"] > 0 and figures["cross_shard"] + figures["same_shard"] > 0, figures
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (("--tls-cert", "a.pem"), "--tls-cert and --tls-key go together"),
+        (("--tls-cert", "a.pem", "--tls-key", "k.pem"), "--tls-cert needs --tls-ca"),
+        (("--tls-ca", "missing-ca.pem"), "--tls-ca missing-ca.pem: no such file"),
+    ],
+)
+def test_tls_flags_that_cannot_work_are_refused(flags: tuple[str, ...], said: str, tmp_path: Path) -> None:
+    done = subprocess.run(
+        [*installed_command("shard-router"), "check", "--dsn", "shard-0=postgresql://x/y", *flags],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and said in done.stderr, done.stderr
