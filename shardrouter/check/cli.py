@@ -60,19 +60,7 @@ def _parser(default_dir: Path | None) -> argparse.ArgumentParser:
         metavar="URL",
         help="send over the router's HTTP/JSON front at URL (e.g. http://127.0.0.1:8080) instead of gRPC",
     )
-    p.add_argument(
-        "--tls-ca",
-        default="",
-        metavar="FILE",
-        help="call the router over TLS, trusting this CA (PEM) for its certificate",
-    )
-    p.add_argument(
-        "--tls-cert",
-        default="",
-        metavar="FILE",
-        help="with --tls-ca: a client certificate (PEM) for a router that verifies its callers (mTLS)",
-    )
-    p.add_argument("--tls-key", default="", metavar="FILE", help="with --tls-cert: its private key (PEM)")
+    _tls_flags(p)
     p.add_argument("--databases", type=Path, help="YAML of shard-id: DSN" + local)
     p.add_argument(
         "--dsn", action="append", default=[], metavar="SHARD=DSN", help="a shard's database (repeatable)"
@@ -127,6 +115,23 @@ def _parser(default_dir: Path | None) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the verdict as JSON")
     _fault_flags(p)
     return p
+
+
+def _tls_flags(p: argparse.ArgumentParser) -> None:
+    """How the checker reaches a router that speaks TLS (`_tls` checks them)."""
+    p.add_argument(
+        "--tls-ca",
+        default="",
+        metavar="FILE",
+        help="call the router over TLS, trusting this CA (PEM) for its certificate",
+    )
+    p.add_argument(
+        "--tls-cert",
+        default="",
+        metavar="FILE",
+        help="with --tls-ca: a client certificate (PEM) for a router that verifies its callers (mTLS)",
+    )
+    p.add_argument("--tls-key", default="", metavar="FILE", help="with --tls-cert: its private key (PEM)")
 
 
 def _fault_flags(p: argparse.ArgumentParser) -> None:
