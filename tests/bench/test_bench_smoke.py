@@ -122,6 +122,8 @@ def _check_round_trips(cells: list[dict], table: str) -> None:
 HTTP_ROWS = ("router-deposit", "http-deposit", "router-replay", "http-replay", "http-conflict")
 
 
+# The gRPC rows' run above is the default smoke test of the harness; the HTTP rows' with --run-slow.
+@pytest.mark.slow
 def test_tiny_run_of_the_http_rows_beside_the_grpc_rows(tmp_path: Path, bench_temp: Path) -> None:
     """The router's HTTP front measured beside gRPC through the router: new keys, replays of keys
     created through the front, and 409s for a key held in flight; the ratios are printed."""

@@ -20,6 +20,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+# Hedged forwarding itself is tested by tests/router/test_hedged_forwarding.py and
+# tests/faults/test_hedged_faults.py; the bench's smoke run is the slow variant.
+@pytest.mark.slow
 def test_a_tiny_run_prints_three_cells_and_a_verdict(tmp_path: Path) -> None:
     out = tmp_path / "hedging.json"
     result = subprocess.run(

@@ -79,6 +79,9 @@ def test_a_run_under_kills_of_shard_daemons_and_the_router_passes(tmp_path: Path
     assert history.stat().st_size > 0
 
 
+# PostgreSQL killed under the shard's own load is in tests/faults (test_shard_database_faults);
+# the checker's run over it is the slow variant.
+@pytest.mark.slow
 def test_a_run_under_kills_of_a_shards_postgresql_passes(tmp_path: Path) -> None:
     history = tmp_path / "history.jsonl"
     out = _check(history, "--kill-postgres-every", "0.5", operations=500, concurrency=3)
@@ -93,6 +96,9 @@ def test_a_run_under_kills_of_a_shards_postgresql_passes(tmp_path: Path) -> None
     assert _acknowledged_after(history, kills[0][0]) > 0, out
 
 
+# A failover under load is in tests/faults (test_database_failover); the checker's run over one
+# is the slow variant.
+@pytest.mark.slow
 def test_a_run_across_a_failover_to_each_shards_standby_passes(tmp_path: Path) -> None:
     history = tmp_path / "history.jsonl"
     out = _check(history, "--failover-every", "0.5", operations=500, concurrency=3)

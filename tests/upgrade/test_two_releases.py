@@ -151,6 +151,9 @@ def _check(result: LoadResult, dsn: str, extra: int = 0) -> Ledger:
     return ledger
 
 
+# The rolling update across two shards, router and relays included
+# (test_rolling_update_across_shards.py), runs by default; this one-shard variant with --run-slow.
+@pytest.mark.slow
 def test_a_rolling_update_from_the_previous_release_fails_no_call(
     previous_release, database, tmp_path, capsys
 ):
