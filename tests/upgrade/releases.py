@@ -145,13 +145,8 @@ def release_shardd(
     extra_env: dict[str, str] | None = None,
 ) -> ReleaseProcess:
     """A shard daemon of `release` (dev mode, loopback), not started."""
-    plain = shardd_process(
-        tmp,
-        shard_id=shard_id,
-        dsn=dsn,
-        shard_map=shard_map,
-        port=port,
-        extra_env=_quiet(extra_env, "SHARDD_"),
+    plain = this_release_shardd(
+        tmp, shard_id=shard_id, dsn=dsn, name=name, shard_map=shard_map, port=port, extra_env=extra_env
     )
     return _of_release(release, plain, name, tmp)
 
