@@ -236,6 +236,9 @@ class Report:
     repairs: list[str] = field(default_factory=list)
     #: The transfers in flight (their credit pending, or their refund owed).
     in_flight_ids: set[uuid.UUID] = field(default_factory=set)
+    #: The transfers a mismatch was seen for by one read only (moving on meanwhile: a credit
+    #: delivered between the reads of its two shards), counted as in flight.
+    moving_ids: set[uuid.UUID] = field(default_factory=set)
 
     @property
     def consistent(self) -> bool:
@@ -626,6 +629,7 @@ def check(dsns: Mapping[str, str], *, since: datetime | None = None, confirm: bo
         seen = {m.identity for m in first.mismatches}
         transient = [m for m in report.mismatches if m.identity not in seen]
         report.mismatches = [m for m in report.mismatches if m.identity in seen]
+        report.moving_ids = {m.transfer_id for m in transient if m.transfer_id is not None}
         for m in transient:  # their money is in the totals of this read: explained as in flight
             if report.money is not None and m.currency in report.money:
                 report.money[m.currency].mismatches -= m.effect_minor

@@ -174,8 +174,10 @@ def run_repair(
     give_up = time.monotonic() + max(0.0, wait_s)
     while True:
         after = check(dsns, since=since)
+        # Settled means seen settled by both of the check's reads: a repaired credit delivered
+        # between its two shards' reads is still moving, and its money still counted in flight.
         waiting = [m for m in after.mismatches if m.transfer_id in touched and m.repair] + [
-            t for t in touched if t in after.in_flight_ids
+            t for t in touched if t in after.in_flight_ids or t in after.moving_ids
         ]
         if not waiting or time.monotonic() >= give_up:
             break
