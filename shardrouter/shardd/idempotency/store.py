@@ -232,6 +232,32 @@ def release_claim(conn: psycopg.Connection[Any], *, scope: str, key: str) -> Non
         conn.close()
 
 
+#: The session holding a key's claim (its advisory lock, `_KEY_LOCK` split into the two halves
+#: pg_locks shows), when it waits on its client (the daemon) since `stalled` ago: told to end.
+#: Waiting on the client in the middle of a call means the daemon does not go on; `state_change` is
+#: when the session last began a statement or went idle, so a session whose last statement ran long
+#: counts from that statement's start.
+_END_STALLED_CLAIM = (
+    f"WITH k AS (SELECT {_KEY_LOCK} AS h)"
+    " SELECT bool_or(pg_terminate_backend(a.pid)) FROM k, pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+    " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    " AND l.classid = ((k.h >> 32) & 4294967295)::oid AND l.objid = (k.h & 4294967295)::oid"
+    " AND a.pid <> pg_backend_pid() AND a.wait_event = 'ClientRead'"
+    " AND a.state_change < clock_timestamp() - %(stalled)s::interval"
+)
+
+
+def end_stalled_claim(conn: psycopg.Connection[Any], *, scope: str, key: str, stalled_ms: int) -> bool:
+    """End the session holding the key's claim if it has waited on its daemon for over `stalled_ms`
+    (`pg_terminate_backend`: its transaction rolls back, its key and row locks go with it); whether
+    one was told to end. A commit already under way completes first."""
+    row = conn.execute(
+        _END_STALLED_CLAIM, {"scope": scope, "key": key, "stalled": f"{stalled_ms}ms"}
+    ).fetchone()
+    return bool(row and row[0])
+
+
 def _release(conn: psycopg.Connection[Any], scope: str, key: str) -> psycopg.Cursor[Any]:
     return conn.execute(f"SELECT pg_advisory_unlock({_KEY_LOCK})", {"scope": scope, "key": key})
 
@@ -303,6 +329,7 @@ __all__ = [
     "begin_handler",
     "claim_key",
     "complete_key",
+    "end_stalled_claim",
     "find_key",
     "find_keys",
     "release_claim",

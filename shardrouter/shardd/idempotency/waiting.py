@@ -61,6 +61,7 @@ from shardrouter.core import tracing
 from shardrouter.core.errors import Aborted, InvalidArgument, Reason
 from shardrouter.core.wire_names import WAIT_METADATA
 from shardrouter.shardd.db import Database
+from shardrouter.shardd.idempotency import store
 from shardrouter.shardd.idempotency.call import Answered, CallStep, GuardedCall
 from shardrouter.shardd.idempotency.outcomes import OutcomeKind
 from shardrouter.shardd.idempotency.process_keys import CompletedKeys, KeyFlights, ScopedKey
@@ -205,18 +206,12 @@ class KeyWaits:
         locks go with the session). A failure to look is False: the waiter goes on waiting."""
         try:
             with tracing.untraced(), self._database.connection() as conn:
-                row = conn.execute(
-                    _END_STALLED_CLAIM,
-                    {
-                        "scope": scoped[0],
-                        "key": scoped[1],
-                        "stalled": f"{int(self.stalled_claim_s * 1000)}ms",
-                    },
-                ).fetchone()
+                ended = store.end_stalled_claim(
+                    conn, scope=scoped[0], key=scoped[1], stalled_ms=int(self.stalled_claim_s * 1000)
+                )
         except Exception as exc:
             log.info("a stalled claim could not be looked for: %s", exc)
             return False
-        ended = bool(row and row[0])
         if ended:
             self.claims_ended += 1
             log.warning(
@@ -242,21 +237,6 @@ class KeyWaits:
             log.info("%s notification for a waited key not sent: %s", channel, exc)
             return False
         return True
-
-
-#: The session holding a key's claim (its advisory lock, the expression of `store`), when it waits on
-#: its client (the daemon) since `stalled` ago: told to end. Waiting on the client in the middle of
-#: a call means the daemon does not go on; `state_change` is when the session last began a statement
-#: or went idle, so a session whose last statement ran long counts from that statement's start.
-_END_STALLED_CLAIM = (
-    "WITH k AS (SELECT hashtextextended(%(scope)s || ' ' || %(key)s, 0) AS h)"
-    " SELECT bool_or(pg_terminate_backend(a.pid)) FROM k, pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
-    " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
-    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-    " AND l.classid = ((k.h >> 32) & 4294967295)::oid AND l.objid = (k.h & 4294967295)::oid"
-    " AND a.pid <> pg_backend_pid() AND a.wait_event = 'ClientRead'"
-    " AND a.state_change < clock_timestamp() - %(stalled)s::interval"
-)
 
 
 def wait_bound_s(call: GuardedCall) -> float:
