@@ -140,20 +140,11 @@ def _write_map(system: BenchSystem, addresses: list[str]) -> Path:
 def _start_router(
     system: BenchSystem, name: str, shard_map: Path, hedge: dict[str, str]
 ) -> tuple[Daemon, int]:
-    """A dev-mode `router serve` in front of the shard, with its metrics on a port of its own."""
-    port, metrics = free_port(), free_port()
-    env = system._env(
-        {
-            "ROUTER_LISTEN": f"127.0.0.1:{port}",
-            "ROUTER_SHARD_MAP": str(shard_map),
-            "ROUTER_DEV_MODE": "true",
-            "ROUTER_METRICS_PORT": str(metrics),
-            "ROUTER_SHUTDOWN_GRACE_S": "1",
-            **hedge,
-        }
-    )
-    command = [sys.executable, "-m", "shardrouter.router.cli", "serve"]
-    return system._start(Daemon(name, command, env, port, system._log(name))), metrics
+    """A router in front of the shard (no HTTP front), with its metrics on a port of its own."""
+    metrics = free_port()
+    return system.start_router(
+        name, shard_map=shard_map, http=False, metrics_port=metrics, extra=hedge
+    ), metrics
 
 
 def _router_counts(metrics_port: int) -> tuple[float, float, float]:

@@ -231,32 +231,44 @@ class BenchSystem:
             )
         )
 
-    def start_router(self) -> Daemon:
-        """A `router serve` process in dev mode in front of both shards, with its HTTP/JSON front on a
-        free loopback port (`router_http_address`) beside gRPC."""
-        port, http_port = free_port(), free_port()
+    def start_router(
+        self,
+        name: str = "router",
+        *,
+        shard_map: Path | None = None,
+        http: bool = True,
+        metrics_port: int = 0,
+        extra: dict[str, str] | None = None,
+    ) -> Daemon:
+        """A `router serve` process in dev mode in front of both shards (or of `shard_map`'s), with
+        its HTTP/JSON front on a free loopback port (`router_http_address`) beside gRPC unless not
+        `http`, and its metrics on `metrics_port` (0: none)."""
+        port = free_port()
+        http_port = free_port() if http else 0
         env = self._env(
             {
                 "ROUTER_LISTEN": f"127.0.0.1:{port}",
-                "ROUTER_HTTP_LISTEN": f"127.0.0.1:{http_port}",
-                "ROUTER_SHARD_MAP": str(self.workdir / "shard-map.yaml"),
+                "ROUTER_HTTP_LISTEN": f"127.0.0.1:{http_port}" if http else "",
+                "ROUTER_SHARD_MAP": str(shard_map or self.workdir / "shard-map.yaml"),
                 "ROUTER_DEV_MODE": "true",
-                "ROUTER_METRICS_PORT": "0",
+                "ROUTER_METRICS_PORT": str(metrics_port),
                 "ROUTER_SHUTDOWN_GRACE_S": "1",
+                **(extra or {}),
             }
         )
         daemon = self._start(
             Daemon(
-                "router",
+                name,
                 [sys.executable, "-m", "shardrouter.router.cli", "serve"],
                 env,
                 port,
-                self._log("router"),
+                self._log(name),
             )
         )
-        self.router_http_port = http_port
-        if not wait_until(lambda: _http_healthy(self.router_http_address), 30, 0.1):
-            raise TimeoutError(f"the router's HTTP front did not answer; see {daemon.log_path}")
+        if http:
+            self.router_http_port = http_port
+            if not wait_until(lambda: _http_healthy(self.router_http_address), 30, 0.1):
+                raise TimeoutError(f"the router's HTTP front did not answer; see {daemon.log_path}")
         return daemon
 
     @property
