@@ -141,12 +141,15 @@ def claim_key(
 
 #: The handler transaction's bounds, for that transaction alone (`is_local`): the COMMIT or ROLLBACK
 #: puts the session's own back, with no statement of ours. The caller's deadline bounds each
-#: statement, and the transaction as a whole: a daemon that stalls mid-transaction (stopped,
+#: statement, and (a margin later) the transaction as a whole: a daemon that stalls mid-transaction (stopped,
 #: starved, a long pause) has its session ended by PostgreSQL once the call's deadline has passed,
 #: which rolls the transaction back and frees its row locks and the key for the retry, instead of
 #: holding them for as long as it stalls. `transaction_timeout` (PostgreSQL 17) is a timer that
 #: fires while the session waits for the client mid-pipeline; before 17, the idle-in-transaction
 #: timeout, which PostgreSQL arms only after a Sync (so for unpipelined calls alone).
+#: How long past the call's deadline a transaction may stay open before PostgreSQL ends its session
+#: (ms): after the deadline's statement_timeout, so that a running statement is cancelled, not killed.
+STALLED_SESSION_MARGIN_MS = 1000
 _BOUNDS = (
     "SELECT set_config('lock_timeout', coalesce(%s, current_setting('lock_timeout')), true),"
     " set_config('statement_timeout', coalesce(%s, current_setting('statement_timeout')), true),"
@@ -170,9 +173,13 @@ def begin_handler(
     conn.execute("BEGIN")
     if lock_timeout_ms is not None or statement_timeout_ms is not None:
         deadline = f"{statement_timeout_ms}ms" if statement_timeout_ms else None
+        # The whole transaction's bound comes a moment after the deadline: a statement still running
+        # at the deadline is cancelled (DEADLINE_EXCEEDED, the connection kept), and only a session
+        # left waiting on a stalled daemon is ended.
+        whole = f"{statement_timeout_ms + STALLED_SESSION_MARGIN_MS}ms" if statement_timeout_ms else None
         bounds = _BOUNDS_17 if conn.info.server_version >= 170000 else _BOUNDS_BEFORE_17
         conn.execute(
-            bounds, (f"{lock_timeout_ms}ms" if lock_timeout_ms is not None else None, deadline, deadline)
+            bounds, (f"{lock_timeout_ms}ms" if lock_timeout_ms is not None else None, deadline, whole)
         )
 
 
@@ -326,6 +333,7 @@ def _bytes(value: Any) -> bytes | None:
 
 __all__ = [
     "HAND_OVER",
+    "STALLED_SESSION_MARGIN_MS",
     "begin_handler",
     "claim_key",
     "complete_key",
