@@ -277,26 +277,9 @@ class LocalPostgres:
 
     def kill(self, timeout_s: float = 10.0) -> int | None:
         """SIGKILL the postmaster and every backend of it at once, like losing its machine: no
-        shutdown checkpoint, so the next `start` recovers from the WAL. Every backend too, since
-        backends left running would hold the shared memory a new postmaster refuses to share.
-        The postmaster's pid, or None if it was not running."""
-        pid = _postmaster_pid(self.data_dir)
-        if pid is None or not _alive(pid):
-            return None
-        targets = (pid, *_children(pid))
-        for target in targets:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(target, signal.SIGKILL)
-        deadline = time.monotonic() + timeout_s
-        while any(_alive(p) for p in targets):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"PostgreSQL postmaster {pid} survived SIGKILL")
-            time.sleep(0.01)
-        # A killed postmaster nobody reaps (no init in a container) stays a zombie whose pid still
-        # answers kill(0), and a new postmaster would take it for a live one owning the data
-        # directory: every process of the server is gone, so its lock file is stale.
-        (self.data_dir / "postmaster.pid").unlink(missing_ok=True)
-        return pid
+        shutdown checkpoint, so the next `start` recovers from the WAL (`kill_server`). The
+        postmaster's pid, or None if it was not running."""
+        return kill_server(self.data_dir, timeout_s)
 
     def restart(self, mode: str = "fast") -> None:
         """Stop then start on the same port."""
@@ -580,18 +563,7 @@ class ReplicatedPostgres:
         A commit waiting for the standby's acknowledgement never returns to its client: the
         connection breaks instead (the transaction may or may not have reached the standby).
         """
-        pid = _postmaster_pid(self.primary.data_dir)
-        if pid is None:
-            return
-        children = _children(pid)
-        for target in (pid, *children):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(target, signal.SIGKILL)
-        deadline = time.monotonic() + timeout_s
-        while any(_alive(p) for p in (pid, *children)):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"PostgreSQL postmaster {pid} survived SIGKILL")
-            time.sleep(0.01)
+        kill_server(self.primary.data_dir, timeout_s)
 
     def promote(self, timeout_s: float = 30.0) -> None:
         """Promote the standby (`SELECT pg_promote()`, waiting until it accepts writes).
@@ -622,6 +594,48 @@ def _postmaster_pid(data_dir: Path) -> int | None:
         return None
 
 
+def kill_server(data_dir: Path, timeout_s: float = 10.0) -> int | None:
+    """SIGKILL the postmaster of `data_dir` and every process of it, like a machine lost; its pid, or
+    None if it was not running.
+
+    Every backend too, since one left running holds the shared memory a new postmaster refuses to
+    share ("pre-existing shared memory block is still in use"). The postmaster is stopped
+    (SIGSTOP) before its children are listed: a running one may fork a backend, a walsender or a
+    worker between the listing and its death, and that child would outlive it.
+    """
+    pid = _postmaster_pid(data_dir)
+    if pid is None or not _alive(pid):
+        return None
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while _state(pid) not in ("T", "t", None, "Z"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"PostgreSQL postmaster {pid} did not stop on SIGSTOP")
+        time.sleep(0.001)
+    targets = (pid, *_children(pid))
+    for target in targets:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signal.SIGKILL)
+    while any(_alive(p) for p in targets):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"PostgreSQL postmaster {pid} survived SIGKILL")
+        time.sleep(0.01)
+    # A killed postmaster nobody reaps (no init in a container) stays a zombie whose pid still
+    # answers kill(0), and a new postmaster would take it for a live one owning the data
+    # directory: every process of the server is gone, so its lock file is stale.
+    (data_dir / "postmaster.pid").unlink(missing_ok=True)
+    return pid
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter from /proc (R, S, T for stopped, Z...); None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def _children(pid: int) -> list[int]:
     """Direct children of a process (the postmaster's backends), from /proc."""
     found = []
@@ -637,11 +651,7 @@ def _children(pid: int) -> list[int]:
 
 def _alive(pid: int) -> bool:
     """True while the process exists and is not a zombie (an unreaped zombie holds nothing)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    return _state(pid) not in (None, "Z")
 
 
 __all__ = [
@@ -649,5 +659,6 @@ __all__ = [
     "LocalPostgres",
     "ReplicatedPostgres",
     "free_port",
+    "kill_server",
     "postgres_bin_path",
 ]

@@ -26,8 +26,6 @@ phase figures.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import socket
 import threading
 import time
@@ -46,7 +44,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from shardrouter.core.keys import new_key
 from shardrouter.core.shardmap import even_shard_map, load_shard_map, write_shard_map
-from shardrouter.localcluster.postgres import LocalPostgres, _alive, _children, free_port
+from shardrouter.localcluster.postgres import LocalPostgres, free_port
 from shardrouter.reshard.journal import MoveRecord
 from shardrouter.reshard.move import Move, MoveSettings, find_move, start_move
 from shardrouter.reshard.plan import Phase
@@ -178,24 +176,10 @@ def _accepting(server: LocalPostgres) -> bool:
         return False
 
 
-def kill_postgres(server: LocalPostgres, timeout_s: float = 10.0) -> None:
+def kill_postgres(server: LocalPostgres) -> None:
     """SIGKILL the postmaster and every process of it at once, like a machine lost: no shutdown
     checkpoint, crash recovery at the next start."""
-    pid = int((server.data_dir / "postmaster.pid").read_text().split("\n", 1)[0])
-    # `_children` and `_alive`: the local cluster's, as `ReplicatedPostgres.kill_primary` uses them.
-    victims = [pid, *_children(pid)]
-    for victim in victims:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(victim, signal.SIGKILL)
-    deadline = time.monotonic() + timeout_s
-    while any(_alive(v) for v in victims):
-        assert time.monotonic() < deadline, f"PostgreSQL {pid} survived SIGKILL"
-        time.sleep(0.01)
-    # Dead; but where nothing reaps orphans (a container whose first process does not), the
-    # postmaster stays a zombie under its pid, and the next postmaster, finding the lock file
-    # naming a pid that exists, refuses to start ("lock file postmaster.pid already exists"). After
-    # a machine restart no process holds it: the stale lock of a dead server goes.
-    (server.data_dir / "postmaster.pid").unlink(missing_ok=True)
+    assert server.kill() is not None, "the old owner's server was not running"
 
 
 def _request_text(request: object) -> str:
