@@ -60,6 +60,8 @@ class HedgingOptions:
     #: The daemons' SHARDD_STALLED_CLAIM_MS (0: a hedge waits for a stalled claim to go on).
     stalled_claim_ms: int = 100
     accounts: int = 1000
+    #: Keep the work folder (the daemons' and routers' logs under logs/) for a look at the tail.
+    keep: bool = False
 
 
 @dataclass
@@ -181,7 +183,7 @@ def run_hedging(options: HedgingOptions, say: Any = print) -> HedgingResult:
     """The whole run; every process and the temp dir are gone when it returns or raises."""
     node = ensure_installed()
     result = HedgingResult(options)
-    with bench_system(options.accounts, {}) as system:
+    with bench_system(options.accounts, {}, keep=options.keep) as system:
         say("bench.hedging: starting PostgreSQL, two daemons of one shard and two routers ...")
         system.start_postgres()
         system.plan_shards()
@@ -242,6 +244,11 @@ def run_hedging(options: HedgingOptions, say: Any = print) -> HedgingResult:
                 f" p99.9 {row['p999_ms']:.1f} max {row['max_ms']:.1f} ms; hedges {cell.hedges_sent:.0f} sent,"
                 f" {cell.hedges_won:.0f} won"
             )
+            for slow in load.extra.get("slowest", [])[:3]:
+                say(
+                    f"    slow: {slow['ms']:.0f} ms from {slow['at_ms']} ms into the window, {slow['status']},"
+                    f" key {slow['key']} account {slow['account']}"
+                )
     return result
 
 
@@ -286,6 +293,9 @@ def parse_args(argv: list[str]) -> tuple[HedgingOptions, Path | None]:
         help="the daemons' SHARDD_STALLED_CLAIM_MS (default 100; 0: a hedge waits for a stalled claim)",
     )
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the work folder (processes' logs under logs/) afterwards"
+    )
     args = parser.parse_args(argv)
     if args.stall >= args.duration:
         parser.error("--stall must be shorter than --duration")
@@ -297,6 +307,7 @@ def parse_args(argv: list[str]) -> tuple[HedgingOptions, Path | None]:
         hedge_after_ms=args.hedge_after_ms,
         hedge_budget_percent=args.hedge_budget_percent,
         stalled_claim_ms=args.stalled_claim_ms,
+        keep=args.keep,
     ), args.json
 
 

@@ -193,7 +193,7 @@ def _wait_for_exit(proc: subprocess.Popen[str], timeout_s: float) -> tuple[str, 
 
 def _errors_and_extra(summary: dict[str, Any], spec: LoadSpec) -> tuple[dict[str, int], dict[str, Any]]:
     """The cell's errors by status, and what else the generator's summary reports."""
-    extra: dict[str, Any] = {k: summary[k] for k in ("credit_lag", "transfer_latency") if k in summary}
+    extra: dict[str, Any] = {k: summary[k] for k in ("credit_lag", "transfer_latency", "slowest") if k in summary}
     errors = {str(k): int(v) for k, v in summary["errors"].items()}
     if summary.get("protocol") == "http":
         # 200/201 (`ok`) and 409 (`conflicts`) come apart from the other statuses; whichever of the

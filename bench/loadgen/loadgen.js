@@ -21,7 +21,7 @@
 // --expect CODE counts that answer as the operation instead of OK: a gRPC status name (ABORTED), or
 // over HTTP a status number (409). Over HTTP, 200/201 count as `ok` and 409 as `conflicts`, each on
 // its own; every other status (or a transport error code) is an error.
-// Prints one JSON summary on stdout. On stderr it prints "window-start" and "window-end" when the
+// Prints one JSON summary on stdout (with the window's few slowest calls, by key). On stderr it prints "window-start" and "window-end" when the
 // measured window opens and closes, so the caller can sample the servers' CPU over that window only.
 'use strict';
 
@@ -230,6 +230,16 @@ function main() {
   let cpuStart = null;
   let cpuEnd = null;
   const MAX_SAMPLES = 5_000_000;
+  // The few slowest calls of the window, by key, so a tail can be looked up in the servers' logs.
+  const SLOWEST_KEPT = 5;
+  const slowest = [];
+  function noteSlow(op, begin, end, status) {
+    const ms = end - begin;
+    if (slowest.length === SLOWEST_KEPT && ms <= slowest[SLOWEST_KEPT - 1].ms) return;
+    slowest.push({ key: op.key, account: op.account, ms: Math.round(ms * 10) / 10, at_ms: Math.round(begin - windowStart), status });
+    slowest.sort((a, b) => b.ms - a.ms);
+    if (slowest.length > SLOWEST_KEPT) slowest.pop();
+  }
 
   const windowTimer = setTimeout(() => {
     cpuStart = process.cpuUsage();
@@ -253,6 +263,7 @@ function main() {
       const end = now();
       if (begin < windowStart || end > windowEnd) continue; // outside the measured window
       const status = result.error ? result.error : result.status;
+      noteSlow(op, begin, end, String(status));
       const isOk = status === 200 || status === 201;
       if (isOk) ok += 1;
       else if (status === 409) conflicts += 1;
@@ -314,6 +325,7 @@ function main() {
       const end = now();
       if (begin < windowStart || end > windowEnd) continue; // outside the measured window
       const expected = opts.expect !== 'OK' && result.err && grpc.status[result.err.code] === opts.expect;
+      noteSlow(op, begin, end, result.err ? (grpc.status[result.err.code] || String(result.err.code)) : 'OK');
       if (result.err && !expected) {
         const code = result.err.code === -1 ? 'NOT_COMPLETED' : (grpc.status[result.err.code] || String(result.err.code));
         errors[code] = (errors[code] || 0) + 1;
@@ -355,6 +367,7 @@ function main() {
       errors,
       throughput: ops / (Math.max(elapsed, 1) / 1000),
       latency: summary(latencies),
+      slowest,
       cpu_s: (cpuEnd.user + cpuEnd.system) / 1e6,
       max_rss_kb: process.resourceUsage().maxRSS,
       aborted: Boolean(aborted),

@@ -489,7 +489,7 @@ class Forwarder(_GenericHandler):
             return outcome
 
         def hedge() -> Awaitable[Outcome] | None:
-            if not self._hedges.take():
+            if not self._hedges.take(past_a_stall=self._slow.stalled(first, second)):
                 return None
             self._slow.mark(first)
             if self._metrics is not None:
@@ -603,10 +603,19 @@ def _entries(metadata: object) -> tuple[MetadataEntry, ...]:
     return tuple(cast("Iterable[MetadataEntry]", metadata or ()))
 
 
+#: Answers of one daemon that another daemon of the shard may better: its database lost (a session
+#: a hedge's waiter ended as stalled, a failover) or its admission full.
+_TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
 def decisive(outcome: Outcome) -> bool:
-    """Whether a hedged attempt's outcome is the caller's answer: anything but a daemon not reached,
-    a call cut off, or a twin found in flight (the other attempt holds the key: its answer comes)."""
+    """Whether a hedged attempt's outcome is the caller's answer, without waiting for the other:
+    anything but a daemon not reached, a call cut off, a twin found in flight (the other attempt holds
+    the key: its answer comes), or a transient refusal the other daemon may not share. When neither
+    attempt is decisive, the caller gets the last to end."""
     if unreached(outcome.code, outcome.trailing_metadata) or interrupted(outcome):
+        return False
+    if outcome.code in _TRANSIENT_CODES:
         return False
     if outcome.code is not grpc.StatusCode.ABORTED:
         return True

@@ -10,12 +10,15 @@ nothing to apply. A mutating call without a key is never hedged.
 A hedge is sent only after `hedge_after_s` without an answer, and only while the budget allows: a
 token bucket in the manner of gRPC's retry throttling, earning `ratio` of a token per hedgeable
 call, so a shard that is slow for everyone (not one stalled daemon) cannot double the router's load.
+A call the budget refused asks again while it waits; one stuck on a daemon already seen stalling
+may borrow a second burst.
 A daemon a call was hedged past is avoided by new calls for a moment (`SlowDaemons`): a stalled
 daemon would otherwise take its share of calls, and spend a hedge on each, for as long as it stalls.
 
-What hedging cannot do: a call the stalled daemon had already claimed holds its key (the claim's
-lock lives in the database session of the stalled process), so its hedge waits for that daemon to
-go on, or to die, like any duplicate. Hedging helps the calls the stalled daemon had not claimed.
+A call the stalled daemon had already claimed holds its key (the claim's lock lives in the database
+session of the stalled process), so its hedge waits like any duplicate: for that daemon to go on, or
+to die, or, where the shard's daemons end stalled claims (`SHARDD_STALLED_CLAIM_MS`), for the
+waiting daemon to end that session and run the call itself.
 """
 
 from __future__ import annotations
@@ -32,11 +35,19 @@ Result = TypeVar("Result")
 
 #: Most hedges the budget lets through in a burst.
 HEDGE_BURST = 10.0
+#: How often a call whose hedge the budget refused asks again while its primary has not answered (s).
+HEDGE_ASK_AGAIN_S = 0.01
 
 
 class HedgeBudget:
     """How many hedges may still be sent: `ratio` of a token per call that could be hedged, at most
-    `HEDGE_BURST` saved, one spent per hedge."""
+    `HEDGE_BURST` saved, one spent per hedge.
+
+    A hedge past a daemon already seen stalling (`SlowDaemons`) may borrow: the tokens go down to
+    `-HEDGE_BURST`, and other hedges wait until the debt is earned back. A stalled daemon
+    holds every caller whose call it took in the moment before it was marked (with N callers in a
+    closed loop, up to N calls), and those are exactly the calls hedging is for; the borrowing keeps
+    the long-run share at `ratio`, with at most two bursts on top."""
 
     def __init__(self, ratio: float) -> None:
         if not 0 <= ratio <= 1:
@@ -50,10 +61,12 @@ class HedgeBudget:
         with self._lock:
             self._tokens = min(HEDGE_BURST, self._tokens + self._ratio)
 
-    def take(self) -> bool:
-        """Spend a token for a hedge; False when none is left."""
+    def take(self, *, past_a_stall: bool = False) -> bool:
+        """Spend a token for a hedge; False when none is left. `past_a_stall`: the hedge leaves a
+        daemon marked slow for one that is not, and may borrow."""
         with self._lock:
-            if self._tokens < 1:
+            floor = 1 - HEDGE_BURST if past_a_stall else 1
+            if self._tokens < floor:
                 return False
             self._tokens -= 1
             return True
@@ -89,6 +102,11 @@ class SlowDaemons:
             return second, first
         return first, second
 
+    def stalled(self, address: str, other: str) -> bool:
+        """Whether `address` is marked slow and `other` is not: a hedge from one to the other leaves
+        a daemon seen stalling for one that answers."""
+        return bool(self._marked) and self._slow(address) and not self._slow(other)
+
     def _slow(self, address: str) -> bool:
         marked = self._marked.get(address)
         return marked is not None and time.monotonic() - marked < self._avoid_s
@@ -110,18 +128,25 @@ async def first_decisive(
     *,
     hedge_after_s: float,
     decisive: Callable[[Result], bool],
+    ask_again_s: float = HEDGE_ASK_AGAIN_S,
 ) -> tuple[Result, bool]:
     """The first decisive result of `primary` and, if it has not answered after `hedge_after_s`, of
-    `hedge()` (None: no hedge, the budget said no); and whether it was the hedge's. When neither is
-    decisive, the last one to end. The attempt that lost, or both when the caller goes away, is
+    `hedge()`; and whether it was the hedge's. `hedge()` returns None when the budget says no: it is
+    asked again every `ask_again_s` while the primary has not answered (tokens come back as other
+    calls are forwarded, and a call stuck on a stalled daemon still needs its hedge). When neither
+    is decisive, the last one to end. The attempt that lost, or both when the caller goes away, is
     cancelled (which cancels its call to the daemon)."""
     tasks: dict[asyncio.Future[Result], bool] = {asyncio.ensure_future(primary): False}
     try:
-        done, _ = await asyncio.wait(tasks, timeout=hedge_after_s)
-        if not done:
+        wait_s = hedge_after_s
+        while len(tasks) == 1:
+            done, _ = await asyncio.wait(tasks, timeout=wait_s)
+            if done:
+                break
             second = hedge()
             if second is not None:
                 tasks[asyncio.ensure_future(second)] = True
+            wait_s = ask_again_s
         pending = set(tasks)
         last: tuple[Result, bool] | None = None
         while pending:
@@ -139,4 +164,4 @@ async def first_decisive(
                 task.cancel()
 
 
-__all__ = ["HEDGE_BURST", "HedgeBudget", "SlowDaemons", "first_decisive", "with_wait"]
+__all__ = ["HEDGE_ASK_AGAIN_S", "HEDGE_BURST", "HedgeBudget", "SlowDaemons", "first_decisive", "with_wait"]

@@ -243,10 +243,12 @@ def release_claim(conn: psycopg.Connection[Any], *, scope: str, key: str) -> Non
 #: pg_locks shows), when it waits on its client (the daemon) since `stalled` ago: told to end.
 #: Waiting on the client in the middle of a call means the daemon does not go on; `state_change` is
 #: when the session last began a statement or went idle, so a session whose last statement ran long
-#: counts from that statement's start.
+#: counts from that statement's start. The terminating call waits (up to `exit_wait_ms`) until the
+#: session is gone, so the key is free when it returns.
 _END_STALLED_CLAIM = (
     f"WITH k AS (SELECT {_KEY_LOCK} AS h)"
-    " SELECT bool_or(pg_terminate_backend(a.pid)) FROM k, pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+    " SELECT bool_or(pg_terminate_backend(a.pid, %(exit_wait_ms)s)) FROM k, pg_locks l"
+    " JOIN pg_stat_activity a ON a.pid = l.pid"
     " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
     " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
     " AND l.classid = ((k.h >> 32) & 4294967295)::oid AND l.objid = (k.h & 4294967295)::oid"
@@ -255,13 +257,17 @@ _END_STALLED_CLAIM = (
 )
 
 
+#: How long ending a stalled claim waits for its session to exit (ms): a few, normally.
+_SESSION_EXIT_WAIT_MS = 1000
+
+
 def end_stalled_claim(conn: psycopg.Connection[Any], *, scope: str, key: str, stalled_ms: int) -> bool:
     """End the session holding the key's claim if it has waited on its daemon for over `stalled_ms`
     (`pg_terminate_backend`: its transaction rolls back, its key and row locks go with it); whether
-    one was told to end. A commit already under way completes first."""
-    row = conn.execute(
-        _END_STALLED_CLAIM, {"scope": scope, "key": key, "stalled": f"{stalled_ms}ms"}
-    ).fetchone()
+    one was told to end, and then it has exited (the key is free, unless a commit already under way
+    completed first)."""
+    params = {"scope": scope, "key": key, "stalled": f"{stalled_ms}ms", "exit_wait_ms": _SESSION_EXIT_WAIT_MS}
+    row = conn.execute(_END_STALLED_CLAIM, params).fetchone()
     return bool(row and row[0])
 
 

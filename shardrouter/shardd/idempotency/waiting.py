@@ -80,6 +80,9 @@ DONE_CHANNEL = "shardrouter_key_done"
 BACKSTOP_S = 1.0
 #: Longest sleep between looks in a process with no listener (s).
 POLL_S = 0.05
+#: How many times per `stalled_claim_s` a waiter looks for its original's session stalled: a claim
+#: stalled past the threshold is ended within a quarter of it.
+STALLED_LOOKS = 4
 #: Kept of the call's deadline to answer in, when the deadline bounds the wait (s).
 ANSWER_MARGIN_S = 0.1
 #: grpc reports "no deadline" as an enormous time remaining.
@@ -301,9 +304,10 @@ class WaitForOriginal:
                         raise in_flight
                     step = BACKSTOP_S if waits.listening else POLL_S
                     if waits.stalled_claim_s > 0:
-                        # A session told to end goes in a moment: look again soon.
-                        ended = waits.end_stalled_claim(scoped)
-                        step = POLL_S if ended else min(step, waits.stalled_claim_s)
+                        if waits.end_stalled_claim(scoped):
+                            continue  # its session has exited: the key is free, look again now
+                        # Not stalled long enough yet: look a few times per threshold.
+                        step = min(step, waits.stalled_claim_s / STALLED_LOOKS)
                     watch.wait(min(step, remaining))
         finally:
             waits.ended(end)
