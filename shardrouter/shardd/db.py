@@ -205,6 +205,23 @@ def trace_connection(conn: Connection, *, tracer_provider: TracerProvider | None
     return True
 
 
+def rollback_keeping_prepared(conn: Connection) -> None:
+    """Send ROLLBACK on `conn` (in pipeline mode too) without losing its prepared statements.
+
+    psycopg forgets every prepared statement of a connection when it sees a ROLLBACK go through its
+    statement cache, and deallocates them on the server (`DEALLOCATE ALL`): each later statement is
+    then parsed and planned again until it is prepared anew. A guarded call rolls back its
+    handler's writes for every stored refusal and every failed handler, and nothing a prepared
+    statement depends on changes in those transactions (no DDL), so the ROLLBACK bypasses the
+    cache: with the threshold unset for its one statement, psycopg neither counts nor checks it."""
+    threshold = conn.prepare_threshold
+    conn.prepare_threshold = None
+    try:
+        conn.execute("ROLLBACK")
+    finally:
+        conn.prepare_threshold = threshold
+
+
 @contextmanager
 def bind_transaction(conn: Connection, key: str) -> Iterator[None]:
     """Make `conn` (which claimed `key`) the current call's transaction for the handlers below."""
@@ -279,5 +296,6 @@ __all__ = [
     "bind_transaction",
     "current_transaction",
     "mapped_database_errors",
+    "rollback_keeping_prepared",
     "trace_connection",
 ]

@@ -59,6 +59,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from shardrouter.core.shardmap import account_hash
+from shardrouter.shardd.db import rollback_keeping_prepared
 from shardrouter.shardd.idempotency.record import (
     Claim,
     ClaimStatus,
@@ -198,7 +199,7 @@ def complete_key(
     raised there.
     """
     if not keep_handler_writes:
-        conn.execute("ROLLBACK")  # the record is then stored by an implicit transaction of its own
+        rollback_keeping_prepared(conn)  # the record is then stored by an implicit transaction of its own
     outcome = record.outcome
     assert outcome is not None
     conn.execute(
@@ -233,7 +234,7 @@ def release_claim(conn: psycopg.Connection[Any], *, scope: str, key: str) -> Non
     that cannot is closed (its session, and the lock with it, ends)."""
     try:
         if conn.info.transaction_status is not TransactionStatus.IDLE:
-            conn.execute("ROLLBACK")
+            rollback_keeping_prepared(conn)
         _release(conn, scope, key).fetchone()
     except psycopg.Error:
         conn.close()
