@@ -557,6 +557,27 @@ class ReplicatedPostgres:
             time.sleep(0.05)
         raise TimeoutError(f"standby not streaming ({want}) after {timeout_s} s: {rows}")
 
+    def wait_replayed(self, timeout_s: float = 30.0) -> None:
+        """Wait until the standby has replayed everything the primary had written when called.
+
+        Streaming is not enough for a test that then cuts the standby off: an asynchronous standby
+        may stream and still lag the last commits."""
+        import psycopg
+
+        with psycopg.connect(self.current_primary.dsn, autocommit=True) as conn:
+            (target,) = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone() or ("",)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                row = conn.execute(
+                    "SELECT bool_or(replay_lsn >= %s::pg_lsn) FROM pg_stat_replication WHERE application_name = %s",
+                    (target, self.STANDBY_NAME),
+                ).fetchone()
+                if row and row[0]:
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the standby has not replayed up to {target} after {timeout_s} s")
+                time.sleep(0.02)
+
     def kill_primary(self, timeout_s: float = 10.0) -> None:
         """SIGKILL the primary's postmaster and every backend of it at once, like losing its machine.
 

@@ -265,6 +265,7 @@ def test_only_synchronous_replication_keeps_acknowledged_commits(synchronous: bo
             conn.execute("CREATE TABLE entries (id int PRIMARY KEY)")
             conn.execute("INSERT INTO entries VALUES (1)")
         rep.wait_streaming()
+        rep.wait_replayed()  # row 1 is on the standby before it is cut off (an asynchronous one may lag)
         rep.standby.stop()  # its machine is cut off: the primary cannot reach it
 
         acknowledged = threading.Event()
