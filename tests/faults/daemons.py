@@ -25,6 +25,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from shardrouter.core.keys import KEY_METADATA
 from shardrouter.core.shardmap import ShardMap, even_shard_map, shard_map_document
+from shardrouter.core.wire_names import WAIT_METADATA
 from shardrouter.localcluster.postgres import LocalPostgres, free_port
 from shardrouter.v1 import transfer_pb2
 from tests.processes import ServiceProcess, router_process, shardd_process
@@ -67,11 +68,21 @@ class Answer:
 
 
 def call(
-    address: str, method: str, request: bytes, key: str, timeout_s: float = 20.0, caller: str | None = None
+    address: str,
+    method: str,
+    request: bytes,
+    key: str,
+    timeout_s: float = 20.0,
+    caller: str | None = None,
+    wait_ms: int | str | None = None,
 ) -> Answer:
     """One call of `method` with raw request bytes and an idempotency key (and, in dev mode, a caller
-    id); its answer, never raised."""
-    metadata = ((KEY_METADATA, key),) + (((CALLER, caller),) if caller else ())
+    id; with `wait_ms`, `idempotency-wait-ms` sent as given); its answer, never raised."""
+    metadata = (
+        ((KEY_METADATA, key),)
+        + (((CALLER, caller),) if caller else ())
+        + (((WAIT_METADATA, str(wait_ms)),) if wait_ms is not None else ())
+    )
     with grpc.insecure_channel(address) as channel:
         rpc = channel.unary_unary(method, None, None)
         try:

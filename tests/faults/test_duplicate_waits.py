@@ -22,8 +22,8 @@ import grpc
 import psycopg
 import pytest
 
-from shardrouter.core.keys import KEY_METADATA, new_key
-from shardrouter.core.wire_names import WAIT_APPLIED_TRAILER, WAIT_METADATA
+from shardrouter.core.keys import new_key
+from shardrouter.core.wire_names import WAIT_APPLIED_TRAILER
 from shardrouter.localcluster.postgres import LocalPostgres, free_port
 from shardrouter.shardd.idempotency.waiting import DONE_CHANNEL, WAIT_CHANNEL
 from shardrouter.v1 import transfer_pb2
@@ -90,21 +90,6 @@ def _seed(through: str) -> None:
         assert opened.code is grpc.StatusCode.OK, opened
 
 
-def _call(
-    address: str, method: str, request: bytes, key: str, wait_ms: int | str | None, timeout_s: float = 30.0
-) -> Answer:
-    """One call with `idempotency-wait-ms` (when given); its answer, never raised."""
-    metadata = [(KEY_METADATA, key)] + ([(WAIT_METADATA, str(wait_ms))] if wait_ms is not None else [])
-    with grpc.insecure_channel(address) as channel:
-        rpc = channel.unary_unary(method, None, None)
-        try:
-            response, done = rpc.with_call(request, metadata=metadata, timeout=timeout_s)
-        except grpc.RpcError as err:
-            failed: grpc.Call = err  # type: ignore[assignment]  # a failed call is both
-            return Answer(failed.code(), None, tuple(failed.trailing_metadata() or ()), failed.details() or "")
-        return Answer(grpc.StatusCode.OK, bytes(response), tuple(done.trailing_metadata() or ()))
-
-
 def _trailer(answer: Answer, name: str) -> str | bytes | None:
     return next((v for k, v in answer.trailers if k == name), None)
 
@@ -149,7 +134,7 @@ def test_a_waiting_duplicate_returns_the_originals_bytes_from_either_daemon(shar
             # One duplicate on the original's daemon (it joins the flight there), one on the other.
             waiting: list[Future[Answer]] = []
             for count, daemon in enumerate(shard.daemons, start=1):
-                waiting.append(pool.submit(_call, daemon.address, TRANSFER, request, key, 8_000))
+                waiting.append(pool.submit(call, daemon.address, TRANSFER, request, key, 30.0, wait_ms=8_000))
                 notes.await_note(WAIT_CHANNEL, key, count)
             assert not any(w.done() for w in waiting)  # still waiting: the original holds the key
             hold.release()
@@ -182,10 +167,10 @@ def test_a_duplicate_waiting_for_an_original_killed_before_its_commit_runs_once_
         first = call_in_background(armed.address, TRANSFER, request, key)
         paused = armed.wait_paused(CLAIMED)
         with ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(_call, other.address, TRANSFER, request, key, 8_000)
+            waiting = pool.submit(call, other.address, TRANSFER, request, key, 30.0, wait_ms=8_000)
             notes.await_note(WAIT_CHANNEL, key)
             for amount in (1, 2, 3):  # served by the waiter's daemon while it waits
-                served = _call(other.address, DEPOSIT, deposit_request("acct-other", amount), str(new_key()), None)
+                served = call(other.address, DEPOSIT, deposit_request("acct-other", amount), str(new_key()), 30.0)
                 assert served.code is grpc.StatusCode.OK, (served, shard.logs())
             assert not waiting.done()
             armed.kill_paused(paused)
@@ -209,24 +194,24 @@ def test_without_the_preference_or_past_its_bound_the_duplicate_is_answered_in_f
     first = call_in_background(armed.address, TRANSFER, request, key)
     paused = armed.wait_paused(CLAIMED)
 
-    plain = _call(other.address, TRANSFER, request, key, None)
+    plain = call(other.address, TRANSFER, request, key, 30.0)
     assert (plain.code, plain.reason) == (grpc.StatusCode.ABORTED, "IDEMPOTENCY_KEY_IN_FLIGHT")
     assert _trailer(plain, WAIT_APPLIED_TRAILER) is None
 
     started = time.monotonic()
-    bounded = _call(other.address, TRANSFER, request, key, 300)
+    bounded = call(other.address, TRANSFER, request, key, 30.0, wait_ms=300)
     assert (bounded.code, bounded.reason) == (grpc.StatusCode.ABORTED, "IDEMPOTENCY_KEY_IN_FLIGHT"), bounded
     assert time.monotonic() - started >= 0.3  # it waited out its bound first
     assert _trailer(bounded, WAIT_APPLIED_TRAILER) == "300"
 
     # An ask over the daemon's maximum (10 s by default) is capped to it, and the deadline bounds it
     # further: answered in flight before the 1.5 s deadline, not DEADLINE_EXCEEDED.
-    capped = _call(other.address, TRANSFER, request, key, 10**30, timeout_s=1.5)
+    capped = call(other.address, TRANSFER, request, key, 1.5, wait_ms=10**30)
     assert (capped.code, capped.reason) == (grpc.StatusCode.ABORTED, "IDEMPOTENCY_KEY_IN_FLIGHT"), capped
     assert _trailer(capped, WAIT_APPLIED_TRAILER) == "10000"
 
     for bad in ("-5", "1.5", "soon"):
-        refused = _call(other.address, TRANSFER, request, key, bad)
+        refused = call(other.address, TRANSFER, request, key, 30.0, wait_ms=bad)
         assert (refused.code, refused.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST"), refused
 
     armed.kill_paused(paused)
@@ -298,7 +283,7 @@ def test_a_waiter_ends_a_claim_stalled_on_its_daemon_and_runs_the_call_itself(
         original = call_in_background(stalled.address, DEPOSIT, request, key)
         paused = stalled.wait_paused(CLAIMED)
         started = time.monotonic()
-        duplicate = _call(waiter.address, DEPOSIT, request, key, wait_ms=20_000)
+        duplicate = call(waiter.address, DEPOSIT, request, key, 30.0, wait_ms=20_000)
         took = time.monotonic() - started
         assert duplicate.code is grpc.StatusCode.OK and not duplicate.replayed, duplicate
         assert took < 5.0, f"the duplicate waited {took:.1f} s for a stalled claim"
