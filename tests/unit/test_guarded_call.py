@@ -9,7 +9,10 @@ refusals are stored and replayed. The same rules against a real database: tests/
 
 from __future__ import annotations
 
+import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
@@ -17,9 +20,10 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
-from shardrouter.core.errors import FailedPrecondition, Unavailable
+from shardrouter.core.errors import FailedPrecondition, ShardRouterError, Unavailable
 from shardrouter.core.keys import new_key
 from shardrouter.core.validation import validate_deposit
+from shardrouter.core.wire_names import WAIT_METADATA
 from shardrouter.shardd.admission import Admission, AdmissionLimits
 from shardrouter.shardd.db import Database, current_transaction
 from shardrouter.shardd.idempotency.config import IdempotencyConfig
@@ -286,6 +290,51 @@ def test_a_duplicate_whose_leader_is_slow_to_reach_the_database_looks_for_itself
     assert answer.code is grpc.StatusCode.ABORTED and answer.reason == "IDEMPOTENCY_KEY_IN_FLIGHT"
     shard.collaborators.flights.land(scoped, flight, None)
     shard.collaborators.flights.land((f"{DEPOSIT}|anonymous", str(other)), slow, None)
+
+
+class _CountedLimits(AdmissionLimits):
+    """Admission limits that count the slots they refused."""
+
+    def __init__(self, *, max_in_flight: int, max_waiting: int) -> None:
+        super().__init__(max_in_flight=max_in_flight, max_waiting=max_waiting)
+        self.refused = 0
+
+    def acquire(self, caller: str) -> None:
+        try:
+            super().acquire(caller)
+        except ShardRouterError:
+            self.refused += 1
+            raise
+
+
+def _until(what: str, condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.005)
+
+
+def test_a_waiting_duplicate_whose_look_a_full_shard_sheds_waits_on() -> None:
+    """A duplicate waiting for its original holds no admission slot between looks, so a look may
+    find the shard full; that look is made again later, within the same bound, instead of ending
+    the wait with the shed answer."""
+    limits = _CountedLimits(max_in_flight=1, max_waiting=0)
+    shard = Shard(admission=Admission(limits, dev_mode=True))
+    key = new_key(_ms(NOW))
+    scoped = (f"{DEPOSIT}|anonymous", str(key))
+    shard.keys.held.add(scoped)  # the original, in flight on another connection
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(shard.call, deposit(), keyed(key, (WAIT_METADATA, "10000")))
+        _until("the duplicate to look again while it waits", lambda: shard.keys.transactions >= 2)
+        limits.acquire("someone-else")  # the shard is now full
+        _until("two of the waiting duplicate's looks to be shed", lambda: limits.refused >= 2)
+        assert not waiting.done()
+        limits.release("someone-else")
+        shard.keys.held.discard(scoped)  # the original ended without an outcome
+        answer = waiting.result(10)
+    assert answer.code is grpc.StatusCode.OK, answer.status
+    assert shard.handled == 1 and shard.kinds == [OutcomeKind.NEW]  # it ran the call itself, once
+    assert limits.in_flight == 0
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,9 @@ remaining deadline (less a margin to answer in) and the daemon's `max_duplicate_
   handler itself, once, as any first attempt;
 - neither within the bound: today's answer, ABORTED in flight.
 
+A look the shard's admission sheds while the call waits (the shard full, or the caller over its
+share) ends nothing: the call looks again at its next wake-up, within the same bound.
+
 `WaitForOriginal` is the first step of the chain (before `answer_from_memory`). It holds no database
 connection and no admission slot while it sleeps: each look is the whole chain again, which takes
 and returns both.
@@ -58,7 +61,7 @@ from collections.abc import Sequence
 from enum import StrEnum
 
 from shardrouter.core import tracing
-from shardrouter.core.errors import Aborted, InvalidArgument, Reason
+from shardrouter.core.errors import Aborted, InvalidArgument, Reason, ShardRouterError
 from shardrouter.core.wire_names import WAIT_METADATA
 from shardrouter.shardd.db import Database
 from shardrouter.shardd.idempotency import store
@@ -255,6 +258,10 @@ def _waits_out(error: Aborted) -> bool:
     return error.reason == Reason.IDEMPOTENCY_KEY_IN_FLIGHT
 
 
+#: What the shard's admission answers a look it cannot make now (full, or the caller over its share).
+_SHED_REASONS = frozenset({Reason.SHARD_SATURATED, Reason.RATE_LIMITED})
+
+
 class WaitForOriginal:
     """wait_for_original: a duplicate in flight that asked to wait looks again (the whole chain)
     whenever its original may have ended, until it gets another answer or reaches its bound."""
@@ -295,6 +302,11 @@ class WaitForOriginal:
                         if not _waits_out(error):
                             raise
                         in_flight = error
+                    except ShardRouterError as error:
+                        # A look the full shard shed: the wait holds no slot, so the next look, at
+                        # the next wake-up, may be admitted. Past the bound: in flight, as before.
+                        if error.reason not in _SHED_REASONS:
+                            raise
                     else:
                         end = WaitEnd.REPLAYED if answered[1] is OutcomeKind.REPLAY else WaitEnd.RAN_ITSELF
                         return answered
