@@ -98,7 +98,7 @@ class SlowDaemons:
         """The daemons a call of this `turn` tries first and hedges at: its turn's, unless that one is
         marked slow and the next is not."""
         first, second = addresses[turn % len(addresses)], addresses[(turn + 1) % len(addresses)]
-        if self._marked and self._slow(first) and not self._slow(second):
+        if self.stalled(first, second):
             return second, first
         return first, second
 
