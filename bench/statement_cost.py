@@ -6,9 +6,11 @@ change: calls, rows, plans, WAL bytes and buffer hits per call (and the time, wh
 One throw-away PostgreSQL (the embedded wheel) with pg_stat_statements preloaded (`track=all`, so the
 statements run inside functions and triggers are seen too, marked "nested"), one migrated shard
 database, and one shard daemon served in this process that logs in as a role of its own, so only its
-statements are counted. Its replay cache is off (a replay reads the database) and its relay too. Four
-cells, one call at a time after a warm-up: Deposits with new UUIDv7 keys, replays of those keys,
-Deposits with new opaque keys (dated by receipt: the advisory-lock path), replays of those. After each
+statements are counted. Its replay cache is off (a replay reads the database) and its relay too. Six
+cells, one call at a time after a warm-up: with the claim sent first, Deposits with new UUIDv7 keys,
+replays of those keys, Deposits with new opaque keys (dated by receipt: the advisory-lock path),
+replays of those; with the claim sent ahead of the handler (a second daemon, on the same database),
+new UUIDv7 keys and their replays. After each
 cell an idle interval as long as the cell is measured and subtracted (the partition keeper, pool
 checks). The WAL insert position gives the WAL of the whole server per call (commit records and
 background included) beside the statements' own.
@@ -170,8 +172,9 @@ def cost_server(workdir: Path) -> Iterator[LocalPostgres]:
         pg.destroy()
 
 
-def start_cost_shard(dsn: str) -> ShardDaemon:
-    """A shard served in this process: no replay cache (replays read the database), no relay."""
+def start_cost_shard(dsn: str, claim_placement: str = "first") -> ShardDaemon:
+    """A shard served in this process: no replay cache (replays read the database), no relay, its
+    claims placed as asked (`first`: on their own; `ahead`: with the handler's statements)."""
     settings = ShardSettings(
         dsn=dsn,
         listen="127.0.0.1:0",
@@ -180,8 +183,27 @@ def start_cost_shard(dsn: str) -> ShardDaemon:
         relay_workers=0,
         replay_cache_entries=0,
         shutdown_grace_s=1.0,
+        claim_placement=claim_placement,
     )
     return start_shard(settings)
+
+
+@contextmanager
+def cost_shards(pg: LocalPostgres, dsn: str) -> Iterator[dict[str, Callable[[str, int], None]]]:
+    """A Deposit sender through a shard of each claim placement (`first`, `ahead`)."""
+    shards = [start_cost_shard(dsn, placement) for placement in ("first", "ahead")]
+    try:
+        with (
+            grpc.insecure_channel(f"127.0.0.1:{shards[0].port}") as first,
+            grpc.insecure_channel(f"127.0.0.1:{shards[1].port}") as ahead,
+        ):
+            yield {
+                "first": depositor(transfer_pb2_grpc.TransferServiceStub(first)),
+                "ahead": depositor(transfer_pb2_grpc.TransferServiceStub(ahead)),
+            }
+    finally:
+        for shard in shards:
+            shard.stop(0.5)
 
 
 def depositor(stub: transfer_pb2_grpc.TransferServiceStub) -> Callable[[str, int], None]:
@@ -231,35 +253,39 @@ def run(calls: int, warmup: int, what_if: str = "") -> list[Cell]:
             if what_if:
                 with psycopg.connect(pg.dsn_for(DATABASE), autocommit=True) as conn:
                     conn.execute(what_if.encode())
-            shard = start_cost_shard(dsn)
-            try:
-                with (
-                    grpc.insecure_channel(f"127.0.0.1:{shard.port}") as channel,
-                    psycopg.connect(pg.dsn_for(DATABASE), autocommit=True) as conn,
-                ):
-                    send = depositor(transfer_pb2_grpc.TransferServiceStub(channel))
-                    return run_cells(conn, send, calls, warmup)
-            finally:
-                shard.stop(0.5)
+            with (
+                cost_shards(pg, dsn) as senders,
+                psycopg.connect(pg.dsn_for(DATABASE), autocommit=True) as conn,
+            ):
+                return run_cells(conn, senders, calls, warmup)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
 def run_cells(
-    conn: psycopg.Connection[Any], send: Callable[[str, int], None], calls: int, warmup: int
+    conn: psycopg.Connection[Any], senders: dict[str, Callable[[str, int], None]], calls: int, warmup: int
 ) -> list[Cell]:
-    """Warm every path up, then measure each cell."""
+    """Warm every path up, then measure each cell: new keys and their replays, the claim sent
+    first (UUIDv7 and opaque keys), then sent ahead of the handler (UUIDv7 keys: the shipped
+    placement for new keys; a replay there is a duplicate that started its handler)."""
+    first, ahead = senders["first"], senders["ahead"]
     uuid_keys = [str(new_key()) for _ in range(calls)]
     opaque_keys = [f"order-{new_key().hex}" for _ in range(calls)]
+    ahead_keys = [str(new_key()) for _ in range(calls)]
     for i in range(warmup):  # every statement prepared (psycopg prepares after five uses)
         for key in (str(new_key()), f"warm-{new_key().hex}"):
-            send(key, i)
-            send(key, i)
+            first(key, i)
+            first(key, i)
+        key = str(new_key())
+        ahead(key, i)
+        ahead(key, i)
     return [
-        measure(conn, "new key (UUIDv7)", uuid_keys, send),
-        measure(conn, "replay (UUIDv7)", uuid_keys, send),
-        measure(conn, "new key (opaque)", opaque_keys, send),
-        measure(conn, "replay (opaque)", opaque_keys, send),
+        measure(conn, "new key (UUIDv7)", uuid_keys, first),
+        measure(conn, "replay (UUIDv7)", uuid_keys, first),
+        measure(conn, "new key (opaque)", opaque_keys, first),
+        measure(conn, "replay (opaque)", opaque_keys, first),
+        measure(conn, "new key (UUIDv7, claim ahead)", ahead_keys, ahead),
+        measure(conn, "replay (UUIDv7, claim ahead)", ahead_keys, ahead),
     ]
 
 

@@ -394,7 +394,8 @@ def prove(
     """Read the databases until no transfer of the run is in flight (up to `settle_s`) and prove.
 
     The shards are read one after another, so a credit landing between two reads could look lost or
-    doubled: a violation is reported only if a second read, a moment later, shows it too."""
+    doubled: a violation is reported only if a second read, a moment later, shows it too, and the
+    figures and money are then the second read's (the first one's may count such a passing gap)."""
     give_up = time.monotonic() + settle_s
     while True:
         verdict = evaluate(history, read_ledgers(dsns, history.accounts))
@@ -403,8 +404,9 @@ def prove(
         time.sleep(poll_s)
     if verdict.violations:
         time.sleep(poll_s)
-        again = {v.identity for v in evaluate(history, read_ledgers(dsns, history.accounts)).violations}
-        verdict.violations = [v for v in verdict.violations if v.identity in again]
+        first = {v.identity for v in verdict.violations}
+        verdict = evaluate(history, read_ledgers(dsns, history.accounts))
+        verdict.violations = [v for v in verdict.violations if v.identity in first]
     return verdict
 
 

@@ -13,7 +13,7 @@ import functools
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +23,10 @@ import psycopg_pool
 from opentelemetry.instrumentation.psycopg import PsycopgInstrumentor
 from opentelemetry.trace import TracerProvider
 from psycopg import errors
+from psycopg._preparing import Key, Prepare, PrepareManager
+from psycopg._queries import PostgresQuery
+from psycopg.pq import ExecStatus
+from psycopg.pq.abc import PGresult
 
 from shardrouter.core import tracing
 from shardrouter.core.errors import DeadlineExceeded, Internal, Reason, Unavailable
@@ -184,8 +188,37 @@ def _configure(conn: Connection, *, traced: bool, tracer_provider: TracerProvide
     nothing.
     """
     conn.execute("SET plan_cache_mode = force_generic_plan")
+    if isinstance(conn._prepared, PrepareManager):
+        conn._prepared = PipelineSafePrepares()
     if traced:
         _trace_statements(conn, tracer_provider=tracer_provider)
+
+
+class PipelineSafePrepares(PrepareManager):
+    """psycopg's cache of a connection's prepared statements, kept true across aborted pipelines.
+
+    A guarded call's claim stops its pipeline when the key is taken (`store.ClaimAhead`), so the
+    statements queued after it are skipped, a Parse among them too. psycopg 3.3 does not check the
+    result of a statement it prepares on reaching the threshold (its count moves to a name) and
+    keeps a name the server never made: "prepared statement _pg3_N does not exist" on the next call
+    of that connection. Here that first preparation is checked like any other; and one whose
+    statement failed when run keeps its name, since in a pipeline a Parse that fails makes its
+    Execute skipped, not failed: the server holds it (psycopg would forget it, and make it again
+    under a new name at each failure, one more on the server each time).
+    """
+
+    def maybe_add_to_cache(self, query: PostgresQuery, prep: Prepare, name: bytes) -> Key | None:
+        """psycopg's, and the key of a statement prepared for the first time, so that its result
+        is validated."""
+        key = super().maybe_add_to_cache(query, prep, name)
+        return self.key(query) if key is None and prep is Prepare.SHOULD else key
+
+    def validate(self, key: Key, prep: Prepare, name: bytes, results: Sequence[PGresult]) -> None:
+        """psycopg's, except that a statement prepared by this call which then failed keeps its name."""
+        if prep is Prepare.SHOULD and len(results) == 1 and results[0].status == ExecStatus.FATAL_ERROR:
+            self._rotate()
+            return
+        super().validate(key, prep, name, results)
 
 
 def _trace_statements(conn: Connection, *, tracer_provider: TracerProvider | None) -> None:
@@ -293,6 +326,7 @@ __all__ = [
     "Connection",
     "ConnectionChecks",
     "Database",
+    "PipelineSafePrepares",
     "bind_transaction",
     "current_transaction",
     "mapped_database_errors",

@@ -112,6 +112,7 @@ def idempotency_config(settings: ShardSettings) -> IdempotencyConfig:
         require_uuidv7=settings.require_uuidv7,
         max_duplicate_wait_ms=settings.max_duplicate_wait_ms,
         stalled_claim_ms=settings.stalled_claim_ms,
+        claim_placement=settings.claim_placement,
     )
 
 

@@ -11,6 +11,7 @@ from datetime import timedelta
 
 from shardrouter.core.settings_source import env_names, settings_values
 from shardrouter.core.shardmap_watch import configmap_spec_problems
+from shardrouter.shardd.idempotency.placement import CLAIM_PLACEMENTS
 
 ENV_PREFIX = "SHARDD_"
 
@@ -62,9 +63,16 @@ class ShardSettings:
     migration_lock_timeout_s: float = 5.0
     #: RetryInfo delay after a transient database failure (ms).
     transient_retry_ms: int = 250
-    #: Run a claimed key's handler transaction in psycopg's pipeline mode: a Deposit in 3 round trips
-    #: (claim, handler, record with COMMIT), not 5. Off only to debug statement by statement.
+    #: Run a claimed key's handler transaction in psycopg's pipeline mode: a new-key Deposit in 2
+    #: round trips (claim with the handler's statement, record with COMMIT), not 5. Off only to
+    #: debug statement by statement.
     db_pipeline: bool = True
+    #: Where a UUIDv7 key's claim goes: `adaptive` sends it with the handler's first statements
+    #: (one round trip less per new key) while few recent claims found their key taken, and on its
+    #: own first when many did; `first` always on its own (a handler then never starts for a
+    #: duplicate: for handlers that act outside their transaction before their first statement);
+    #: `ahead` always with the handler.
+    claim_placement: str = "adaptive"
     #: Idempotency keys expire after this many days.
     retention_days: int = 30
     #: Keys dated this far in the future are still accepted.
@@ -211,6 +219,10 @@ class ShardSettings:
                 "replay_cache_entries and replay_cache_mb must not be negative",
             ),
             (self.transient_retry_ms < 1, "transient_retry_ms must be at least 1"),
+            (
+                self.claim_placement not in CLAIM_PLACEMENTS,
+                f"claim_placement must be one of {', '.join(CLAIM_PLACEMENTS)}",
+            ),
             (
                 not 0 <= self.max_duplicate_wait_ms <= 600_000,
                 "max_duplicate_wait_ms must be between 0 and 600000",

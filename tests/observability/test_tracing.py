@@ -106,18 +106,22 @@ def test_first_call_then_replay(traced: Traced, db) -> None:
         ]
 
     first_sql = statements(db_spans[0])
-    # The claim alone; the handler's transaction with its bounds (a Deposit is one statement); the
-    # completed record, stored by the statement that releases the key at the COMMIT; the COMMIT.
+    # A new key's claim goes ahead of the handler, in its pipeline: the claim with the bounds, the
+    # statement that stops the pipeline unless the claim took the key, BEGIN, the handler (a Deposit is
+    # one statement); then the completed record, stored by the statement that releases the key at the
+    # COMMIT, and the COMMIT.
+    assert first.attributes["idempotency.claim"] == "ahead"  # type: ignore[index]
     expected = [
-        "SELECT now() AS claimed_at, CASE WHEN r.key IS NULL THEN pg_try_advisory_lock(",
+        "SELECT c.*, set_config('shardrouter.key_claimed'",
+        "SELECT CASE WHEN current_setting('shardrouter.key_claimed')",
         "BEGIN",
-        "SELECT set_config('lock_timeout'",
         "WITH account AS ( INSERT INTO accounts",
         "WITH stored AS (INSERT INTO idempotency_record",
         "COMMIT",
     ]
     assert len(first_sql) == len(expected), first_sql
     assert all(q.startswith(prefix) for q, prefix in zip(first_sql, expected, strict=True)), first_sql
+    assert "pg_try_advisory_lock(" in first_sql[0] and "set_config('lock_timeout'" in first_sql[0], first_sql
     assert "INSERT INTO ledger_entries" in first_sql[3], first_sql
     assert all(q and key not in q for q in first_sql), first_sql
     # This process completed the key, so it replays from memory: no database transaction at all.
@@ -176,9 +180,12 @@ def test_key_reused_for_a_different_request(traced: Traced) -> None:
     assert reused.status.status_code is StatusCode.UNSET
 
 
-def test_replay_from_the_database_is_one_read_only_transaction(database: str) -> None:
+@pytest.mark.parametrize("placement", ["first", "ahead"])
+def test_replay_from_the_database_is_one_read_only_transaction(database: str, placement: str) -> None:
     """Without the in-memory record (another process completed the key, or this one restarted), a
-    replay reads the record in one transaction that writes nothing and takes no lock."""
+    replay reads the record in one transaction that writes nothing and takes no lock: with the claim
+    sent first, one statement; with it sent ahead, the handler's statements go with it, and the
+    database skips them (the span says which)."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from shardrouter.shardd.server import start_shard
@@ -186,7 +193,8 @@ def test_replay_from_the_database_is_one_read_only_transaction(database: str) ->
 
     exporter = InMemorySpanExporter()
     provider = tracing.new_tracer_provider(SERVICE, [exporter], batch=False)
-    daemon = start_shard(make_settings(database, replay_cache_entries=0), tracer_provider=provider)
+    settings = make_settings(database, replay_cache_entries=0, claim_placement=placement)
+    daemon = start_shard(settings, tracer_provider=provider)
     md = key_metadata()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{daemon.port}") as channel:
@@ -211,8 +219,23 @@ def test_replay_from_the_database_is_one_read_only_transaction(database: str) ->
         for s in spans
         if s.parent is not None and s.parent.span_id == transaction.context.span_id
     ]
-    assert sql and all(not q.startswith(("INSERT", "UPDATE", "DELETE")) for q in sql), sql
-    assert len([q for q in sql if q.startswith("SELECT")]) == 1, sql
+    assert replay.attributes["idempotency.claim"] == placement
+    if placement == "first":
+        assert sql and all(not q.startswith(("INSERT", "UPDATE", "DELETE")) for q in sql), sql
+        assert len([q for q in sql if q.startswith("SELECT")]) == 1, sql
+    else:
+        assert sql[0].startswith("SELECT c.*, set_config('shardrouter.key_claimed'"), sql
+        assert any(q.startswith("WITH account AS ( INSERT INTO accounts") for q in sql), sql
+    # Whatever was sent, the database applied the Deposit once and took no lock that outlived the call.
+    with psycopg.connect(database, autocommit=True) as check:
+        (entries,) = check.execute(
+            "SELECT count(*) FROM ledger_entries WHERE idempotency_key = %s", (md[0][1],)
+        ).fetchone()  # type: ignore[misc]
+        (locks,) = check.execute(
+            "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database"
+            " WHERE l.locktype = 'advisory' AND d.datname = current_database()"
+        ).fetchone()  # type: ignore[misc]
+    assert (entries, locks) == (1, 0)
 
 
 def test_transient_failure_is_an_error(database: str) -> None:

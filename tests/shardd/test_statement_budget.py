@@ -13,22 +13,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import psycopg
 import pytest
 
 from bench.statement_cost import (
     DATABASE,
     Cell,
+    cost_shards,
     create_measured_database,
-    depositor,
-    measure,
     preload_statement_stats,
-    start_cost_shard,
+    run_cells,
 )
-from shardrouter.core.keys import new_key
 from shardrouter.localcluster.postgres import LocalPostgres
-from shardrouter.v1 import transfer_pb2_grpc
 from tests.helpers import own_postgres
 
 #: Per call: statements the daemon sends (BEGIN and COMMIT are not counted once psycopg prepared them)
@@ -41,6 +37,10 @@ BUDGET = {
     "replay (UUIDv7)": (1, 0),
     "new key (opaque)": (5, 3),
     "replay (opaque)": (1, 0),
+    # The claim with the handler: the bounds go in the claim's statement, and a statement checks
+    # that it took the key (which fails for a duplicate, and PostgreSQL skips the rest).
+    "new key (UUIDv7, claim ahead)": (4, 3),
+    "replay (UUIDv7, claim ahead)": (2, 0),
 }
 CALLS = 40
 
@@ -57,27 +57,8 @@ def counted() -> Iterator[tuple[LocalPostgres, str]]:
 
 
 def _cells(pg: LocalPostgres, dsn: str) -> dict[str, Cell]:
-    shard = start_cost_shard(dsn)
-    try:
-        with (
-            grpc.insecure_channel(f"127.0.0.1:{shard.port}") as channel,
-            psycopg.connect(pg.dsn_for(DATABASE), autocommit=True) as conn,
-        ):
-            send = depositor(transfer_pb2_grpc.TransferServiceStub(channel))
-            for i in range(8):  # every statement prepared (psycopg prepares after five uses)
-                for key in (str(new_key()), f"warm-{new_key().hex}"):
-                    send(key, i)
-                    send(key, i)
-            uuid_keys = [str(new_key()) for _ in range(CALLS)]
-            opaque_keys = [f"order-{new_key().hex}" for _ in range(CALLS)]
-            cells = [
-                measure(conn, "new key (UUIDv7)", uuid_keys, send),
-                measure(conn, "replay (UUIDv7)", uuid_keys, send),
-                measure(conn, "new key (opaque)", opaque_keys, send),
-                measure(conn, "replay (opaque)", opaque_keys, send),
-            ]
-    finally:
-        shard.stop(0.5)
+    with cost_shards(pg, dsn) as senders, psycopg.connect(pg.dsn_for(DATABASE), autocommit=True) as conn:
+        cells = run_cells(conn, senders, CALLS, 8)
     return {c.name: c for c in cells}
 
 

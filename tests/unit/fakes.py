@@ -8,6 +8,7 @@ writes. The real store is tested against PostgreSQL (tests/shardd).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -15,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from shardrouter.shardd.idempotency.call import GuardedCall
+from shardrouter.shardd.idempotency.call import GuardedCall, KeyNotClaimed
 from shardrouter.shardd.idempotency.record import Claim, ClaimStatus, IdempotencyRecord
 
 ScopeKey = tuple[str, str]
@@ -34,7 +35,9 @@ class FakeTransaction:
 class FakeKeys:
     """The `KeyStore` the steps talk to, in memory."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, ahead: bool = False) -> None:
+        #: Whether claims travel with the handler (`claiming_transaction`) or go first (`claim`).
+        self.ahead = ahead
         self.committed: dict[ScopeKey, IdempotencyRecord] = {}
         #: Keys held by another connection (a twin in flight elsewhere), or by a claim here.
         self.held: set[ScopeKey] = set()
@@ -71,7 +74,22 @@ class FakeKeys:
         finally:
             self.held.discard(scoped)
 
-    def complete(self, conn: FakeTransaction, call: GuardedCall, record: IdempotencyRecord) -> None:
+    def claims_ahead(self, call: GuardedCall) -> bool:
+        return self.ahead
+
+    @contextmanager
+    def claiming_transaction(self, conn: FakeTransaction, call: GuardedCall) -> Iterator[FakeTransaction]:
+        claim = self.claim(conn, call)
+        if claim.status is ClaimStatus.CLAIMED:
+            with self.handler_transaction(conn, call):
+                yield conn
+            return
+        # The handler runs, but the database skips all it sends: nothing of it is kept.
+        with contextlib.suppress(Exception):
+            yield conn
+        raise KeyNotClaimed(claim)
+
+    def complete(self, conn: FakeTransaction, call: GuardedCall, record: IdempotencyRecord) -> IdempotencyRecord:
         scoped = (call.scope, call.key.text)
         assert scoped in self.held, "completing a key this connection did not claim"
         assert record.outcome is not None
@@ -79,6 +97,7 @@ class FakeKeys:
             conn.writes.clear()  # a stored refusal keeps its record, not its handler's writes
         conn.records[scoped] = record
         conn.completed = True
+        return record
 
 
 class Aborted(Exception):

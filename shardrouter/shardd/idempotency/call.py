@@ -21,7 +21,13 @@ from opentelemetry import trace
 from shardrouter.core.keys import IdempotencyKey
 from shardrouter.shardd.idempotency.outcomes import OutcomeKind
 from shardrouter.shardd.idempotency.process_keys import KeyFlight, ScopedKey
-from shardrouter.shardd.idempotency.record import Claim, IdempotencyRecord, StoredOutcome, Trailer
+from shardrouter.shardd.idempotency.record import (
+    Claim,
+    ClaimStatus,
+    IdempotencyRecord,
+    StoredOutcome,
+    Trailer,
+)
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,16 @@ class TransactionStep(Protocol):
         ...
 
 
+class KeyNotClaimed(Exception):
+    """A claim sent ahead of the handler found the key taken (`KeyStore.claiming_transaction`):
+    nothing the handler sent was applied, and `claim` says what was found instead."""
+
+    def __init__(self, claim: Claim) -> None:
+        assert claim.status is not ClaimStatus.CLAIMED
+        super().__init__(claim.status.value)
+        self.claim = claim
+
+
 class KeyStore(Protocol):
     """What the steps need of the key table: `steps.DatabaseKeys` over PostgreSQL (a fake in unit tests).
 
@@ -147,9 +163,21 @@ class KeyStore(Protocol):
         """The handler's transaction on a claimed key; it ends when `complete` was called in it."""
         ...
 
-    def complete(self, conn: Any, call: GuardedCall, record: IdempotencyRecord) -> None:
+    def claims_ahead(self, call: GuardedCall) -> bool:
+        """Whether the call's claim can travel with the handler's first statements
+        (`claiming_transaction`) instead of going first on its own (`claim`)."""
+        ...
+
+    def claiming_transaction(self, conn: Any, call: GuardedCall) -> AbstractContextManager[Any]:
+        """The claim and the handler's transaction at once: as `handler_transaction` when the claim
+        takes the key; when it finds the key taken, nothing the handler sent is applied and
+        `KeyNotClaimed` is raised, carrying what the claim found (EXISTING or IN_FLIGHT)."""
+        ...
+
+    def complete(self, conn: Any, call: GuardedCall, record: IdempotencyRecord) -> IdempotencyRecord:
         """Store the completed record of the key this connection claimed (the handler's writes kept
-        for a success, undone for a stored refusal) and commit."""
+        for a success, undone for a stored refusal) and commit; the record as stored (its
+        `created_at` is the claim's)."""
         ...
 
 
@@ -158,6 +186,7 @@ __all__ = [
     "CallStep",
     "FlightStep",
     "GuardedCall",
+    "KeyNotClaimed",
     "KeyRead",
     "KeyStore",
     "MutatingMethod",

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
+from shardrouter.shardd.idempotency.placement import CLAIM_PLACEMENTS
+
 
 @dataclass(frozen=True, kw_only=True)
 class IdempotencyConfig:
@@ -31,6 +33,10 @@ class IdempotencyConfig:
     #: A waiting duplicate ends a claim whose session has waited this long on its stalled daemon (ms),
     #: and runs the call itself; 0: never.
     stalled_claim_ms: int = 0
+    #: Where a UUIDv7 key's claim goes (`placement.CLAIM_PLACEMENTS`): with the handler's first
+    #: statements while few claims are duplicates (`adaptive`), always on its own (`first`), or
+    #: always with the handler (`ahead`).
+    claim_placement: str = "adaptive"
 
     def __post_init__(self) -> None:
         if self.retention <= timedelta(0):
@@ -40,6 +46,8 @@ class IdempotencyConfig:
         for name in ("claim_lock_timeout_ms", "handler_lock_timeout_ms", "in_flight_retry_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.claim_placement not in CLAIM_PLACEMENTS:
+            raise ValueError(f"claim_placement must be one of {', '.join(CLAIM_PLACEMENTS)}")
         if self.max_duplicate_wait_ms < 0 or self.stalled_claim_ms < 0:
             raise ValueError("max_duplicate_wait_ms and stalled_claim_ms must not be negative")
 

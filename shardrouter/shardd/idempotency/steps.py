@@ -17,6 +17,7 @@ table only through a `KeyStore`: `DatabaseKeys` here, over PostgreSQL and `store
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import hashlib
 import threading
@@ -55,6 +56,7 @@ from shardrouter.shardd.idempotency.call import (
     Answered,
     FlightStep,
     GuardedCall,
+    KeyNotClaimed,
     KeyRead,
     KeyStore,
     MutatingMethod,
@@ -64,6 +66,7 @@ from shardrouter.shardd.idempotency.call import (
 )
 from shardrouter.shardd.idempotency.config import IdempotencyConfig
 from shardrouter.shardd.idempotency.outcomes import OutcomeKind
+from shardrouter.shardd.idempotency.placement import ClaimPlacement
 from shardrouter.shardd.idempotency.process_keys import CompletedKeys, KeyFlight, KeyFlights, ScopedKey
 from shardrouter.shardd.idempotency.record import (
     Claim,
@@ -291,7 +294,19 @@ class ClaimOrReplay:
         """The key's completed record, and whether this call made it."""
         keys = self._keys
         with keys.connection() as conn:
-            claim = keys.claim(conn, call)
+            ahead = keys.claims_ahead(call)
+            call.span.set_attribute("idempotency.claim", "ahead" if ahead else "first")
+            if ahead:
+                try:
+                    with keys.claiming_transaction(conn, call):
+                        record = self._next(call, conn, self._claimed(call, call.key.time))
+                except KeyNotClaimed as refused:
+                    claim = refused.claim
+                else:
+                    flight.mark_claimed()
+                    return record, True
+            else:
+                claim = keys.claim(conn, call)
             if claim.status is ClaimStatus.IN_FLIGHT:
                 raise in_flight(call.span, self._in_flight_retry_ms)
             if claim.status is ClaimStatus.EXISTING:
@@ -299,21 +314,25 @@ class ClaimOrReplay:
                 return claim.existing, False
             flight.mark_claimed()
             assert claim.created_at is not None
-            claimed = IdempotencyRecord(
-                scope=call.scope,
-                key=call.key.text,
-                key_time=call.key.time,
-                method=self._method,
-                request_hash=call.request_hash,
-                state=RecordState.IN_FLIGHT,
-                outcome=None,
-                created_at=claim.created_at,
-                completed_at=None,
-                first_traceparent=traceparent_of(call.span),
-            )
             with keys.handler_transaction(conn, call):
-                record = self._next(call, conn, claimed)
+                record = self._next(call, conn, self._claimed(call, claim.created_at))
         return record, True
+
+    def _claimed(self, call: GuardedCall, created_at: datetime) -> IdempotencyRecord:
+        """The record of a key this call claims, before its outcome (`created_at`: the claim's, as
+        stored; the store's own when the claim travels with the handler)."""
+        return IdempotencyRecord(
+            scope=call.scope,
+            key=call.key.text,
+            key_time=call.key.time,
+            method=self._method,
+            request_hash=call.request_hash,
+            state=RecordState.IN_FLIGHT,
+            outcome=None,
+            created_at=created_at,
+            completed_at=None,
+            first_traceparent=traceparent_of(call.span),
+        )
 
 
 class StoreOutcome:
@@ -331,8 +350,7 @@ class StoreOutcome:
         # The key claimed and the handler's writes sent in its open transaction, nothing committed: a
         # crash here must let the key go with every write (crash tests stop here).
         failpoints.reached("shardd.claimed_before_commit")
-        self._keys.complete(conn, call, record)
-        return record
+        return self._keys.complete(conn, call, record)
 
 
 class RunHandler:
@@ -453,6 +471,7 @@ class DatabaseKeys:
         self._handler_lock_timeout_ms = config.handler_lock_timeout_ms
         self._in_flight_retry_ms = config.in_flight_retry_ms
         self._tracer = tracer
+        self.placement = ClaimPlacement(config.claim_placement)
 
     @contextmanager
     def connection(self) -> Iterator[Any]:
@@ -491,9 +510,11 @@ class DatabaseKeys:
 
     def claim(self, conn: Any, call: GuardedCall) -> Claim:
         """`store.claim_key` for the call."""
-        return store.claim_key(
+        claim = store.claim_key(
             conn, scope=call.scope, key=call.key.text, key_time=call.key.time, dated_by_key=call.key.dated_by_key
         )
+        self.placement.note(duplicate=claim.status is not ClaimStatus.CLAIMED)
+        return claim
 
     @contextmanager
     def handler_transaction(self, conn: Any, call: GuardedCall) -> Iterator[Any]:
@@ -508,30 +529,119 @@ class DatabaseKeys:
                     statement_timeout_ms=statement_timeout_ms(call.context),
                 )
                 yield conn
-            if conn.info.transaction_status is not TransactionStatus.IDLE:
-                raise Internal(f"the handler's transaction of {call.scope} was left open")
+            self._check_ended(conn, call)
         except BaseException as exc:
-            if isinstance(exc, psycopg.Error):
-                # A failed statement aborts the pipeline, and psycopg's cache of the connection's
-                # prepared statements may then disagree with the server's (seen as "prepared
-                # statement does not exist" on a later call). Closing the connection ends its session,
-                # which rolls the transaction back and lets the key go.
-                conn.close()
-            else:
-                store.release_claim(conn, scope=call.scope, key=call.key.text)
-            if _twin_holds_the_key(exc):
-                raise in_flight(call.span, self._in_flight_retry_ms) from exc
+            self._let_go(conn, call, exc)
             raise
 
-    def complete(self, conn: Any, call: GuardedCall, record: IdempotencyRecord) -> None:
-        """`store.complete_key` for the call."""
-        assert record.outcome is not None
+    def claims_ahead(self, call: GuardedCall) -> bool:
+        """A key dated by itself is claimed in the handler's pipeline while few recent claims were
+        duplicates (`placement`); a key dated by receipt is read again after its lock is granted,
+        which only a claim sent first can do."""
+        return self._database.pipeline and call.key.dated_by_key and self.placement.ahead()
+
+    @contextmanager
+    def claiming_transaction(self, conn: Any, call: GuardedCall) -> Iterator[Any]:
+        """The claim, BEGIN and the bounds travel with the handler's first statement
+        (`store.ClaimAhead`); when the claim finds the key taken, the database skips the rest of
+        the pipeline, and `KeyNotClaimed` says what it found. Otherwise as `handler_transaction`."""
+        ahead = store.ClaimAhead(conn, scope=call.scope, key=call.key.text, key_time=call.key.time)
+        try:
+            failure: Exception | None = None
+            try:
+                with conn.pipeline():
+                    # A failure inside is raised once the pipeline has ended: psycopg would log the
+                    # statements skipped after it as an error of its own (every duplicate's).
+                    try:
+                        ahead.send(
+                            lock_timeout_ms=self._handler_lock_timeout_ms,
+                            statement_timeout_ms=statement_timeout_ms(call.context),
+                        )
+                        token = _CLAIM_AHEAD.set(ahead)
+                        try:
+                            yield conn
+                        finally:
+                            _CLAIM_AHEAD.reset(token)
+                    except Exception as exc:
+                        failure = exc
+            except psycopg.Error as ended:  # at the Sync: the COMMIT's, or a statement skipped after a failure
+                failure = failure or ended
+            if failure is not None:
+                raise failure
+            claim = ahead.claim()
+            if claim.status is not ClaimStatus.CLAIMED:  # the handler swallowed the pipeline's failure
+                raise KeyNotClaimed(ahead.settle())
+            self.placement.note(duplicate=False)
+            self._check_ended(conn, call)
+        except KeyNotClaimed:
+            self.placement.note(duplicate=True)
+            raise
+        except BaseException as exc:
+            settled = _settled_elsewhere(ahead) if isinstance(exc, Exception) else None
+            if settled is not None:
+                # The claim found the key taken and stopped the pipeline: whatever the handler did
+                # afterwards (failed at its first fetch, most often) reached nothing.
+                self.placement.note(duplicate=True)
+                raise KeyNotClaimed(settled) from None
+            self._let_go(conn, call, exc)
+            raise
+
+    def _check_ended(self, conn: Any, call: GuardedCall) -> None:
+        if conn.info.transaction_status is not TransactionStatus.IDLE:
+            raise Internal(f"the handler's transaction of {call.scope} was left open")
+
+    def _let_go(self, conn: Any, call: GuardedCall, exc: BaseException) -> None:
+        """After a failed handler transaction on a claimed key: roll back and let the key go; a
+        twin's record met at the COMMIT is answered as in flight."""
+        if isinstance(exc, psycopg.Error):
+            # A failed statement aborts the pipeline; closing the connection ends its session,
+            # which rolls the transaction back and lets the key go, whatever state the pipeline
+            # was left in.
+            conn.close()
+        else:
+            store.release_claim(conn, scope=call.scope, key=call.key.text)
+        if _twin_holds_the_key(exc):
+            raise in_flight(call.span, self._in_flight_retry_ms) from exc
+
+    def complete(self, conn: Any, call: GuardedCall, record: IdempotencyRecord) -> IdempotencyRecord:
+        """`store.complete_key` for the call; a claim sent ahead dates the record."""
+        outcome = record.outcome
+        assert outcome is not None
+        ahead = _CLAIM_AHEAD.get()
+        if ahead is not None:
+            claim = ahead.claim()
+            if claim.status is not ClaimStatus.CLAIMED:
+                raise KeyNotClaimed(claim)  # settled after the pipeline, by `claiming_transaction`
+            assert claim.created_at is not None
+            record = dataclasses.replace(record, created_at=claim.created_at)
         store.complete_key(
             conn,
             record=record,
             account_id=call.account_id,
-            keep_handler_writes=record.outcome.code == 0,
+            keep_handler_writes=outcome.code == 0,
         )
+        return record
+
+
+#: The claim sent ahead of the running handler, for `DatabaseKeys.complete` (None: claimed first).
+_CLAIM_AHEAD: contextvars.ContextVar[store.ClaimAhead | None] = contextvars.ContextVar(
+    "shardd_claim_ahead", default=None
+)
+
+
+def _settled_elsewhere(ahead: store.ClaimAhead) -> Claim | None:
+    """What a claim sent ahead found, if it did not take the key (None: it took it, or its answer
+    never came back, and the failure is the handler transaction's own)."""
+    try:
+        claim = ahead.claim()
+    except psycopg.Error:
+        return None
+    if claim.status is ClaimStatus.CLAIMED:
+        return None
+    try:
+        return ahead.settle()
+    except psycopg.Error:
+        return claim  # the holder was in flight when the claim looked: the retry looks again
 
 
 def _twin_holds_the_key(exc: BaseException) -> bool:

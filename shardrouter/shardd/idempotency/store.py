@@ -5,11 +5,25 @@ record is found by its full primary key (scope, key, key_time) in one partition.
 UUID version, an opaque key) is dated by its first receipt: its record is found by (scope, key) across
 the live partitions.
 
-A guarded call takes three round trips when it applies (four for a key dated by receipt), one when
-it replays. PostgreSQL runs four statements for a new-key Deposit and three nested in triggers (a
-slot fence check per row written), and one for a replay, with nothing nested and no function of ours
-on the way (`tests/shardd/test_statement_budget.py` pins these, `bench/statement_cost.py` lists
-them):
+A guarded call with a UUIDv7 key takes two round trips when it applies, the claim sent ahead of the
+handler's statements in their pipeline (`ClaimAhead`); with its claim sent first (a key dated by
+receipt, or while many recent claims were duplicates: `placement.py`) three when it applies (four
+for a key dated by receipt) and one when it replays. `tests/shardd/test_statement_budget.py` pins
+the statements each runs, `bench/statement_cost.py` lists them.
+
+Claim sent ahead (pipeline mode, a UUIDv7 key), the first round trip:
+
+    1a ClaimAhead.send: the claim's statement (as 1 below: the record, else the session lock tried),
+       which also notes in the transaction whether it took the lock and sets the handler's bounds
+       (`set_config(..., is_local)`); a statement that fails unless the lock was taken; BEGIN (the
+       pipeline's implicit transaction, the claim's, becomes the handler's)
+    2a the handler's statements, in the same pipeline: its first fetch brings the claim's row back too.
+       A key already taken: PostgreSQL skips everything after the failing statement until the Sync,
+       which rolls the implicit transaction back; what the claim's row says decides the answer
+       (EXISTING replayed; a refused lock read once more after the pipeline: EXISTING or IN_FLIGHT)
+    3  as below, the second round trip
+
+Claim sent first, the three round trips:
 
     1  claim_key (autocommit, no transaction): one plain statement reads the key's committed record
        and, only when there is none, tries the key's session advisory lock, hash(scope, key):
@@ -173,15 +187,97 @@ def begin_handler(
     statement."""
     conn.execute("BEGIN")
     if lock_timeout_ms is not None or statement_timeout_ms is not None:
-        deadline = f"{statement_timeout_ms}ms" if statement_timeout_ms else None
-        # The whole transaction's bound comes a moment after the deadline: a statement still running
-        # at the deadline is cancelled (DEADLINE_EXCEEDED, the connection kept), and only a session
-        # left waiting on a stalled daemon is ended.
-        whole = f"{statement_timeout_ms + STALLED_SESSION_MARGIN_MS}ms" if statement_timeout_ms else None
         bounds = _BOUNDS_17 if conn.info.server_version >= 170000 else _BOUNDS_BEFORE_17
-        conn.execute(
-            bounds, (f"{lock_timeout_ms}ms" if lock_timeout_ms is not None else None, deadline, whole)
-        )
+        conn.execute(bounds, _bound_values(lock_timeout_ms, statement_timeout_ms))
+
+
+def _bound_values(lock_timeout_ms: int | None, statement_timeout_ms: int | None) -> tuple[str | None, ...]:
+    """The three bounds' settings (None keeps the session's): a row lock's wait, each statement, and
+    the whole transaction. The whole transaction's bound comes a moment after the deadline: a
+    statement still running at the deadline is cancelled (DEADLINE_EXCEEDED, the connection kept),
+    and only a session left waiting on a stalled daemon is ended."""
+    deadline = f"{statement_timeout_ms}ms" if statement_timeout_ms else None
+    whole = f"{statement_timeout_ms + STALLED_SESSION_MARGIN_MS}ms" if statement_timeout_ms else None
+    return (f"{lock_timeout_ms}ms" if lock_timeout_ms is not None else None, deadline, whole)
+
+
+#: The claim sent ahead of the handler (a UUIDv7 key, in pipeline mode): `_CLAIM_DATED`, whose
+#: outcome is also noted in the transaction (`shardrouter.key_claimed`, local to it), and the
+#: handler's bounds. OFFSET 0 evaluates the claim before the note.
+_CLAIM_AHEAD = (
+    "SELECT c.*, set_config('shardrouter.key_claimed', coalesce(c.locked, false)::text, true) AS noted,"
+    " set_config('lock_timeout', coalesce(%(lock)s, current_setting('lock_timeout')), true) AS lock_bound,"
+    " set_config('statement_timeout', coalesce(%(deadline)s, current_setting('statement_timeout')), true)"
+    " AS statement_bound,"
+    " set_config('{whole}', coalesce(%(whole)s, current_setting('{whole}')), true) AS whole_bound"
+    f" FROM ({_CLAIM_DATED} OFFSET 0) AS c"
+)
+_CLAIM_AHEAD_17 = _CLAIM_AHEAD.format(whole="transaction_timeout")
+_CLAIM_AHEAD_BEFORE_17 = _CLAIM_AHEAD.format(whole="idle_in_transaction_session_timeout")
+#: Fails unless the claim ahead of it took the key: PostgreSQL then skips every statement after it
+#: until the pipeline's Sync (the handler's, the record's, the COMMIT), and the Sync rolls the
+#: implicit transaction back. Plain SQL: a text that is not a boolean, built from the note so that
+#: the planner cannot evaluate it ahead of time.
+_CLAIM_REQUIRED = (
+    "SELECT CASE WHEN current_setting('shardrouter.key_claimed') = 'true' THEN true"
+    " ELSE ('the idempotency key was not claimed: ' || current_setting('shardrouter.key_claimed'))::bool END"
+)
+
+
+class ClaimAhead:
+    """A claim sent ahead of the handler's statements, in the same pipeline and transaction.
+
+    The claim runs first, then a statement that fails unless the claim took the key, then BEGIN
+    (which makes the pipeline's implicit transaction, the claim's, the handler's), then the
+    handler's statements: a new key costs no round trip of its own, and a key already taken stops
+    the pipeline before anything of the handler's reaches the database. Its outcome is read from
+    the claim's row once the database has answered (`claim()`); psycopg may raise the stopping
+    statement's failure from any statement sent after it, `send` included.
+    """
+
+    __slots__ = ("_claim", "_cursor", "_params")
+
+    def __init__(self, conn: psycopg.Connection[Any], *, scope: str, key: str, key_time: datetime) -> None:
+        """The claim of a key dated by itself (a UUIDv7), on `conn`, before it is sent."""
+        self._cursor = conn.cursor(row_factory=dict_row)
+        self._params: dict[str, Any] = {"scope": scope, "key": key, "key_time": key_time}
+        self._claim: Claim | None = None
+
+    def send(self, *, lock_timeout_ms: int | None = None, statement_timeout_ms: int | None = None) -> None:
+        """Queue, in the connection's pipeline, the claim, the statement that stops the pipeline
+        unless it took the key, and the BEGIN of the handler's transaction with its bounds (as
+        `begin_handler`). Nothing is fetched: it all travels with the handler's first statement."""
+        conn = self._cursor.connection
+        lock, deadline, whole = _bound_values(lock_timeout_ms, statement_timeout_ms)
+        sql = _CLAIM_AHEAD_17 if conn.info.server_version >= 170000 else _CLAIM_AHEAD_BEFORE_17
+        self._cursor.execute(sql, {**self._params, "lock": lock, "deadline": deadline, "whole": whole})
+        conn.execute(_CLAIM_REQUIRED)
+        conn.execute("BEGIN")
+
+    def claim(self) -> Claim:
+        """What the claim found: CLAIMED (the key's session lock is held), EXISTING (its committed
+        record), or IN_FLIGHT (the lock was refused). Fetches the claim's row if it is not back yet
+        (in the pipeline, a flush)."""
+        if self._claim is None:
+            row = self._cursor.fetchone()
+            assert row is not None  # one row, from the one-row left side
+            if row["key"] is not None:
+                self._claim = Claim(ClaimStatus.EXISTING, _record(row))
+            elif row["locked"]:
+                self._claim = Claim(ClaimStatus.CLAIMED, created_at=row["claimed_at"])
+            else:
+                self._claim = Claim(ClaimStatus.IN_FLIGHT)
+        return self._claim
+
+    def settle(self) -> Claim:
+        """After the pipeline: `claim()`, where a refused lock is read again, in a statement started
+        after it was refused (as `claim_key` does): EXISTING if the holder has just committed."""
+        claim = self.claim()
+        if claim.status is not ClaimStatus.IN_FLIGHT:
+            return claim
+        with self._cursor.connection.cursor(row_factory=dict_row) as again:
+            found = again.execute(_DATED_RECORD, self._params).fetchone()
+        return claim if found is None else Claim(ClaimStatus.EXISTING, _record(found))
 
 
 def complete_key(
@@ -341,6 +437,7 @@ def _bytes(value: Any) -> bytes | None:
 __all__ = [
     "HAND_OVER",
     "STALLED_SESSION_MARGIN_MS",
+    "ClaimAhead",
     "begin_handler",
     "claim_key",
     "complete_key",
