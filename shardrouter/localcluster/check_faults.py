@@ -4,7 +4,7 @@ started again, a shard's PostgreSQL SIGKILLed (postmaster and backends) and star
 primary SIGKILLed and its synchronous standby promoted (a failover; the cluster then runs each shard
 as primary plus standby), and a slot range moved to another shard and back (`check_moves.py`), its
 orchestrator SIGKILLed part-way and the move resumed. The cluster is started in a temporary
-directory and deleted after. Every fault is listed with its time before the proofs run; the verdict
+directory and deleted after. Every fault is listed with when it began and ended before the proofs run; the verdict
 comes from the history and the databases alone.
 
 It lives here, not in `shardrouter.check`, because it starts and kills the local cluster's processes;
@@ -56,8 +56,9 @@ def _parser() -> argparse.ArgumentParser:
 
 @dataclass(frozen=True)
 class FaultEvent:
-    """One fault done: when it ended (wall clock), its kind, what it did."""
+    """One fault done: when it began and ended (wall clock), its kind, what it did."""
 
+    began: float
     at: float
     kind: str
     what: str
@@ -71,10 +72,10 @@ class FaultLog:
         self.events: list[FaultEvent] = []
         self.failures: list[str] = []
 
-    def record(self, kind: str, what: str) -> None:
-        """A fault is done."""
+    def record(self, kind: str, what: str, *, began: float) -> None:
+        """A fault that began at `began` (`time.time()`) is done."""
         with self._lock:
-            self.events.append(FaultEvent(time.time(), kind, what))
+            self.events.append(FaultEvent(began, time.time(), kind, what))
 
     def failed(self, what: str) -> None:
         """A schedule stopped on an error."""
@@ -82,14 +83,14 @@ class FaultLog:
             self.failures.append(what)
 
     def summary(self) -> str:
-        """The report: a count per kind, then one line per fault with its time (UTC)."""
+        """The report: a count per kind, then one line per fault with when it began and ended (UTC)."""
         counts = Counter(e.kind for e in self.events)
         head = f"faults: {len(self.events)}" + (
             " (" + ", ".join(f"{n} {kind}" for kind, n in counts.items()) + ")" if counts else ""
         )
         lines = [head]
         lines += [
-            f"  {datetime.fromtimestamp(e.at, UTC).strftime('%H:%M:%S.%f')[:-3]} {e.kind}: {e.what}"
+            f"  {_clock(e.began)}-{_clock(e.at)} {e.kind}: {e.what}"
             for e in self.events
         ]
         lines += [f"  FAILED: {f}" for f in self.failures]
@@ -135,6 +136,7 @@ def kill_processes(targets: list[Daemon], kind: str, log: FaultLog) -> Callable[
     """SIGKILL `targets` in turn, each started again `DOWN_S` later."""
 
     def act(n: int) -> bool:
+        began = time.time()
         if not targets:
             return False
         daemon = targets[n % len(targets)]
@@ -146,7 +148,7 @@ def kill_processes(targets: list[Daemon], kind: str, log: FaultLog) -> Callable[
         time.sleep(DOWN_S)
         _start_again(daemon)
         new_pid = daemon.proc.pid if daemon.proc else 0
-        log.record(kind, f"SIGKILL {daemon.name} (pid {pid}), started again (pid {new_pid})")
+        log.record(kind, f"SIGKILL {daemon.name} (pid {pid}), started again (pid {new_pid})", began=began)
         return True
 
     return act
@@ -175,6 +177,7 @@ def kill_postgres(cluster: LocalCluster, log: FaultLog) -> Callable[[int], bool]
     again `DOWN_S` later on the same port, where it recovers from its WAL."""
 
     def act(n: int) -> bool:
+        began = time.time()
         shard = cluster.shard_ids[n % len(cluster.shard_ids)]
         with cluster.holding(shard) as db:
             server = _writable(db)
@@ -186,6 +189,7 @@ def kill_postgres(cluster: LocalCluster, log: FaultLog) -> Callable[[int], bool]
             "PostgreSQL SIGKILL",
             f"{shard}'s PostgreSQL on port {server.port} (postmaster pid {pid}) and its backends,"
             f" started again (postmaster pid {new_pid})",
+            began=began,
         )
         return True
 
@@ -198,6 +202,7 @@ def fail_over(cluster: LocalCluster, log: FaultLog) -> Callable[[int], bool]:
     done: set[str] = set()
 
     def act(_: int) -> bool:
+        began = time.time()
         shard = next((s for s in cluster.shard_ids if s not in done), None)
         if shard is None:
             return False
@@ -214,6 +219,7 @@ def fail_over(cluster: LocalCluster, log: FaultLog) -> Callable[[int], bool]:
             "failover",
             f"{shard}'s primary on port {db.primary.port} (postmaster pid {pid}) SIGKILLed, its standby on"
             f" port {db.standby.port} promoted (in recovery: {'yes' if row and row[0] else 'no'})",
+            began=began,
         )
         return True
 
@@ -225,11 +231,18 @@ def moves(cluster: LocalCluster, log: FaultLog, *, kill_orchestrator: bool) -> C
     mover = Moves(cluster, kill_orchestrator=kill_orchestrator)
 
     def act(n: int) -> bool:
+        began = time.time()
         done = mover.act(n)
-        log.record("move with its orchestrator SIGKILLed" if done.killed_after else "move", done.describe())
+        kind = "move with its orchestrator SIGKILLed" if done.killed_after else "move"
+        log.record(kind, done.describe(), began=began)
         return True
 
     return act
+
+
+def _clock(moment: float) -> str:
+    """A wall-clock moment as the report prints it: UTC, to the millisecond."""
+    return datetime.fromtimestamp(moment, UTC).strftime("%H:%M:%S.%f")[:-3]
 
 
 def _usage(ours: argparse.Namespace) -> str:

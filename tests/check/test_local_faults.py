@@ -21,7 +21,7 @@ from shardrouter.check.history import read_history
 from shardrouter.localcluster.check_moves import KILL_AFTER
 from shardrouter.localcluster.cluster import installed_command
 
-_FAULT_LINE = re.compile(r"^  (\d\d:\d\d:\d\d\.\d{3}) ([^:]+): (.*)$", re.MULTILINE)
+_FAULT_LINE = re.compile(r"^  (\d\d:\d\d:\d\d\.\d{3})-(\d\d:\d\d:\d\d\.\d{3}) ([^:]+): (.*)$", re.MULTILINE)
 
 
 def _check(history: Path, *flags: str, operations: int = 400, concurrency: int = 6) -> str:
@@ -52,15 +52,19 @@ def _check(history: Path, *flags: str, operations: int = 400, concurrency: int =
     return done.stdout
 
 
-def _faults(out: str, kind: str) -> list[tuple[float, str]]:
-    """The report's faults of `kind`: (when, what), in order; `when` on today's UTC date."""
+def _faults(out: str, kind: str) -> list[tuple[float, float, str]]:
+    """The report's faults of `kind`: (began, ended, what), in order; times on today's UTC date."""
     today = datetime.now(UTC).date()
-    found = []
-    for when, k, what in _FAULT_LINE.findall(out):
-        if k == kind:
-            t = datetime.strptime(when, "%H:%M:%S.%f").time()
-            found.append((datetime.combine(today, t, tzinfo=UTC).timestamp(), what))
-    return found
+
+    def moment(clock: str) -> float:
+        t = datetime.strptime(clock, "%H:%M:%S.%f").time()
+        return datetime.combine(today, t, tzinfo=UTC).timestamp()
+
+    return [
+        (moment(began), moment(ended), what)
+        for began, ended, k, what in _FAULT_LINE.findall(out)
+        if k == kind
+    ]
 
 
 def _acknowledged_after(history: Path, moment: float) -> int:
@@ -74,7 +78,7 @@ def test_a_run_under_kills_of_shard_daemons_and_the_router_passes(tmp_path: Path
     out = _check(history, "--kill-shard-daemon-every", "0.5", "--kill-router-every", "0.8")
     kills = _faults(out, "shard daemon SIGKILL") + _faults(out, "router SIGKILL")
     assert len(kills) >= 2, out
-    assert all(re.fullmatch(r"SIGKILL \S+ \(pid \d+\), started again \(pid \d+\)", w) for _, w in kills), out
+    assert all(re.fullmatch(r"SIGKILL \S+ \(pid \d+\), started again \(pid \d+\)", w) for _, _, w in kills), out
     assert re.search(rf"^faults: {len(kills)} \(", out, re.MULTILINE), out
     assert history.stat().st_size > 0
 
@@ -87,13 +91,13 @@ def test_a_run_under_kills_of_a_shards_postgresql_passes(tmp_path: Path) -> None
     out = _check(history, "--kill-postgres-every", "0.5", operations=500, concurrency=3)
     kills = _faults(out, "PostgreSQL SIGKILL")
     assert kills, out
-    for _, what in kills:
+    for _, _, what in kills:
         pids = re.search(
             r"postmaster pid (\d+)\) and its backends, started again \(postmaster pid (\d+)\)", what
         )
         assert pids is not None and pids[1] != pids[2], what
     # The workload ran across the first kill: its answers came from the restarted server too.
-    assert _acknowledged_after(history, kills[0][0]) > 0, out
+    assert _acknowledged_after(history, kills[0][1]) > 0, out
 
 
 # A failover under load is in tests/faults (test_database_failover); the checker's run over one
@@ -104,15 +108,15 @@ def test_a_run_across_a_failover_to_each_shards_standby_passes(tmp_path: Path) -
     out = _check(history, "--failover-every", "0.5", operations=500, concurrency=3)
     failovers = _faults(out, "failover")
     assert failovers, out
-    assert all("standby on port" in w and "promoted (in recovery: no)" in w for _, w in failovers), out
-    assert _acknowledged_after(history, failovers[0][0]) > 0, out
+    assert all("standby on port" in w and "promoted (in recovery: no)" in w for _, _, w in failovers), out
+    assert _acknowledged_after(history, failovers[0][1]) > 0, out
 
 
 def _moves(out: str, kind: str) -> list[re.Match[str]]:
     pattern = re.compile(
         r"move (m\w+) slots (\d+)-(\d+) (\S+) -> (\S+): (.*)done, (\d+) rows moved, shard map version (\d+)"
     )
-    found = [pattern.fullmatch(what) for _, what in _faults(out, kind)]
+    found = [pattern.fullmatch(what) for _, _, what in _faults(out, kind)]
     assert all(m is not None for m in found), out
     return [m for m in found if m is not None]
 
@@ -131,7 +135,7 @@ def test_a_run_while_a_range_moves_away_and_back_passes(tmp_path: Path) -> None:
     if len(moves) > 1:
         assert moves[1][4] == "shard-1" and moves[1][5] == "shard-0", out
     assert sum(int(m[7]) for m in moves) > 0, out  # the range held rows of the workload
-    assert _acknowledged_after(history, _faults(out, "move")[0][0]) > 0, out
+    assert _acknowledged_after(history, _faults(out, "move")[0][1]) > 0, out
 
 
 def test_a_run_while_a_moves_orchestrator_is_killed_and_resumed_passes(tmp_path: Path) -> None:
@@ -147,6 +151,7 @@ def test_a_run_while_a_moves_orchestrator_is_killed_and_resumed_passes(tmp_path:
     # Each move's orchestrator is killed after the next step in turn (as many moves as the run had).
     assert [s[1] for s in steps if s is not None] == list(KILL_AFTER[: len(moves)]), out
     assert [int(m[8]) for m in moves] == list(range(2, 2 + len(moves))), out
+    # The workload ran while the first move was under way (a resumed move may outlast it).
     assert _acknowledged_after(history, _faults(out, kind)[0][0]) > 0, out
 
 
