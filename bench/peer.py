@@ -53,7 +53,7 @@ def missing_requirement() -> str | None:
     """Why the peer cannot run here, or None."""
     if shutil.which("redis-server") is None:
         return "redis-server not found on PATH (Debian: apt-get install redis-server)"
-    for module in ("aws_lambda_powertools", "redis"):
+    for module in ("aws_lambda_powertools", "boto3", "redis"):
         if importlib.util.find_spec(module) is None:
             return f"{module} not installed (pip install -e '.[bench-peer]')"
     return None

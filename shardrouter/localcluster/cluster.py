@@ -77,7 +77,10 @@ class Daemon:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); see {self.log_path}")
+                    raise RuntimeError(
+                        f"{self.name} exited ({self.proc.returncode}); see {self.log_path}, which ends:\n"
+                        + self._log_tail()
+                    )
                 try:
                     if stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5).status == 1:
                         self.check_owns_port()
@@ -86,6 +89,14 @@ class Daemon:
                     pass
                 time.sleep(0.1)
         raise TimeoutError(f"{self.name} did not become healthy; see {self.log_path}")
+
+    def _log_tail(self, lines: int = 12) -> str:
+        """The last lines of its log: what a process that exited at once said (its directory may be
+        gone by the time someone reads the path)."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError as exc:
+            return f"(its log could not be read: {exc})"
 
     def check_owns_port(self) -> None:
         """RuntimeError unless the process that answers on its port is the one started here (or one
