@@ -11,7 +11,9 @@ import shutil
 import subprocess
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -23,10 +25,13 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from shardrouter.core.keys import new_key
+from shardrouter.core.validation import validate_deposit
 from shardrouter.localcluster.postgres import LocalPostgres
 from shardrouter.localcluster.tracing_ui import phoenix_installed
 from shardrouter.shardd.authorization_policy import ALLOW_ALL_DOCUMENT
-from shardrouter.shardd.idempotency import store
+from shardrouter.shardd.db import Database
+from shardrouter.shardd.idempotency import IdempotencyConfig, IdempotencyInterceptor, MutatingMethod, store
+from shardrouter.shardd.idempotency.process_keys import CompletedKeys
 from shardrouter.shardd.idempotency.record import (
     Claim,
     ClaimStatus,
@@ -34,6 +39,8 @@ from shardrouter.shardd.idempotency.record import (
     RecordState,
     StoredOutcome,
 )
+from shardrouter.shardd.identity import IdentityPolicy
+from shardrouter.shardd.server import prepare_database
 from shardrouter.shardd.settings import ShardSettings
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 
@@ -206,3 +213,35 @@ def store_key(
             store.release_claim(conn, scope=scope, key=key)
             raise
     return claim
+
+
+@contextmanager
+def guarded_deposits(
+    database: str,
+    servicer: Callable[[Database], transfer_pb2_grpc.TransferServiceServicer],
+    *,
+    config: IdempotencyConfig,
+    completed: CompletedKeys,
+) -> Iterator[transfer_pb2_grpc.TransferServiceStub]:
+    """A stub of a gRPC server in this process that serves `servicer(pool)` with its Deposit guarded
+    by the idempotency interceptor alone (no admission, no tracing), on a migrated `database`."""
+    prepare_database(database, config.retention)
+    pool = Database(database, min_size=1, max_size=4)
+    pool.open()
+    interceptor = IdempotencyInterceptor(
+        database=pool,
+        methods=[MutatingMethod("/shardrouter.v1.TransferService/Deposit", validate_deposit)],
+        config=config,
+        identity=IdentityPolicy(dev_mode=True),
+        completed=completed,
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[interceptor])
+    transfer_pb2_grpc.add_TransferServiceServicer_to_server(servicer(pool), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield transfer_pb2_grpc.TransferServiceStub(channel)
+    finally:
+        server.stop(0)
+        pool.close()

@@ -18,16 +18,14 @@ import grpc
 import psycopg
 import pytest
 
-from shardrouter.core.validation import validate_deposit
 from shardrouter.shardd.db import Database, PipelineSafePrepares, current_transaction
-from shardrouter.shardd.idempotency import IdempotencyConfig, IdempotencyInterceptor, MutatingMethod
+from shardrouter.shardd.idempotency import IdempotencyConfig
 from shardrouter.shardd.idempotency.placement import AHEAD_BELOW_DUPLICATE_SHARE, ClaimPlacement
 from shardrouter.shardd.idempotency.process_keys import CompletedKeys
-from shardrouter.shardd.identity import IdentityPolicy
 from shardrouter.shardd.ledger.service import ShardLocator, TransferServicer
-from shardrouter.shardd.server import ShardDaemon, prepare_database, start_shard
+from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
-from tests.helpers import key_metadata, make_settings, money
+from tests.helpers import guarded_deposits, key_metadata, make_settings, money
 
 Daemon = Callable[..., ShardDaemon]
 
@@ -121,35 +119,19 @@ class _ForgivingServicer(TransferServicer):
 def test_a_handler_that_swallows_the_stopped_pipeline_applies_nothing(database, db) -> None:
     """The claim, not the handler, decides: a handler that ignores the failure of its statements
     and goes on still has all of it skipped, and the duplicate gets the stored answer."""
-    prepare_database(database, IdempotencyConfig().retention)
-    pool = Database(database, min_size=1, max_size=4)
-    pool.open()
-    interceptor = IdempotencyInterceptor(
-        database=pool,
-        methods=[MutatingMethod("/shardrouter.v1.TransferService/Deposit", validate_deposit)],
+    with guarded_deposits(
+        database,
+        lambda pool: _ForgivingServicer(pool, ShardLocator("shard-0", None)),
         config=IdempotencyConfig(claim_placement="ahead"),
-        identity=IdentityPolicy(dev_mode=True),
         completed=CompletedKeys(max_entries=0, max_bytes=0),
-    )
-    server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[interceptor])
-    transfer_pb2_grpc.add_TransferServiceServicer_to_server(
-        _ForgivingServicer(pool, ShardLocator("shard-0", None)), server
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = transfer_pb2_grpc.TransferServiceStub(channel)
-            md = key_metadata()
-            request = transfer_pb2.DepositRequest(account_id="carol", amount=money(3))
-            first = stub.Deposit(request, metadata=md)
-            after_first = _ledger(db, "carol")
-            for _ in range(3):
-                assert stub.Deposit(request, metadata=md) == first
-            assert _ledger(db, "carol") == after_first
-    finally:
-        server.stop(0)
-        pool.close()
+    ) as stub:
+        md = key_metadata()
+        request = transfer_pb2.DepositRequest(account_id="carol", amount=money(3))
+        first = stub.Deposit(request, metadata=md)
+        after_first = _ledger(db, "carol")
+        for _ in range(3):
+            assert stub.Deposit(request, metadata=md) == first
+        assert _ledger(db, "carol") == after_first
 
 
 def test_parallel_attempts_with_one_key_apply_once(shard, db) -> None:
