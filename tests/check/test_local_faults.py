@@ -75,7 +75,7 @@ def _acknowledged_after(history: Path, moment: float) -> int:
 
 def test_a_run_under_kills_of_shard_daemons_and_the_router_passes(tmp_path: Path) -> None:
     history = tmp_path / "history.jsonl"
-    out = _check(history, "--kill-shard-daemon-every", "0.5", "--kill-router-every", "0.8")
+    out = _check(history, "--kill-shard-daemon-every", "0.5", "--kill-router-every", "0.8", operations=200)
     kills = _faults(out, "shard daemon SIGKILL") + _faults(out, "router SIGKILL")
     assert len(kills) >= 2, out
     assert all(re.fullmatch(r"SIGKILL \S+ \(pid \d+\), started again \(pid \d+\)", w) for _, _, w in kills), out
