@@ -321,9 +321,11 @@ def limit_script(deposit: Captured) -> str:
     return f"""-- the limit: one Deposit's writes as one statement, one round trip, one commit
 \\set r1 random(0, 4095)
 \\set r2 random(0, 4611686018427387903)
+\\set e1 random(0, 4095)
+\\set e2 random(0, 4611686018427387903)
 \\set src random(1, :naccounts)
 \\set amount random(1, 1000)
-WITH claim AS (INSERT INTO idempotency_record (scope, key, key_time, method, request_hash, state, status_code, status_message, response, trailers, completed_at) VALUES ({_literal(scope)}, {k}::text, uuid_extract_timestamp({k}), {_literal(method)}, {_literal(request_hash)}, 'completed', 0, '', {_literal(response)}, '[]', now()) ON CONFLICT (scope, key, key_time) DO NOTHING RETURNING key), acct AS (UPDATE accounts SET balance = balance + (:amount)::bigint WHERE id = (:src)::text AND EXISTS (SELECT 1 FROM claim) RETURNING id, balance), entry AS (INSERT INTO ledger_entries (id, account_id, amount_minor, kind, idempotency_key, reference) SELECT bench_key(:r2, :r1), id, (:amount)::bigint, 'deposit', (SELECT key FROM claim), 'bench' FROM acct) SELECT balance FROM acct;
+WITH claim AS (INSERT INTO idempotency_record (scope, key, key_time, method, request_hash, state, status_code, status_message, response, trailers, completed_at) VALUES ({_literal(scope)}, {k}::text, uuid_extract_timestamp({k}), {_literal(method)}, {_literal(request_hash)}, 'completed', 0, '', {_literal(response)}, '[]', now()) ON CONFLICT (scope, key, key_time) DO NOTHING RETURNING key), acct AS (UPDATE accounts SET balance = balance + (:amount)::bigint WHERE id = (:src)::text AND EXISTS (SELECT 1 FROM claim) RETURNING id, balance), entry AS (INSERT INTO ledger_entries (id, account_id, amount_minor, kind, idempotency_key, reference) SELECT bench_key(:e1, :e2), id, (:amount)::bigint, 'deposit', (SELECT key FROM claim), 'bench' FROM acct) SELECT balance FROM acct;
 """
 
 
