@@ -376,13 +376,30 @@ def workers(conn: psycopg.Connection[Any], name: str) -> list[int]:
 
 
 def stop_subscription(conn: psycopg.Connection[Any], name: str, timeout_s: float = 30.0) -> list[int]:
-    """Disable the subscription and wait until its workers are gone; the pids still running when
-    the wait ran out (none, normally)."""
+    """Disable the subscription and wait until its workers have exited; the pids still running when
+    the wait ran out (none, normally).
+
+    Gone from `pg_stat_subscription` is not enough: a worker leaves it before it flushes its
+    statistics on the way out, so the conflict counters a verification reads could still miss its
+    last skipped change. A worker is waited for until its process has left `pg_stat_activity`."""
+    seen = set(workers(conn, name))
     set_enabled(conn, name, False)
     deadline = time.monotonic() + timeout_s
-    while (running := workers(conn, name)) and time.monotonic() < deadline:
+    while True:
+        running = workers(conn, name)
+        seen.update(running)
+        exiting = _alive(conn, seen.difference(running))
+        if not (running or exiting) or time.monotonic() >= deadline:
+            return sorted({*running, *exiting})
         time.sleep(0.02)
-    return running
+
+
+def _alive(conn: psycopg.Connection[Any], pids: set[int]) -> list[int]:
+    """Those of `pids` whose processes still run on the server."""
+    if not pids:
+        return []
+    rows = conn.execute("SELECT pid FROM pg_stat_activity WHERE pid = ANY(%s)", (sorted(pids),)).fetchall()
+    return [int(r[0]) for r in rows]
 
 
 @dataclass(frozen=True)
