@@ -225,7 +225,11 @@ def test_replay_from_the_database_is_one_read_only_transaction(database: str, pl
         assert len([q for q in sql if q.startswith("SELECT")]) == 1, sql
     else:
         assert sql[0].startswith("SELECT c.*, set_config('shardrouter.key_claimed'"), sql
-        assert any(q.startswith("WITH account AS ( INSERT INTO accounts") for q in sql), sql
+        assert sql[1].startswith("SELECT CASE WHEN current_setting('shardrouter.key_claimed')"), sql
+        assert sql[2] == "BEGIN", sql
+        # The handler's statement follows, unless psycopg had already read the database's refusal
+        # when the handler sent it (then it raises before sending).
+        assert all(q.startswith("WITH account AS ( INSERT INTO accounts") for q in sql[3:]), sql
     # Whatever was sent, the database applied the Deposit once and took no lock that outlived the call.
     with psycopg.connect(database, autocommit=True) as check:
         (entries,) = check.execute(
