@@ -516,3 +516,23 @@ def test_a_shard_requiring_uuidv7_refuses_any_other_key_and_stores_nothing(key: 
     assert "applied a second time" in answer.status.details
     assert shard.keys.transactions == 0 and shard.handled == 0
     assert shard.call(deposit(), keyed()).code is grpc.StatusCode.OK  # a UUIDv7 is still served
+
+
+def test_with_the_claim_sent_ahead_a_duplicate_runs_the_handler_and_keeps_none_of_it() -> None:
+    """The claim travels with the handler's statements (`KeyStore.claiming_transaction`): a new key
+    applies once; a completed key is replayed and an in-flight one aborted, each after a handler
+    run whose writes are all dropped, and neither stores anything."""
+    first = Shard(FakeKeys(ahead=True))
+    md = keyed()
+    applied = first.call(deposit(), md)
+    assert applied.code is grpc.StatusCode.OK and first.handled == 1
+    other_process = Shard(first.keys)  # same key table, empty memory
+    replayed = other_process.call(deposit(), md)
+    assert replayed.response == applied.response and replayed.trailers["idempotency-replayed"] == "true"
+    key = new_key(_ms(NOW))
+    first.keys.held.add((f"{DEPOSIT}|anonymous", str(key)))
+    held = other_process.call(deposit(), keyed(key))
+    assert held.code is grpc.StatusCode.ABORTED and held.reason == "IDEMPOTENCY_KEY_IN_FLIGHT"
+    assert other_process.handled == 2  # both started the handler
+    assert first.keys.writes == ["credit alice 100"] and len(first.keys.committed) == 1
+    assert other_process.kinds == [OutcomeKind.REPLAY, OutcomeKind.IN_FLIGHT]
