@@ -69,6 +69,8 @@ class LoadSpec:
     expect: str = "OK"
     #: "grpc", or "http" (the router's HTTP/JSON front; `target` is its host:port).
     protocol: str = "grpc"
+    #: Calls started per second across all callers (0: each sends as soon as it is answered).
+    rate: float = 0
 
     def args(self, concurrency: int, duration_s: float, warmup_s: float) -> list[str]:
         """Command-line options of loadgen.js."""
@@ -97,6 +99,8 @@ class LoadSpec:
             self.expect,
             "--protocol",
             self.protocol,
+            "--rate",
+            str(self.rate),
         ]
         if self.accounts:
             out += ["--accounts", str(self.accounts)]

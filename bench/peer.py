@@ -11,7 +11,12 @@ same Node.js load generator drives both, cell after cell, alternating sides:
   kill run    bench/killrun.py: SIGKILL + restart under duplicate-laden load, counted from the database
 
 CPU per new key is every process's CPU over the c=8 cell (or the lowest concurrency) divided by its
-operations: the server, PostgreSQL (postmaster and backends) and, for the peer, Redis.
+operations: the server, PostgreSQL (postmaster and backends) and, for the peer, Redis. Each side
+answers that cell as fast as it can, and PostgreSQL's fixed costs (commits, wake-ups, its background
+processes) are spread over however many calls that is, so a slower side also looks costlier per call.
+One more cell per side at one rate for both (`--same-rate`, by default 70 % of the slower side's new
+keys/s at the lowest concurrency, the load generator pacing the calls) compares the CPU per new key
+without that.
 
 Skipped with one line (exit 0) when `redis-server` or the `bench-peer` extra is missing.
 """
@@ -40,6 +45,9 @@ from bench.services import BenchSystem, bench_system, wait_until
 from shardrouter.localcluster.cluster import Daemon
 from shardrouter.localcluster.postgres import free_port
 
+#: The same-rate cells' rate by default, as a share of the slower side's new keys/s: below both
+#: sides' capacity, so each serves all of it.
+SAME_RATE_SHARE = 0.7
 #: The two sides: (name in the tables, daemon name, database).
 SIDES = (("Powertools + Redis", "peer", "peer"), ("our shard", "shard-a", "shard_a"))
 PEER_NOTE = (
@@ -109,6 +117,8 @@ class PeerOptions:
     accounts: int = 1000
     replay_keys: int = 2000
     kill: KillPlan = field(default_factory=KillPlan)
+    #: New keys/s of the same-rate cells (0: 70 % of the slower side's at the lowest concurrency).
+    same_rate: float = 0.0
 
 
 @dataclass
@@ -118,6 +128,8 @@ class PeerResult:
     cells: list[CellResult] = field(default_factory=list)
     kill_runs: list[KillRunResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: New keys/s offered to each side in the same-rate cells (0: none ran).
+    same_rate: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for the JSON report."""
@@ -125,6 +137,7 @@ class PeerResult:
             "cells": [c.as_dict() for c in self.cells],
             "kill_runs": [k.as_dict() for k in self.kill_runs],
             "rows": summary_rows(self),
+            "same_rate": self.same_rate,
             "notes": self.notes,
         }
 
@@ -151,8 +164,10 @@ def _cells(
 ) -> None:
     """New keys at every concurrency, then replays, alternating the sides within each concurrency."""
 
-    def cell(scenario: str, daemon: str, keys: str, concurrency: int) -> None:
-        spec = LoadSpec(system.daemons[daemon].address, keys=keys, accounts=system.accounts_file("a"))
+    def cell(scenario: str, daemon: str, keys: str, concurrency: int, rate: float = 0.0) -> None:
+        spec = LoadSpec(
+            system.daemons[daemon].address, keys=keys, accounts=system.accounts_file("a"), rate=rate
+        )
         tracked = [*system.tracked(), Tracked("redis", redis.proc.pid if redis.proc else 0)]
         found = run_load(
             node,
@@ -171,6 +186,17 @@ def _cells(
     for concurrency in options.concurrencies:
         for _, daemon, _ in SIDES:
             cell(f"{daemon}-new", daemon, "new", concurrency)
+    low = min(options.concurrencies)
+    rate = options.same_rate or round(
+        SAME_RATE_SHARE * min(_throughput(result, f"{daemon}-new", low) for _, daemon, _ in SIDES)
+    )
+    if rate > 0:
+        result.same_rate = rate
+        for _, daemon, _ in SIDES:
+            cell(f"{daemon}-new-same-rate", daemon, "new", low, rate=rate)
+        result.notes.append(
+            f"same rate: {rate:,.0f} new keys/s offered to each side, {low} callers (the load generator paces the calls)"
+        )
     lists = {}
     for _, daemon, _ in SIDES:
         path = system.workdir / f"{daemon}-replay-keys.jsonl"
@@ -240,9 +266,8 @@ def summary_rows(result: PeerResult) -> list[dict[str, Any]]:
     rows = []
     for label, daemon, _ in SIDES:
         first = _cell(result, f"{daemon}-new", low)
-        cpu = {"server": _per_op_us(first, daemon), "postgres": _per_op_us(first, "postgres")}
-        if daemon == "peer":
-            cpu["redis"] = _per_op_us(first, "redis")
+        paced = _cell(result, f"{daemon}-new-same-rate", low)
+        cpu, cpu_paced = _cpu_per_op(first, daemon), _cpu_per_op(paced, daemon)
         kill = next((k for k in result.kill_runs if k.side == label), None)
         rows.append(
             {
@@ -255,10 +280,20 @@ def summary_rows(result: PeerResult) -> list[dict[str, Any]]:
                 ),
                 "low_concurrency": low,
                 "cpu_us_per_new_key": cpu,
+                "same_rate_ok_s": paced.throughput if paced else 0.0,
+                "cpu_us_per_new_key_same_rate": cpu_paced,
                 "kill_run": kill.as_dict() if kill else None,
             }
         )
     return rows
+
+
+def _cpu_per_op(cell: CellResult | None, daemon: str) -> dict[str, float]:
+    """CPU µs per operation of a side's processes: its server, PostgreSQL, and the peer's Redis."""
+    cpu = {"server": _per_op_us(cell, daemon), "postgres": _per_op_us(cell, "postgres")}
+    if daemon == "peer":
+        cpu["redis"] = _per_op_us(cell, "redis")
+    return cpu
 
 
 def _throughput(result: PeerResult, scenario: str, concurrency: int) -> float:
@@ -276,12 +311,18 @@ def markdown_table(result: PeerResult) -> str:
     low = rows[0]["low_concurrency"]
     lines = [
         f"| side | new keys ok/s ({cs}) | p99 ms (c={low}) | CPU per new key µs (c={low}): server + PostgreSQL"
-        f" (+ Redis) | replays ok/s ({cs}) | kill run: applied twice / lost |",
-        "| --- | --- | --- | --- | --- | --- |",
+        f" (+ Redis) | the same at one rate: ok/s, CPU µs | replays ok/s ({cs}) | kill run: applied twice / lost |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
         cpu = row["cpu_us_per_new_key"]
         parts = " + ".join(f"{v:,.0f}" for v in cpu.values())
+        paced = row["cpu_us_per_new_key_same_rate"]
+        same_rate = (
+            f"{row['same_rate_ok_s']:,.0f}: {' + '.join(f'{v:,.0f}' for v in paced.values())} = {sum(paced.values()):,.0f}"
+            if row["same_rate_ok_s"]
+            else "-"
+        )
         kill = row["kill_run"]
         killed = (
             f"{kill['applied_twice']} / {kill['lost']} ({kill['kills']} kills, {kill['operations']:,} ops,"
@@ -291,7 +332,7 @@ def markdown_table(result: PeerResult) -> str:
         )
         lines.append(
             f"| {row['side']} | {' / '.join(f'{v:,.0f}' for v in row['new_ok_s'].values())}"
-            f" | {row['p99_ms_low']:.1f} | {parts} = {sum(cpu.values()):,.0f}"
+            f" | {row['p99_ms_low']:.1f} | {parts} = {sum(cpu.values()):,.0f} | {same_rate}"
             f" | {' / '.join(f'{v:,.0f}' for v in row['replay_ok_s'].values())} | {killed} |"
         )
     lines += ["", "Kill runs (counted from each side's database after the run):", ""]
@@ -319,6 +360,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--kill-seconds", type=float, default=20.0, help="length of a kill run (default 20)")
     parser.add_argument("--kill-ops", type=int, default=50_000, help="most operations per kill run")
     parser.add_argument("--kill-callers", type=int, default=8, help="callers in a kill run (default 8)")
+    parser.add_argument(
+        "--same-rate",
+        type=float,
+        default=0.0,
+        help="new keys/s of the same-rate cells (default 0: 70%% of the slower side's; -1: none)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     parser.add_argument("--markdown", type=Path, help="also write the table as Markdown here")
     return parser.parse_args(argv)
@@ -350,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         accounts=args.accounts,
         replay_keys=args.replay_keys,
         kill=kill,
+        same_rate=args.same_rate,
     )
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _interrupt)

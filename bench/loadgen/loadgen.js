@@ -6,9 +6,12 @@
 // and ends up measuring itself. N workers each keep one call in flight (closed loop): over a few
 // HTTP/2 channels for gRPC; over a keep-alive HTTP/1.1 connection each for HTTP (Node's `http` module,
 // one Agent, at most N sockets: HTTP/1.1 has one request in flight per connection).
+// With --rate the workers start calls on a shared schedule instead (CPU per call compared at one
+// rate: a server's fixed costs, PostgreSQL's commit and wake-ups, are spread over the calls it serves).
 //
 //   node loadgen.js --target 127.0.0.1:50061 --method deposit --concurrency 8 --duration 5 \
-//        --warmup 1 --keys new --accounts accounts.json [--record keys.jsonl] [--protocol http]
+//        --warmup 1 --keys new --accounts accounts.json [--record keys.jsonl] [--protocol http] \
+//        [--rate 500]
 //
 // Methods: deposit | transfer | transfer_e2e (Transfer, then GetTransfer with wait_for_completion_ms
 // until the transfer leaves PENDING: the credit landed on the destination shard; gRPC only).
@@ -46,6 +49,7 @@ function parseArgs(argv) {
     waitMs: 10000,
     channels: 0, // 0: min(concurrency, 4)
     maxOps: 0, // 0: no bound besides the duration
+    rate: 0, // calls started per second across all workers (0: each worker sends as soon as answered)
     record: '',
     expect: 'OK', // the answer that counts as the cell's operation (ABORTED / 409 for the conflict cells)
     protocol: 'grpc', // grpc | http
@@ -60,6 +64,7 @@ function parseArgs(argv) {
   }
   if (!['deposit', 'transfer', 'transfer_e2e'].includes(opts.method)) throw new Error(`unknown method ${opts.method}`);
   if (!(opts.concurrency >= 1) || !(opts.duration > 0) || !(opts.warmup >= 0)) throw new Error('bad concurrency/duration/warmup');
+  if (!(opts.rate >= 0)) throw new Error('bad rate');
   if (!['grpc', 'http'].includes(opts.protocol)) throw new Error(`unknown protocol ${opts.protocol}`);
   if (opts.protocol === 'http' && opts.method === 'transfer_e2e') throw new Error('transfer_e2e is gRPC only');
   if (opts.protocol === 'http' && !(opts.expect === 'OK' || /^[1-5][0-9][0-9]$/.test(opts.expect))) {
@@ -250,12 +255,24 @@ function main() {
     process.stderr.write('window-end\n');
   }, Math.max(0, windowEnd - now()));
 
+  // --rate: calls start on a shared schedule, one every 1/rate s; a worker waits for the next free
+  // start, and a schedule fallen behind (the servers slower than the rate) starts at once, never
+  // in a burst to catch up. The workers still bound the calls in flight.
+  let nextStart = 0;
+  function paced() {
+    const t = Math.max(nextStart, now());
+    nextStart = t + 1000 / opts.rate;
+    const wait = t - now();
+    return wait > 0 ? new Promise((resolve) => setTimeout(resolve, wait)) : null;
+  }
+
   const httpPath = opts.method === 'deposit' ? '/v1/deposits' : '/v1/transfers';
   const httpExpected = opts.expect === 'OK' ? null : Number(opts.expect);
 
   async function httpWorker() {
     while (now() < windowEnd && (opts.maxOps === 0 || started < opts.maxOps)) {
       started += 1;
+      if (opts.rate > 0) await paced();
       const op = nextOp();
       const begin = now();
       // A replayed operation is resent exactly: its recorded body, else the body its fields make.
@@ -284,6 +301,7 @@ function main() {
     const client = clients[w % clients.length];
     while (now() < windowEnd && (opts.maxOps === 0 || started < opts.maxOps)) {
       started += 1;
+      if (opts.rate > 0) await paced();
       const op = nextOp();
       const begin = now();
       let result;

@@ -40,12 +40,16 @@ def test_tiny_run_prints_both_sides_with_kill_runs(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "| Powertools + Redis |" in result.stdout and "| our shard |" in result.stdout
     assert "payload validation OFF" in result.stdout
-    rows = {row["side"]: row for row in json.loads(out.read_text())["rows"]}
+    report = json.loads(out.read_text())
+    rows = {row["side"]: row for row in report["rows"]}
     assert set(rows) == {"Powertools + Redis", "our shard"}
     for side, row in rows.items():
         assert all(v > 0 for v in row["new_ok_s"].values()) and len(row["new_ok_s"]) == 2, row
         assert all(v > 0 for v in row["replay_ok_s"].values()) and row["p99_ms_low"] > 0, row
         assert row["cpu_us_per_new_key"]["server"] > 0 and row["cpu_us_per_new_key"]["postgres"] > 0, row
+        # The same-rate cell: paced by the load generator, never above the rate offered to both sides.
+        assert 0 < row["same_rate_ok_s"] <= 1.2 * report["same_rate"], (row, report["same_rate"])
+        assert row["cpu_us_per_new_key_same_rate"]["postgres"] > 0, row
         kill = row["kill_run"]
         assert kill["kills"] == 1 and kill["operations"] > 0 and kill["duplicates_sent"] > 0, (side, kill)
         assert kill["acknowledged"] + kill["unresolved"] == kill["operations"], kill
