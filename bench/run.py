@@ -10,6 +10,7 @@ Scenarios (rows of the table; `python -m bench --list` prints this):
   hot-account       shard-deposit's load with every Deposit on one account (a merchant's, a fee account)
   shard-transfer    same-shard Transfer with new keys, straight to the shard daemon
   noidem-deposit    the same Deposit handler without the idempotency interceptor (bench/noidem_server.py)
+  noidem-hot-account  hot-account's load on that handler: what one account's row lock costs without us
   router-deposit    Deposit with new keys through the router
   http-deposit      the same over HTTP/JSON: POST /v1/deposits to the router's HTTP front
   replay-memory     resending distinct completed keys; the shard answers from its in-memory cache
@@ -63,6 +64,7 @@ SCENARIOS = (
     "hot-account",
     "shard-transfer",
     "noidem-deposit",
+    "noidem-hot-account",
     "router-deposit",
     "http-deposit",
     "replay-memory",
@@ -317,9 +319,9 @@ class _Cells:
             system.start_shard("shard-b", shard_id="shard-b", database="shard_b")
             system.seed_accounts("shard_b", system.accounts_b)
             system.start_router()
-        if "noidem-deposit" in grpc_rows:
+        if grpc_rows & {"noidem-deposit", "noidem-hot-account"}:
             system.start_noidem()
-            system.seed_accounts("noidem", system.accounts_a)
+            system.seed_accounts("noidem", [*system.accounts_a, system.hot_account])
         if grpc_rows & {"conflict", "http-conflict"}:
             # Holds the in-flight attempt: its handler may wait for the locked row far longer than
             # the shipped 2 s, so the key stays in flight for the whole scenario without gaps.
@@ -376,6 +378,8 @@ class _Cells:
             return LoadSpec(self._address(_DEPOSIT_TARGETS[scenario]), accounts=accounts)
         if scenario == "hot-account":  # shard-a's Deposits, every one on the same account
             return LoadSpec(self._address("shard-a"), accounts=self._hot_accounts())
+        if scenario == "noidem-hot-account":
+            return LoadSpec(self._address("noidem"), accounts=self._hot_accounts())
         if scenario == "shard-transfer":
             return LoadSpec(self._address("shard-a"), method="transfer", accounts=accounts, amount=1)
         if scenario == "http-deposit":
