@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 import psycopg_pool
@@ -257,12 +257,28 @@ def rollback_keeping_prepared(conn: Connection) -> None:
 
 @contextmanager
 def bind_transaction(conn: Connection, key: str) -> Iterator[None]:
-    """Make `conn` (which claimed `key`) the current call's transaction for the handlers below."""
+    """Make `conn` (which claimed `key`) the current call's transaction for the handlers below.
+
+    While it is bound, `conn.transaction()` is refused: in the middle of the call's pipeline psycopg
+    cannot see the transaction already open (libpq learns it only at a Sync) and would send a BEGIN
+    and a COMMIT of its own, committing the handler's writes before the call's record, and letting
+    go of a key claimed in the same transaction. A handler's statements are the call's transaction.
+    """
     token = _current.set(CallTransaction(conn, key))
+    conn.transaction = _refuse_nested_transaction  # type: ignore[method-assign]
     try:
         yield
     finally:
+        del conn.transaction
         _current.reset(token)
+
+
+def _refuse_nested_transaction(*_args: object, **_kwargs: object) -> NoReturn:
+    raise Internal(
+        "a handler opened a transaction of its own inside the call's; it must only run statements on"
+        " current_transaction().conn",
+        reason=Reason.INTERNAL,
+    )
 
 
 def current_transaction() -> CallTransaction:

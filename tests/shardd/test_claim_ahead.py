@@ -134,6 +134,37 @@ def test_a_handler_that_swallows_the_stopped_pipeline_applies_nothing(database, 
         assert _ledger(db, "carol") == after_first
 
 
+@pytest.mark.parametrize("placement", ["ahead", "first"])
+def test_a_handler_that_opens_a_transaction_of_its_own_is_refused_and_applies_nothing(
+    database, db, placement: str
+) -> None:
+    """psycopg cannot see the call's open transaction in the middle of its pipeline: a handler's
+    `conn.transaction()` would send its own BEGIN and COMMIT and commit the handler's writes before
+    the record. It is refused instead (INTERNAL), and the call applies nothing."""
+    with guarded_deposits(
+        database,
+        lambda pool: _NestingServicer(pool, ShardLocator("shard-0", None)),
+        config=IdempotencyConfig(claim_placement=placement),
+        completed=CompletedKeys(max_entries=0, max_bytes=0),
+    ) as stub:
+        before = _ledger(db, "dave")
+        request = transfer_pb2.DepositRequest(account_id="dave", amount=money(4))
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Deposit(request, metadata=key_metadata())
+        assert refused.value.code() is grpc.StatusCode.INTERNAL, refused.value
+        assert _ledger(db, "dave") == before
+
+
+class _NestingServicer(TransferServicer):
+    """A Deposit that wraps its statement in a transaction of its own."""
+
+    def Deposit(
+        self, request: transfer_pb2.DepositRequest, context: grpc.ServicerContext
+    ) -> transfer_pb2.DepositResponse:
+        with current_transaction().conn.transaction():
+            return super().Deposit(request, context)
+
+
 def test_parallel_attempts_with_one_key_apply_once(shard, db) -> None:
     """Sixteen attempts of one Deposit at once, claims in the handler's pipeline: one applies,
     every other one replays it or is told it is in flight."""
