@@ -207,11 +207,12 @@ def _bound_values(lock_timeout_ms: int | None, statement_timeout_ms: int | None)
     return (f"{lock_timeout_ms}ms" if lock_timeout_ms is not None else None, deadline, whole)
 
 
-#: The claim sent ahead of the handler (a UUIDv7 key, in pipeline mode, right after BEGIN): the key's
-#: completed record read, else its transaction lock tried (the COMMIT or ROLLBACK lets it go), and the
-#: handler's bounds set for the transaction. It fails unless it took the lock: PostgreSQL then skips
-#: every statement after it until the pipeline's Sync (the handler's, the record's, the COMMIT), which
-#: rolls the transaction back. The failure is a text that is not a boolean, built from what the claim
+#: The claim sent ahead of the handler (a UUIDv7 key, first in the handler's pipeline, in the implicit
+#: transaction the BEGIN after it makes the handler's): the key's completed record read, else its
+#: transaction lock tried (the COMMIT or ROLLBACK lets it go), and the handler's bounds set for the
+#: transaction. It fails unless it took the lock: PostgreSQL then skips every statement after it until
+#: the pipeline's Sync (BEGIN, the handler's, the record's, the COMMIT), which rolls the implicit
+#: transaction back. The failure is a text that is not a boolean, built from what the claim
 #: found, so that the planner cannot evaluate it ahead of time; OFFSET 0 evaluates the claim first.
 _CLAIM_AHEAD = (
     "SELECT c.claimed_at,"
@@ -228,9 +229,9 @@ _CLAIM_AHEAD = (
     " || CASE WHEN c.found THEN 'completed' ELSE 'in flight' END)::bool END"
 )
 #: How the claim's failure begins when the key was taken (its message says by whom).
-KEY_TAKEN = "the idempotency key is taken"
-_CLAIM_AHEAD_17 = _CLAIM_AHEAD.format(whole="transaction_timeout", taken=KEY_TAKEN)
-_CLAIM_AHEAD_BEFORE_17 = _CLAIM_AHEAD.format(whole="idle_in_transaction_session_timeout", taken=KEY_TAKEN)
+_KEY_TAKEN = "the idempotency key is taken"
+_CLAIM_AHEAD_17 = _CLAIM_AHEAD.format(whole="transaction_timeout", taken=_KEY_TAKEN)
+_CLAIM_AHEAD_BEFORE_17 = _CLAIM_AHEAD.format(whole="idle_in_transaction_session_timeout", taken=_KEY_TAKEN)
 
 
 class ClaimAhead:
@@ -268,7 +269,7 @@ class ClaimAhead:
             try:
                 row = self._cursor.fetchone()
             except errors.InvalidTextRepresentation as failed:
-                if KEY_TAKEN not in str(failed):
+                if _KEY_TAKEN not in str(failed):
                     raise
                 row = None
             except psycopg.ProgrammingError:
