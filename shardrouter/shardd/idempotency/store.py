@@ -57,8 +57,8 @@ transaction already and takes the transaction lock at once. Session and transact
 exclude each other, so daemons of either release keep each other's twins out. A handler's refusal
 that is stored (`NOT_FOUND`, `FAILED_PRECONDITION`) rolls the handler's writes back and stores the
 refusal in its own statement: no savepoint. Claimed first, the key is still held then; claimed ahead,
-the rollback let it go, and a twin that claims it before the refusal commits meets the refusal's
-record at the primary key (below). If the call fails, `release_claim` rolls back and releases the
+the rollback let it go, and a twin may claim it before the refusal commits: the primary key (below)
+keeps one of the two records, whichever commits first, and the other call is answered in flight. If the call fails, `release_claim` rolls back and releases the
 lock; a connection that cannot do that is closed, which ends its session and its locks.
 
 The primary key is the backstop for a UUIDv7 key, and what decides it when a twin commits between the
