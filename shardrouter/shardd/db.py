@@ -312,6 +312,15 @@ def mapped_database_errors(
             reason=Reason.SLOT_RANGE_MOVING,
             retry_after_ms=retry_after_ms,
         ) from exc
+    except errors.InternalError_ as exc:
+        if not _publication_dropped(exc):
+            raise
+        raise Unavailable(
+            "a slot range move dropped its publication while this call wrote; nothing was applied, "
+            "retry with the same idempotency key",
+            reason=Reason.DATABASE_BUSY,
+            retry_after_ms=retry_after_ms,
+        ) from exc
     except (errors.SerializationFailure, errors.DeadlockDetected, errors.LockNotAvailable) as exc:
         raise Unavailable(
             f"the database could not order this call against a concurrent one ({exc.sqlstate}); "
@@ -334,6 +343,13 @@ SLOT_FENCED_HINT = "shardrouter:slot-fenced"
 
 def _slot_fenced(exc: psycopg.Error) -> bool:
     return exc.diag.message_hint == SLOT_FENCED_HINT
+
+
+def _publication_dropped(exc: psycopg.Error) -> bool:
+    """PostgreSQL's internal error when a write to a published table meets a publication being
+    dropped (a move's clean-up): the table's cached publications name one that is gone. The
+    statement fails and the transaction rolls back, so the call can be retried as it is."""
+    return (exc.diag.message_primary or str(exc)).startswith("cache lookup failed for publication")
 
 
 __all__ = [
