@@ -106,21 +106,23 @@ def test_first_call_then_replay(traced: Traced, db) -> None:
         ]
 
     first_sql = statements(db_spans[0])
-    # A new key's claim goes ahead of the handler, in its pipeline: the claim with the bounds (which
-    # fails unless it took the key's transaction lock), BEGIN, the handler (a Deposit is one
-    # statement); then the completed record and the COMMIT, which lets the lock go.
+    # A new key's claim goes ahead of the handler, in its pipeline: the claim with the bounds, the
+    # statement that stops the pipeline unless the claim took the key, BEGIN, the handler (a Deposit is
+    # one statement); then the completed record, stored by the statement that releases the key at the
+    # COMMIT, and the COMMIT.
     assert first.attributes["idempotency.claim"] == "ahead"  # type: ignore[index]
     expected = [
-        "SELECT c.claimed_at, set_config('lock_timeout'",
+        "SELECT c.*, set_config('shardrouter.key_claimed'",
+        "SELECT CASE WHEN current_setting('shardrouter.key_claimed')",
         "BEGIN",
         "WITH account AS ( INSERT INTO accounts",
-        "INSERT INTO idempotency_record",
+        "WITH stored AS (INSERT INTO idempotency_record",
         "COMMIT",
     ]
     assert len(first_sql) == len(expected), first_sql
     assert all(q.startswith(prefix) for q, prefix in zip(first_sql, expected, strict=True)), first_sql
-    assert "pg_try_advisory_xact_lock(" in first_sql[0], first_sql
-    assert "INSERT INTO ledger_entries" in first_sql[2], first_sql
+    assert "pg_try_advisory_lock(" in first_sql[0] and "set_config('lock_timeout'" in first_sql[0], first_sql
+    assert "INSERT INTO ledger_entries" in first_sql[3], first_sql
     assert all(q and key not in q for q in first_sql), first_sql
     # This process completed the key, so it replays from memory: no database transaction at all.
     assert replay.attributes["idempotency.record_source"] == "memory"
@@ -222,12 +224,12 @@ def test_replay_from_the_database_is_one_read_only_transaction(database: str, pl
         assert sql and all(not q.startswith(("INSERT", "UPDATE", "DELETE")) for q in sql), sql
         assert len([q for q in sql if q.startswith("SELECT")]) == 1, sql
     else:
-        assert sql[0].startswith("SELECT c.claimed_at, set_config('lock_timeout'"), sql
-        assert sql[1] == "BEGIN", sql
+        assert sql[0].startswith("SELECT c.*, set_config('shardrouter.key_claimed'"), sql
+        assert sql[1].startswith("SELECT CASE WHEN current_setting('shardrouter.key_claimed')"), sql
+        assert sql[2] == "BEGIN", sql
         # The handler's statement follows, unless psycopg had already read the database's refusal
-        # when the handler sent it (then it raises before sending); then the record, read again.
-        assert sql[-1].startswith("SELECT r.scope"), sql
-        assert all(q.startswith("WITH account AS ( INSERT INTO accounts") for q in sql[2:-1]), sql
+        # when the handler sent it (then it raises before sending).
+        assert all(q.startswith("WITH account AS ( INSERT INTO accounts") for q in sql[3:]), sql
     # Whatever was sent, the database applied the Deposit once and took no lock that outlived the call.
     with psycopg.connect(database, autocommit=True) as check:
         (entries,) = check.execute(

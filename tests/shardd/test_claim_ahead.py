@@ -10,7 +10,6 @@ pipelines this makes (`db.PipelineSafePrepares`).
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -19,7 +18,6 @@ import grpc
 import psycopg
 import pytest
 
-from shardrouter.core.errors import FailedPrecondition
 from shardrouter.shardd.db import Database, PipelineSafePrepares, current_transaction
 from shardrouter.shardd.idempotency import IdempotencyConfig
 from shardrouter.shardd.idempotency.placement import AHEAD_BELOW_DUPLICATE_SHARE, ClaimPlacement
@@ -137,84 +135,6 @@ def test_a_handler_that_swallows_the_stopped_pipeline_applies_nothing(database, 
         for _ in range(3):
             assert stub.Deposit(request, metadata=md) == first
         assert _ledger(db, "carol") == after_first
-
-
-def test_a_twin_that_claims_while_a_refusal_is_stored_is_kept_out_by_the_primary_key(database, db) -> None:
-    """A stored refusal claimed ahead rolls its writes back, and with them the key's transaction
-    lock, before its record is inserted: a twin (another daemon, so no in-process flight joins them)
-    can claim the key then and apply. Both records' inserts are held on a table lock until both
-    wait; then exactly one outcome is stored, the other call is answered ABORTED, and the balance
-    matches the stored outcome."""
-    ahead = IdempotencyConfig(claim_placement="ahead")
-    cache_off = CompletedKeys(max_entries=0, max_bytes=0)
-    locator = ShardLocator("shard-0", None)
-    with (
-        guarded_deposits(
-            database, lambda pool: _RefusingServicer(pool, locator), config=ahead, completed=cache_off
-        ) as refusing,
-        guarded_deposits(
-            database, lambda pool: TransferServicer(pool, locator), config=ahead, completed=cache_off
-        ) as applying,
-        psycopg.connect(database, autocommit=True) as blocker,
-        futures.ThreadPoolExecutor(2) as pool,
-    ):
-        applying.Deposit(
-            transfer_pb2.DepositRequest(account_id="erin", amount=money(1)), metadata=key_metadata()
-        )
-        before = _ledger(db, "erin")
-        key = key_metadata()
-        request = transfer_pb2.DepositRequest(account_id="erin", amount=money(6))
-        with blocker.transaction():
-            blocker.execute("LOCK TABLE idempotency_record IN SHARE MODE")  # holds every record's INSERT
-            refused = pool.submit(_answer, refusing, request, key)
-            _wait_for_record_inserts_waiting(db, 1)  # the refusal's: its rollback let the key go
-            twin = pool.submit(_answer, applying, request, key)
-            _wait_for_record_inserts_waiting(db, 2)  # the twin's: it claimed the key and applied
-        answers = {"refusing": refused.result(30), "applying": twin.result(30)}
-        (records,) = db.execute(
-            "SELECT count(*) FROM idempotency_record WHERE key = %s", (key[0][1],)
-        ).fetchone()  # type: ignore[misc]
-        assert records == 1
-        stored = _answer(applying, request, key)  # the retry replays whichever committed
-        balance, entries, _ = _ledger(db, "erin")
-        if stored == "FAILED_PRECONDITION":
-            assert answers == {"refusing": "FAILED_PRECONDITION", "applying": "ABORTED"}, answers
-            assert (balance, entries) == before[:2]
-        else:
-            assert stored == "OK" and answers == {"refusing": "ABORTED", "applying": "OK"}, answers
-            assert (balance, entries) == (before[0] + 6, before[1] + 1)  # type: ignore[operator]
-
-
-def _answer(stub: transfer_pb2_grpc.TransferServiceStub, request: object, key: list[tuple[str, str]]) -> str:
-    try:
-        stub.Deposit(request, metadata=key, timeout=20)
-    except grpc.RpcError as failed:
-        return failed.code().name  # type: ignore[no-any-return]
-    return "OK"
-
-
-def _wait_for_record_inserts_waiting(db: psycopg.Connection[tuple[object, ...]], count: int) -> None:
-    """Until `count` sessions wait on a lock in an INSERT of a record (bounded: 15 s)."""
-    give_up = time.monotonic() + 15
-    while time.monotonic() < give_up:
-        (waiting,) = db.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-            " AND query LIKE 'INSERT INTO idempotency_record%%'"
-        ).fetchone()  # type: ignore[misc]
-        if waiting >= count:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"fewer than {count} record inserts waited on the table lock")
-
-
-class _RefusingServicer(TransferServicer):
-    """A Deposit that writes, then refuses with an answer that is stored (its writes undone)."""
-
-    def Deposit(
-        self, request: transfer_pb2.DepositRequest, context: grpc.ServicerContext
-    ) -> transfer_pb2.DepositResponse:
-        super().Deposit(request, context)
-        raise FailedPrecondition("refused after writing, for the test")
 
 
 @pytest.mark.parametrize("placement", ["ahead", "first"])

@@ -37,10 +37,9 @@ BUDGET = {
     "replay (UUIDv7)": (1, 0),
     "new key (opaque)": (5, 3),
     "replay (opaque)": (1, 0),
-    # The claim with the handler: the bounds go in the claim's statement, which fails unless it
-    # took the key's transaction lock (PostgreSQL then skips the rest), and the record's insert
-    # hands nothing over. A duplicate's record is read once the pipeline has ended.
-    "new key (UUIDv7, claim ahead)": (3, 3),
+    # The claim with the handler: the bounds go in the claim's statement, and a statement checks
+    # that it took the key (which fails for a duplicate, and PostgreSQL skips the rest).
+    "new key (UUIDv7, claim ahead)": (4, 3),
     "replay (UUIDv7, claim ahead)": (2, 0),
 }
 CALLS = 40

@@ -573,10 +573,8 @@ class DatabaseKeys:
                 raise KeyNotClaimed(ahead.settle())
             self.placement.note(duplicate=False)
             self._check_ended(conn, call)
-        except KeyNotClaimed as refused:
+        except KeyNotClaimed:
             self.placement.note(duplicate=True)
-            if refused.claim.status is ClaimStatus.IN_FLIGHT:  # raised in the pipeline: read once more
-                raise KeyNotClaimed(ahead.settle()) from None
             raise
         except BaseException as exc:
             settled = _settled_elsewhere(ahead) if isinstance(exc, Exception) else None
@@ -585,24 +583,23 @@ class DatabaseKeys:
                 # afterwards (failed at its first fetch, most often) reached nothing.
                 self.placement.note(duplicate=True)
                 raise KeyNotClaimed(settled) from None
-            self._let_go(conn, call, exc, session_lock=False)
+            self._let_go(conn, call, exc)
             raise
 
     def _check_ended(self, conn: Any, call: GuardedCall) -> None:
         if conn.info.transaction_status is not TransactionStatus.IDLE:
             raise Internal(f"the handler's transaction of {call.scope} was left open")
 
-    def _let_go(self, conn: Any, call: GuardedCall, exc: BaseException, *, session_lock: bool = True) -> None:
-        """After a failed handler transaction on a claimed key: roll back and let the key go (a
-        claim sent ahead holds a transaction lock, not `session_lock`); a twin's record met at the
-        COMMIT is answered as in flight."""
+    def _let_go(self, conn: Any, call: GuardedCall, exc: BaseException) -> None:
+        """After a failed handler transaction on a claimed key: roll back and let the key go; a
+        twin's record met at the COMMIT is answered as in flight."""
         if isinstance(exc, psycopg.Error):
             # A failed statement aborts the pipeline; closing the connection ends its session,
             # which rolls the transaction back and lets the key go, whatever state the pipeline
             # was left in.
             conn.close()
         else:
-            store.release_claim(conn, scope=call.scope, key=call.key.text, session_lock=session_lock)
+            store.release_claim(conn, scope=call.scope, key=call.key.text)
         if _twin_holds_the_key(exc):
             raise in_flight(call.span, self._in_flight_retry_ms) from exc
 
@@ -622,7 +619,6 @@ class DatabaseKeys:
             record=record,
             account_id=call.account_id,
             keep_handler_writes=outcome.code == 0,
-            session_lock=ahead is None,
         )
         return record
 

@@ -6,23 +6,22 @@ UUID version, an opaque key) is dated by its first receipt: its record is found 
 the live partitions.
 
 A guarded call with a UUIDv7 key takes two round trips when it applies, the claim sent ahead of the
-handler's statements in their pipeline (`ClaimAhead`), and two when it replays that way; with its
-claim sent first (a key dated by receipt, or while many recent claims were duplicates:
-`placement.py`) three when it applies (four for a key dated by receipt) and one when it replays. `tests/shardd/test_statement_budget.py` pins
+handler's statements in their pipeline (`ClaimAhead`); with its claim sent first (a key dated by
+receipt, or while many recent claims were duplicates: `placement.py`) three when it applies (four
+for a key dated by receipt) and one when it replays. `tests/shardd/test_statement_budget.py` pins
 the statements each runs, `bench/statement_cost.py` lists them.
 
 Claim sent ahead (pipeline mode, a UUIDv7 key), the first round trip:
 
-    1a ClaimAhead.send: the claim's statement (the key's committed record read, else its
-       transaction advisory lock tried), which also sets the handler's bounds
-       (`set_config(..., is_local)`) and fails unless it took the lock; BEGIN (the pipeline's
-       implicit transaction, the claim's, becomes the handler's, the lock with it)
+    1a ClaimAhead.send: the claim's statement (as 1 below: the record, else the session lock tried),
+       which also notes in the transaction whether it took the lock and sets the handler's bounds
+       (`set_config(..., is_local)`); a statement that fails unless the lock was taken; BEGIN (the
+       pipeline's implicit transaction, the claim's, becomes the handler's)
     2a the handler's statements, in the same pipeline: its first fetch brings the claim's row back too.
-       A key already taken: PostgreSQL skips everything after the failed claim until the Sync, which
-       rolls the implicit transaction back; the record is then read once more (`settle`): EXISTING
-       replayed, nothing there IN_FLIGHT
-    3  as below, the second round trip, but the record's insert hands nothing over: the COMMIT lets
-       the transaction lock go (and a ROLLBACK, so a failed call needs no statement to release it)
+       A key already taken: PostgreSQL skips everything after the failing statement until the Sync,
+       which rolls the implicit transaction back; what the claim's row says decides the answer
+       (EXISTING replayed; a refused lock read once more after the pipeline: EXISTING or IN_FLIGHT)
+    3  as below, the second round trip
 
 Claim sent first, the three round trips:
 
@@ -48,18 +47,14 @@ key table was made again on every call, about 0.1 ms of the database's time. The
 expression of migrations 12 and 17's functions (`idempotency_claim`, `idempotency_release`), which
 stay for a daemon of an earlier release: both exclude each other's twins.
 
-There is no in-progress row: while the handler runs, the key's advisory lock is the claim, and the
-record appears, completed, with the handler's writes at COMMIT or not at all. A claim sent first takes
-a session lock (it outlives the claim's own statement); the statement that stores the record exchanges
-it for a transaction lock on the same key, which the COMMIT releases, so no twin can read "no record"
-and take the key while the outcome is not visible yet. A claim sent ahead is in the handler's
-transaction already and takes the transaction lock at once. Session and transaction locks on one key
-exclude each other, so daemons of either release keep each other's twins out. A handler's refusal
-that is stored (`NOT_FOUND`, `FAILED_PRECONDITION`) rolls the handler's writes back and stores the
-refusal in its own statement: no savepoint. Claimed first, the key is still held then; claimed ahead,
-the rollback let it go, and a twin may claim it before the refusal commits: the primary key (below)
-keeps one of the two records, whichever commits first, and the other call is answered in flight. If the call fails, `release_claim` rolls back and releases the
-lock; a connection that cannot do that is closed, which ends its session and its locks.
+There is no in-progress row: while the handler runs, the session lock is the claim, and the record
+appears, completed, with the handler's writes at COMMIT or not at all. The lock is a session lock (it
+outlives the claim's own statement); the statement that stores the record exchanges it for a
+transaction lock on the same key, which the COMMIT releases, so no twin can read "no record" and take
+the key while the outcome is not visible yet. A handler's refusal that is stored
+(`NOT_FOUND`, `FAILED_PRECONDITION`) rolls the handler's writes back and stores the refusal in its own
+statement, still under the lock: no savepoint. If the call fails, `release_claim` rolls back and
+releases the lock; a connection that cannot do that is closed, which ends its session and its locks.
 
 The primary key is the backstop for a UUIDv7 key, and what decides it when a twin commits between the
 claim's read and its lock: a completed record inserted twice violates it and the second COMMIT fails
@@ -73,7 +68,6 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg import errors
 from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
@@ -207,41 +201,38 @@ def _bound_values(lock_timeout_ms: int | None, statement_timeout_ms: int | None)
     return (f"{lock_timeout_ms}ms" if lock_timeout_ms is not None else None, deadline, whole)
 
 
-#: The claim sent ahead of the handler (a UUIDv7 key, first in the handler's pipeline, in the implicit
-#: transaction the BEGIN after it makes the handler's): the key's completed record read, else its
-#: transaction lock tried (the COMMIT or ROLLBACK lets it go), and the handler's bounds set for the
-#: transaction. It fails unless it took the lock: PostgreSQL then skips every statement after it until
-#: the pipeline's Sync (BEGIN, the handler's, the record's, the COMMIT), which rolls the implicit
-#: transaction back. The failure is a text that is not a boolean, built from what the claim
-#: found, so that the planner cannot evaluate it ahead of time; OFFSET 0 evaluates the claim first.
+#: The claim sent ahead of the handler (a UUIDv7 key, in pipeline mode): `_CLAIM_DATED`, whose
+#: outcome is also noted in the transaction (`shardrouter.key_claimed`, local to it), and the
+#: handler's bounds. OFFSET 0 evaluates the claim before the note.
 _CLAIM_AHEAD = (
-    "SELECT c.claimed_at,"
+    "SELECT c.*, set_config('shardrouter.key_claimed', coalesce(c.locked, false)::text, true) AS noted,"
     " set_config('lock_timeout', coalesce(%(lock)s, current_setting('lock_timeout')), true) AS lock_bound,"
     " set_config('statement_timeout', coalesce(%(deadline)s, current_setting('statement_timeout')), true)"
     " AS statement_bound,"
     " set_config('{whole}', coalesce(%(whole)s, current_setting('{whole}')), true) AS whole_bound"
-    " FROM (SELECT now() AS claimed_at, r.key IS NOT NULL AS found,"
-    f" CASE WHEN r.key IS NULL THEN pg_try_advisory_xact_lock({_KEY_LOCK}) END AS locked"
-    " FROM (SELECT 1) AS one LEFT JOIN LATERAL ("
-    "SELECT r.key FROM idempotency_record r WHERE r.scope = %(scope)s AND r.key = %(key)s"
-    " AND r.key_time = %(key_time)s AND r.state = 'completed') AS r ON true OFFSET 0) AS c"
-    " WHERE CASE WHEN c.locked THEN true ELSE ('" + "{taken}" + ": '"
-    " || CASE WHEN c.found THEN 'completed' ELSE 'in flight' END)::bool END"
+    f" FROM ({_CLAIM_DATED} OFFSET 0) AS c"
 )
-#: How the claim's failure begins when the key was taken (its message says by whom).
-_KEY_TAKEN = "the idempotency key is taken"
-_CLAIM_AHEAD_17 = _CLAIM_AHEAD.format(whole="transaction_timeout", taken=_KEY_TAKEN)
-_CLAIM_AHEAD_BEFORE_17 = _CLAIM_AHEAD.format(whole="idle_in_transaction_session_timeout", taken=_KEY_TAKEN)
+_CLAIM_AHEAD_17 = _CLAIM_AHEAD.format(whole="transaction_timeout")
+_CLAIM_AHEAD_BEFORE_17 = _CLAIM_AHEAD.format(whole="idle_in_transaction_session_timeout")
+#: Fails unless the claim ahead of it took the key: PostgreSQL then skips every statement after it
+#: until the pipeline's Sync (the handler's, the record's, the COMMIT), and the Sync rolls the
+#: implicit transaction back. Plain SQL: a text that is not a boolean, built from the note so that
+#: the planner cannot evaluate it ahead of time.
+_CLAIM_REQUIRED = (
+    "SELECT CASE WHEN current_setting('shardrouter.key_claimed') = 'true' THEN true"
+    " ELSE ('the idempotency key was not claimed: ' || current_setting('shardrouter.key_claimed'))::bool END"
+)
 
 
 class ClaimAhead:
     """A claim sent ahead of the handler's statements, in the same pipeline and transaction.
 
-    The claim runs first, then BEGIN (which makes the pipeline's implicit transaction, the claim's,
-    the handler's), then the handler's statements: a new key costs no round trip of its own, and a
-    key already taken fails the claim, so PostgreSQL skips everything of the handler's. What it
-    found is known once the database has answered (`claim()`); psycopg may raise the claim's
-    failure from any statement sent after it, `send` included.
+    The claim runs first, then a statement that fails unless the claim took the key, then BEGIN
+    (which makes the pipeline's implicit transaction, the claim's, the handler's), then the
+    handler's statements: a new key costs no round trip of its own, and a key already taken stops
+    the pipeline before anything of the handler's reaches the database. Its outcome is read from
+    the claim's row once the database has answered (`claim()`); psycopg may raise the stopping
+    statement's failure from any statement sent after it, `send` included.
     """
 
     __slots__ = ("_claim", "_cursor", "_params")
@@ -253,40 +244,34 @@ class ClaimAhead:
         self._claim: Claim | None = None
 
     def send(self, *, lock_timeout_ms: int | None = None, statement_timeout_ms: int | None = None) -> None:
-        """Queue, in the connection's pipeline, the claim with the handler transaction's bounds (as
-        `begin_handler`), and BEGIN. Nothing is fetched: it all travels with the handler's first
-        statement."""
+        """Queue, in the connection's pipeline, the claim, the statement that stops the pipeline
+        unless it took the key, and the BEGIN of the handler's transaction with its bounds (as
+        `begin_handler`). Nothing is fetched: it all travels with the handler's first statement."""
         conn = self._cursor.connection
         lock, deadline, whole = _bound_values(lock_timeout_ms, statement_timeout_ms)
         sql = _CLAIM_AHEAD_17 if conn.info.server_version >= 170000 else _CLAIM_AHEAD_BEFORE_17
         self._cursor.execute(sql, {**self._params, "lock": lock, "deadline": deadline, "whole": whole})
+        conn.execute(_CLAIM_REQUIRED)
         conn.execute("BEGIN")
 
     def claim(self) -> Claim:
-        """CLAIMED (the key's transaction lock is held) or IN_FLIGHT (the key was taken: `settle`
-        says by whom). Fetches the claim's row if it is not back yet (in the pipeline, a flush)."""
+        """What the claim found: CLAIMED (the key's session lock is held), EXISTING (its committed
+        record), or IN_FLIGHT (the lock was refused). Fetches the claim's row if it is not back yet
+        (in the pipeline, a flush)."""
         if self._claim is None:
-            try:
-                row = self._cursor.fetchone()
-            except errors.InvalidTextRepresentation as failed:
-                if _KEY_TAKEN not in str(failed):
-                    raise
-                row = None
-            except psycopg.ProgrammingError:
-                # No row, and psycopg already raised the claim's failure from a statement after it
-                # (results come back in order, so nothing of the handler's ran). Taken, most often;
-                # any other failure of the claim also took no lock and applied nothing.
-                row = None
-            if row is None:
-                self._claim = Claim(ClaimStatus.IN_FLIGHT)
-            else:
+            row = self._cursor.fetchone()
+            assert row is not None  # one row, from the one-row left side
+            if row["key"] is not None:
+                self._claim = Claim(ClaimStatus.EXISTING, _record(row))
+            elif row["locked"]:
                 self._claim = Claim(ClaimStatus.CLAIMED, created_at=row["claimed_at"])
+            else:
+                self._claim = Claim(ClaimStatus.IN_FLIGHT)
         return self._claim
 
     def settle(self) -> Claim:
-        """After the pipeline: `claim()`, where a key taken is read again, in a statement started
-        after the claim (as `claim_key` does): EXISTING if its record is there (or its holder has
-        just committed), else IN_FLIGHT."""
+        """After the pipeline: `claim()`, where a refused lock is read again, in a statement started
+        after it was refused (as `claim_key` does): EXISTING if the holder has just committed."""
         claim = self.claim()
         if claim.status is not ClaimStatus.IN_FLIGHT:
             return claim
@@ -295,25 +280,12 @@ class ClaimAhead:
         return claim if found is None else Claim(ClaimStatus.EXISTING, _record(found))
 
 
-#: The completed record's insert.
-_STORE = (
-    "INSERT INTO idempotency_record (scope, key, key_time, method, request_hash, state,"
-    " status_code, status_message, status_details, response, trailers, created_at, completed_at,"
-    " first_traceparent, account_hash)"
-    " VALUES (%(scope)s, %(key)s, %(key_time)s, %(method)s, %(hash)s, 'completed', %(code)s, %(message)s,"
-    " %(details)s, %(response)s, %(trailers)s, %(created_at)s, now(), %(traceparent)s, %(account_hash)s)"
-)
-#: The same, handing the key over from its session lock to a transaction lock.
-_STORE_HANDING_OVER = f"WITH stored AS ({_STORE} RETURNING 1) " + HAND_OVER.format(rows="stored")
-
-
 def complete_key(
     conn: psycopg.Connection[Any],
     *,
     record: IdempotencyRecord,
     account_id: str | None,
     keep_handler_writes: bool,
-    session_lock: bool = True,
 ) -> None:
     """Store the completed record of a claimed key, release the key at the COMMIT, and commit.
 
@@ -327,7 +299,12 @@ def complete_key(
     outcome = record.outcome
     assert outcome is not None
     conn.execute(
-        _STORE_HANDING_OVER if session_lock else _STORE,
+        "WITH stored AS (INSERT INTO idempotency_record (scope, key, key_time, method, request_hash, state,"
+        " status_code, status_message, status_details, response, trailers, created_at, completed_at,"
+        " first_traceparent, account_hash)"
+        " VALUES (%(scope)s, %(key)s, %(key_time)s, %(method)s, %(hash)s, 'completed', %(code)s, %(message)s,"
+        " %(details)s, %(response)s, %(trailers)s, %(created_at)s, now(), %(traceparent)s, %(account_hash)s)"
+        " RETURNING 1) " + HAND_OVER.format(rows="stored"),
         {
             "scope": record.scope,
             "key": record.key,
@@ -348,15 +325,13 @@ def complete_key(
         conn.execute("COMMIT")
 
 
-def release_claim(conn: psycopg.Connection[Any], *, scope: str, key: str, session_lock: bool = True) -> None:
-    """After a failed call: roll back the handler's transaction and release the key (a transaction
-    lock, `session_lock` False, goes with the rollback). A connection that cannot is closed (its
-    session, and the lock with it, ends)."""
+def release_claim(conn: psycopg.Connection[Any], *, scope: str, key: str) -> None:
+    """After a failed call: roll back the handler's transaction and release the key. A connection
+    that cannot is closed (its session, and the lock with it, ends)."""
     try:
         if conn.info.transaction_status is not TransactionStatus.IDLE:
             rollback_keeping_prepared(conn)
-        if session_lock:
-            _release(conn, scope, key).fetchone()
+        _release(conn, scope, key).fetchone()
     except psycopg.Error:
         conn.close()
 
