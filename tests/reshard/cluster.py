@@ -396,5 +396,33 @@ def leftovers(pair: Pair) -> dict[str, object]:
     return found
 
 
+def assert_replays_match(load: Load, pair: Pair, sendings: tuple[int, ...] = (0,)) -> None:
+    """Every key sent again (`Load.replays_that_differ`) answers its first answer verbatim; else the
+    failure lists what each shard's database holds of the keys that differ (their records and ledger
+    rows, with the database's times), read before the databases go."""
+    differ = load.replays_that_differ(sendings)
+    assert differ == [], "\n".join([*differ, *_whereabouts(pair, differ)])
+
+
+def _whereabouts(pair: Pair, differ: list[str]) -> list[str]:
+    found = []
+    for key in sorted({line.split()[1].rstrip(":") for line in differ}):
+        for shard_id in pair.dsns:
+            records = pair.sql(
+                shard_id,
+                "SELECT scope, state, status_code, created_at, completed_at, account_hash"
+                " FROM idempotency_record WHERE key::text = %s",
+                (key,),
+            )
+            entries = pair.sql(
+                shard_id,
+                "SELECT id, account_id, amount_minor, kind, created_at FROM ledger_entries"
+                " WHERE idempotency_key::text = %s",
+                (key,),
+            )
+            found.append(f"{key} on {shard_id}: records {records}; ledger rows {entries}")
+    return found
+
+
 def assert_no_leftovers(pair: Pair) -> None:
     assert {k: v for k, v in leftovers(pair).items() if v} == {}

@@ -49,6 +49,7 @@ from tests.reshard.cluster import (
     Pair,
     accounts,
     assert_no_leftovers,
+    assert_replays_match,
     check_ledger,
     new_pair,
     seed,
@@ -191,7 +192,7 @@ def _run(lagging: Lagging, *, lag_s: float, accounts_each: int) -> None:
     assert load.mismatches == []
     lost = [c for c in load.calls if c.answer[0] != "ok" and c.answer[1] in TRANSIENT]
     assert lost == [], f"{len(lost)} operations got no final answer"
-    assert load.replays_that_differ(sendings=(0, 1)) == []
+    assert_replays_match(load, pair, sendings=(0, 1))
     check_ledger(pair, len(everyone), load.deposited())
     assert_no_leftovers(pair)
 

@@ -41,6 +41,7 @@ from tests.reshard.cluster import (
     Pair,
     accounts,
     assert_no_leftovers,
+    assert_replays_match,
     check_ledger,
     new_pair,
     until_final,
@@ -114,28 +115,6 @@ def _percentiles(values: list[float]) -> str:
     return f"p50 {statistics.median(ordered) * 1000:.0f} / p99 {p99 * 1000:.0f} / max {ordered[-1] * 1000:.0f} ms"
 
 
-def _whereabouts(pair: Pair, differ: list[str]) -> list[str]:
-    """What each shard's database holds of the keys whose replay differed: their records and their
-    ledger rows, with the database's times (a failure's evidence, read before the databases go)."""
-    found = []
-    for key in sorted({line.split()[1].rstrip(":") for line in differ}):
-        for shard_id in pair.dsns:
-            records = pair.sql(
-                shard_id,
-                "SELECT scope, state, status_code, created_at, completed_at, account_hash"
-                " FROM idempotency_record WHERE key::text = %s",
-                (key,),
-            )
-            entries = pair.sql(
-                shard_id,
-                "SELECT id, account_id, amount_minor, kind, created_at FROM ledger_entries"
-                " WHERE idempotency_key::text = %s",
-                (key,),
-            )
-            found.append(f"{key} on {shard_id}: records {records}; ledger rows {entries}")
-    return found
-
-
 def _run(routers: Routers, *, accounts_each: int, moves: int, between_s: float) -> None:
     """`moves` moves of the range, to shard-1 and back in turn, `between_s` apart under the load."""
     pair = routers.pair
@@ -174,8 +153,7 @@ def _run(routers: Routers, *, accounts_each: int, moves: int, between_s: float) 
     assert all(pair.owner(a) == ("shard-1" if moves % 2 else "shard-0") for a in moving)
     assert load.mismatches == []
     # Every key again through both routers, the stale one included: the first answer, verbatim.
-    differ = load.replays_that_differ(sendings=(0, 1))
-    assert differ == [], "\n".join([*differ, *_whereabouts(pair, differ), f"moves (start, end): {windows}"])
+    assert_replays_match(load, pair, sendings=(0, 1))
     lost = [c for c in load.calls if c.answer[0] != "ok" and c.answer[1] in TRANSIENT]
     assert lost == [], f"{len(lost)} operations got no final answer"
     check_ledger(pair, len(everyone), load.deposited())
