@@ -259,24 +259,32 @@ def rollback_keeping_prepared(conn: Connection) -> None:
 def bind_transaction(conn: Connection, key: str) -> Iterator[None]:
     """Make `conn` (which claimed `key`) the current call's transaction for the handlers below.
 
-    While it is bound, `conn.transaction()` is refused: in the middle of the call's pipeline psycopg
-    cannot see the transaction already open (libpq learns it only at a Sync) and would send a BEGIN
-    and a COMMIT of its own, committing the handler's writes before the call's record, and letting
-    go of a key claimed in the same transaction. A handler's statements are the call's transaction.
+    While it is bound, psycopg's transaction control on it (`transaction()`, `commit()`,
+    `rollback()`) is refused: in the middle of the call's pipeline psycopg cannot see the
+    transaction already open (libpq learns it only at a Sync), so `transaction()` would send a BEGIN
+    and a COMMIT of its own, committing the handler's writes before the call's record, `commit()`
+    would do nothing, and `rollback()` would drop the writes and leave the record to be stored
+    alone. A handler's statements are the call's transaction.
     """
     token = _current.set(CallTransaction(conn, key))
-    conn.transaction = _refuse_nested_transaction  # type: ignore[method-assign]
+    for name in _TRANSACTION_CONTROL:
+        setattr(conn, name, _refuse_transaction_control)
     try:
         yield
     finally:
-        del conn.transaction
+        for name in _TRANSACTION_CONTROL:
+            delattr(conn, name)
         _current.reset(token)
 
 
-def _refuse_nested_transaction(*_args: object, **_kwargs: object) -> NoReturn:
+#: psycopg's methods that end or open a transaction, refused to a handler (`bind_transaction`).
+_TRANSACTION_CONTROL = ("transaction", "commit", "rollback")
+
+
+def _refuse_transaction_control(*_args: object, **_kwargs: object) -> NoReturn:
     raise Internal(
-        "a handler opened a transaction of its own inside the call's; it must only run statements on"
-        " current_transaction().conn",
+        "a handler opened, committed or rolled back a transaction itself inside the call's; it must only"
+        " run statements on current_transaction().conn",
         reason=Reason.INTERNAL,
     )
 

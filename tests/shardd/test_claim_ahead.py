@@ -137,16 +137,18 @@ def test_a_handler_that_swallows_the_stopped_pipeline_applies_nothing(database, 
         assert _ledger(db, "carol") == after_first
 
 
+@pytest.mark.parametrize("control", ["transaction", "commit", "rollback"])
 @pytest.mark.parametrize("placement", ["ahead", "first"])
-def test_a_handler_that_opens_a_transaction_of_its_own_is_refused_and_applies_nothing(
-    database, db, placement: str
+def test_a_handler_that_controls_the_transaction_itself_is_refused_and_applies_nothing(
+    database, db, placement: str, control: str
 ) -> None:
     """psycopg cannot see the call's open transaction in the middle of its pipeline: a handler's
     `conn.transaction()` would send its own BEGIN and COMMIT and commit the handler's writes before
-    the record. It is refused instead (INTERNAL), and the call applies nothing."""
+    the record, its `commit()` would do nothing, its `rollback()` would drop the writes and let the
+    record be stored alone. Each is refused instead (INTERNAL), and the call applies nothing."""
     with guarded_deposits(
         database,
-        lambda pool: _NestingServicer(pool, ShardLocator("shard-0", None)),
+        lambda pool: _SelfCommittingServicer(pool, ShardLocator("shard-0", None), control),
         config=IdempotencyConfig(claim_placement=placement),
         completed=CompletedKeys(max_entries=0, max_bytes=0),
     ) as stub:
@@ -158,14 +160,24 @@ def test_a_handler_that_opens_a_transaction_of_its_own_is_refused_and_applies_no
         assert _ledger(db, "dave") == before
 
 
-class _NestingServicer(TransferServicer):
-    """A Deposit that wraps its statement in a transaction of its own."""
+class _SelfCommittingServicer(TransferServicer):
+    """A Deposit that controls its transaction itself: wraps its statement in `conn.transaction()`,
+    or calls `conn.commit()` / `conn.rollback()` after it."""
+
+    def __init__(self, db: Database, locator: ShardLocator, control: str) -> None:
+        super().__init__(db, locator)
+        self._control = control
 
     def Deposit(
         self, request: transfer_pb2.DepositRequest, context: grpc.ServicerContext
     ) -> transfer_pb2.DepositResponse:
-        with current_transaction().conn.transaction():
-            return super().Deposit(request, context)
+        conn = current_transaction().conn
+        if self._control == "transaction":
+            with conn.transaction():
+                return super().Deposit(request, context)
+        response = super().Deposit(request, context)
+        getattr(conn, self._control)()
+        return response
 
 
 def test_parallel_attempts_with_one_key_apply_once(shard, db) -> None:
