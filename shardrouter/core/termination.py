@@ -13,6 +13,8 @@ import threading
 log = logging.getLogger(__name__)
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: How often a main thread waiting for a signal wakes to run a handler that is pending (s).
+_WAKE_S = 0.2
 
 
 class StopDuringStartUp(KeyboardInterrupt):
@@ -34,6 +36,13 @@ class TerminationSignals:
         self.starting = starting
         for signum in _SIGNALS:
             signal.signal(signum, self._received)
+
+    def wait(self) -> None:
+        """Block the main thread until a signal arrives. It wakes every `_WAKE_S`: a signal the
+        kernel delivers to another thread (grpc's, psycopg's pool's) only marks Python's handler as
+        pending, and a main thread blocked in a lock without a timeout would never run it."""
+        while not self.stop.wait(_WAKE_S):
+            pass
 
     def _received(self, signum: int, _frame: object) -> None:
         _announce(signum)

@@ -168,7 +168,7 @@ def _add_up_command(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.PhoenixProcess | None) -> int:
-    stop = TerminationSignals(starting=False).stop
+    signals = TerminationSignals(starting=False)
     try:
         existing = cluster.existing_shard_map()
     except ShardMapError as exc:
@@ -203,7 +203,7 @@ def _run(args: argparse.Namespace, cluster: LocalCluster, phoenix: tracing_ui.Ph
         if args.exit_after_demo:
             return 0
         print("\nCluster running. Ctrl-C stops it (data stays unless you pass --wipe next time).", flush=True)
-        stop.wait()
+        signals.wait()
         return 0
     finally:
         print("Stopping the cluster ...", flush=True)

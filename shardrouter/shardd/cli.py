@@ -153,7 +153,7 @@ def _serve(settings: ShardSettings) -> int:
         log.info("stopped during start-up; nothing was left half done (each migration is one transaction)")
         tracing.shutdown_tracing()
         return 0
-    signals.stop.wait()
+    signals.wait()
     daemon.stop()
     tracing.shutdown_tracing()  # flush the spans still queued
     log.info("stopped")
