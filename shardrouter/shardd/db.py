@@ -25,7 +25,7 @@ from opentelemetry.trace import TracerProvider
 from psycopg import errors
 from psycopg._preparing import Key, Prepare, PrepareManager
 from psycopg._queries import PostgresQuery
-from psycopg.pq import ExecStatus
+from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg.pq.abc import PGresult
 
 from shardrouter.core import tracing
@@ -114,11 +114,18 @@ class Database:
 
     @contextmanager
     def connection(self) -> Iterator[Connection]:
-        """A pooled connection; pool exhaustion and connection failure become UNAVAILABLE fast."""
+        """A pooled connection; pool exhaustion and connection failure become UNAVAILABLE fast.
+
+        A user that leaves normally must leave no transaction open: psycopg_pool commits whatever is
+        open when its context ends without an exception, so a path that forgot a guarded call's
+        handler transaction (its writes without their record, say) would commit it there. Such a
+        transaction is rolled back instead and the user gets Internal (`_refuse_open_transaction`).
+        """
         try:
             with self.pool.connection(timeout=self.acquire_timeout_s) as conn:
                 try:
                     yield conn
+                    _refuse_open_transaction(conn)
                 finally:
                     self.checks.returned(conn)
         except psycopg_pool.PoolTimeout as exc:
@@ -136,6 +143,23 @@ class Database:
             with conn.transaction():
                 conn.execute("SET TRANSACTION READ ONLY")
                 yield conn
+
+
+def _refuse_open_transaction(conn: Connection) -> None:
+    """Roll back a transaction left open (or failed) on a connection about to go back to the pool,
+    and raise Internal: nothing of it is applied. Idle (or closed): nothing to do."""
+    if conn.closed or conn.info.transaction_status not in _OPEN:
+        return
+    try:
+        conn.rollback()
+    except psycopg.Error:
+        conn.close()  # its session ends, and the transaction with it
+    raise Internal(
+        "a database transaction was left open when the call ended; it was rolled back, nothing of it applied"
+    )
+
+
+_OPEN = frozenset({TransactionStatus.INTRANS, TransactionStatus.INERROR})
 
 
 class ConnectionChecks:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import time
 
+import psycopg
+import pytest
+from psycopg.pq import TransactionStatus
+
+from shardrouter.core.errors import Internal
 from shardrouter.localcluster.postgres import LocalPostgres
 from shardrouter.shardd.db import Database
 
@@ -61,5 +66,27 @@ def test_a_connection_is_back_in_the_pool_as_soon_as_the_call_leaves_it(database
                 conn.execute("SELECT 1")
                 conn.commit()
             assert db.pool.get_stats()["pool_available"] == 1
+    finally:
+        db.close()
+
+
+def test_a_transaction_left_open_is_rolled_back_not_committed_by_the_pool(database: str) -> None:
+    # psycopg_pool commits what is open when its context ends normally: a forgotten handler
+    # transaction would land its writes without their record. The pool's user gets Internal instead.
+    db = Database(database, min_size=1, max_size=1)
+    db.open()
+    try:
+        with db.connection() as conn:
+            conn.execute("CREATE TABLE IF NOT EXISTS left_open (n int)")
+        with pytest.raises(Internal, match="left open"), db.connection() as conn:
+            conn.execute("BEGIN")
+            conn.execute("INSERT INTO left_open VALUES (1)")
+        with pytest.raises(Internal, match="left open"), db.connection() as conn:
+            conn.execute("BEGIN")
+            with pytest.raises(psycopg.errors.DivisionByZero):
+                conn.execute("INSERT INTO left_open VALUES (1 / 0)")
+        with db.connection() as conn:
+            assert conn.execute("SELECT count(*) FROM left_open").fetchone() == (0,)
+            assert conn.info.transaction_status is TransactionStatus.IDLE
     finally:
         db.close()
