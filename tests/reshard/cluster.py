@@ -397,11 +397,43 @@ def leftovers(pair: Pair) -> dict[str, object]:
 
 
 def assert_replays_match(load: Load, pair: Pair, sendings: tuple[int, ...] = (0,)) -> None:
-    """Every key sent again (`Load.replays_that_differ`) answers its first answer verbatim; else the
-    failure lists what each shard's database holds of the keys that differ (their records and ledger
-    rows, with the database's times), read before the databases go."""
+    """First, every operation first answered OK left its ledger entry on a shard (`unapplied_oks`:
+    an OK is never the answer to work that did not commit); then every key sent again
+    (`Load.replays_that_differ`) answers its first answer verbatim. Either failure lists what each
+    shard's database holds of the keys concerned (their records and ledger rows, with the
+    database's times), read before the databases go."""
+    unapplied = unapplied_oks(load, pair)
+    assert unapplied == [], "\n".join([*unapplied, *_whereabouts(pair, unapplied)])
     differ = load.replays_that_differ(sendings)
     assert differ == [], "\n".join([*differ, *_whereabouts(pair, differ)])
+
+
+def unapplied_oks(load: Load, pair: Pair) -> list[str]:
+    """The operations answered OK at their first sending whose ledger entry no shard holds: a
+    Deposit's `entry_id`, a Transfer's debit leg (by `transfer_id`). Read before any replay, which
+    could apply such an operation again and hide it."""
+    wanted: dict[str, str] = {}  # entry or transfer id -> "<method> <key>: ..."
+    for key, (method, _, _, first) in load.answers.items():
+        if first[0] != "ok":
+            continue
+        raw = first[1]
+        assert isinstance(raw, bytes)
+        if method == "Deposit":
+            ident = transfer_pb2.DepositResponse.FromString(raw).entry_id
+        else:
+            ident = transfer_pb2.TransferResponse.FromString(raw).transfer.transfer_id
+        wanted[ident] = f"{method} {key}: {first[:2]} answered OK, its ledger entry {ident} is on no shard"
+    found: set[str] = set()
+    for shard_id in pair.dsns:
+        rows = pair.sql(
+            shard_id,
+            "SELECT id::text FROM ledger_entries WHERE id::text = ANY(%s)"
+            " UNION SELECT transfer_id::text FROM ledger_entries"
+            " WHERE kind = 'transfer_out' AND transfer_id::text = ANY(%s)",
+            (list(wanted), list(wanted)),
+        )
+        found.update(str(r[0]) for r in rows)
+    return [line for ident, line in wanted.items() if ident not in found]
 
 
 def _whereabouts(pair: Pair, differ: list[str]) -> list[str]:
