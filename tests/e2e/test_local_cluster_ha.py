@@ -32,7 +32,14 @@ def test_replicated_cluster_serves_and_restarts() -> None:
     data_dir = pg_data_dir()
     for run, expected in ((1, 5), (2, 10)):
         cluster = LocalCluster(
-            data_dir=data_dir, shards=1, replicas=2, standby=True, router_port=free_port(), metrics=False
+            # No HTTP front: its default port (8080) is `dev up`'s, which may be running beside the tests.
+            data_dir=data_dir,
+            shards=1,
+            replicas=2,
+            standby=True,
+            router_port=free_port(),
+            http_port=0,
+            metrics=False,
         )
         cluster.start()
         try:
