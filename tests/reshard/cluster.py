@@ -403,9 +403,9 @@ def assert_replays_match(load: Load, pair: Pair, sendings: tuple[int, ...] = (0,
     shard's database holds of the keys concerned (their records and ledger rows, with the
     database's times), read before the databases go."""
     unapplied = unapplied_oks(load, pair)
-    assert unapplied == [], "\n".join([*unapplied, *_whereabouts(pair, unapplied)])
+    assert unapplied == [], "\n".join([*unapplied, *_whereabouts(pair, load, unapplied)])
     differ = load.replays_that_differ(sendings)
-    assert differ == [], "\n".join([*differ, *_whereabouts(pair, differ)])
+    assert differ == [], "\n".join([*differ, *_whereabouts(pair, load, differ)])
 
 
 def unapplied_oks(load: Load, pair: Pair) -> list[str]:
@@ -414,15 +414,11 @@ def unapplied_oks(load: Load, pair: Pair) -> list[str]:
     could apply such an operation again and hide it."""
     wanted: dict[str, str] = {}  # entry or transfer id -> "<method> <key>: ..."
     for key, (method, _, _, first) in load.answers.items():
-        if first[0] != "ok":
-            continue
-        raw = first[1]
-        assert isinstance(raw, bytes)
-        if method == "Deposit":
-            ident = transfer_pb2.DepositResponse.FromString(raw).entry_id
-        else:
-            ident = transfer_pb2.TransferResponse.FromString(raw).transfer.transfer_id
-        wanted[ident] = f"{method} {key}: {first[:2]} answered OK, its ledger entry {ident} is on no shard"
+        ident = _answered_id(method, first)
+        if ident is not None:
+            wanted[ident] = (
+                f"{method} {key}: {first[:2]} answered OK, its ledger entry {ident} is on no shard"
+            )
     found: set[str] = set()
     for shard_id in pair.dsns:
         rows = pair.sql(
@@ -436,9 +432,26 @@ def unapplied_oks(load: Load, pair: Pair) -> list[str]:
     return [line for ident, line in wanted.items() if ident not in found]
 
 
-def _whereabouts(pair: Pair, differ: list[str]) -> list[str]:
+def _answered_id(method: str, answer: Answer) -> str | None:
+    """The ledger id an OK answer names (a Deposit's entry_id, a Transfer's transfer_id); None if
+    the answer is not OK."""
+    if answer[0] != "ok":
+        return None
+    raw = answer[1]
+    assert isinstance(raw, bytes)
+    if method == "Deposit":
+        return transfer_pb2.DepositResponse.FromString(raw).entry_id
+    return transfer_pb2.TransferResponse.FromString(raw).transfer.transfer_id
+
+
+def _whereabouts(pair: Pair, load: Load, lines: list[str]) -> list[str]:
+    """What each shard holds of the keys named in `lines`: their records and ledger rows, and the
+    ledger row the key's first answer names, whichever key it is under (an answer that carried
+    another call's outcome shows there)."""
     found = []
-    for key in sorted({line.split()[1].rstrip(":") for line in differ}):
+    for key in sorted({line.split()[1].rstrip(":") for line in lines}):
+        method, _, _, first = load.answers[uuid.UUID(key)]
+        ident = _answered_id(method, first)
         for shard_id in pair.dsns:
             records = pair.sql(
                 shard_id,
@@ -452,7 +465,16 @@ def _whereabouts(pair: Pair, differ: list[str]) -> list[str]:
                 " WHERE idempotency_key::text = %s",
                 (key,),
             )
-            found.append(f"{key} on {shard_id}: records {records}; ledger rows {entries}")
+            named = pair.sql(
+                shard_id,
+                "SELECT id, idempotency_key, account_id, amount_minor, kind, created_at FROM ledger_entries"
+                " WHERE id::text = %s OR (kind = 'transfer_out' AND transfer_id::text = %s)",
+                (ident, ident),
+            )
+            found.append(
+                f"{key} on {shard_id}: records {records}; ledger rows {entries}; "
+                f"the first answer's entry {ident}: {named}"
+            )
     return found
 
 
