@@ -147,41 +147,64 @@ def start_move(
     plan = plan_move(shard_map, first_slot, last_slot, target)
     with _connect(databases.dsn(plan.source)) as source, _connect(databases.dsn(plan.target)) as dest:
         # Two starts at once would both pass the checks below before either journals its move; the
-        # start lock on both shards' databases (in shard order; held until the connections close)
+        # start lock on both shards' databases (in shard order, until the journal entry is made)
         # makes the second see the first's journal, or be told to try again.
-        for shard, conn in sorted(((plan.source, source), (plan.target, dest)), key=lambda sc: sc[0]):
-            if not _try_start_lock(conn):
-                raise MoveError(f"another move is being started on {shard} right now; start this one again")
-        for shard, conn in ((plan.source, source), (plan.target, dest)):
-            version = schema_version(conn)
-            if version < _MIN_SCHEMA:
-                raise MoveError(
-                    f"{shard}'s database is at schema {version}; start its shardd once to migrate it"
-                )
-        for conn in (source, dest):
-            for other in journal.active_moves(conn):
-                o = other.plan
-                if o.first_slot <= plan.last_slot and o.last_slot >= plan.first_slot:
+        locked: list[psycopg.Connection[Any]] = []
+        try:
+            for shard, conn in sorted(((plan.source, source), (plan.target, dest)), key=lambda sc: sc[0]):
+                if not _try_start_lock(conn):
                     raise MoveError(
-                        f"move {o.move_id} of slots {o.first_slot}-{o.last_slot} is still {other.phase}: "
-                        f"finish it (reshard resume {o.move_id}) or abort it first"
+                        f"another move is being started on {shard} right now; start this one again"
                     )
-        held = {t: n for t, n in rows_in_range(dest, plan).items() if n}
-        if held:
-            raise MoveError(
-                f"{plan.target} already holds rows of slots {plan.first_slot}-{plan.last_slot} ({held}); "
-                "a move may only copy into an empty range"
-            )
-        for fence in fences.fences(dest):
-            inside = fence.first_slot >= plan.first_slot and fence.last_slot <= plan.last_slot
-            overlaps = fence.first_slot <= plan.last_slot and fence.last_slot >= plan.first_slot
-            if overlaps and not inside:
+                locked.append(conn)
+            return _checked_and_journaled(plan, source, dest)
+        finally:
+            # Let go here, not by closing: a closed session's backend drops its locks only once it
+            # has exited, and a start right after this one would be refused meanwhile.
+            for conn in locked:
+                _release_start_lock(conn)
+
+
+def _release_start_lock(conn: psycopg.Connection[Any]) -> None:
+    try:
+        conn.execute("SELECT pg_advisory_unlock(%s)", (_START_LOCK,))
+    except psycopg.Error:
+        conn.close()  # the lock goes with the session
+
+
+def _checked_and_journaled(
+    plan: MovePlan, source: psycopg.Connection[Any], dest: psycopg.Connection[Any]
+) -> MoveRecord:
+    """Refuse a move that cannot be done (MoveError, with the reason), else journal it; the start
+    lock is held on both databases."""
+    for shard, conn in ((plan.source, source), (plan.target, dest)):
+        version = schema_version(conn)
+        if version < _MIN_SCHEMA:
+            raise MoveError(f"{shard}'s database is at schema {version}; start its shardd once to migrate it")
+    for conn in (source, dest):
+        for other in journal.active_moves(conn):
+            o = other.plan
+            if o.first_slot <= plan.last_slot and o.last_slot >= plan.first_slot:
                 raise MoveError(
-                    f"{plan.target} has a fence of slots {fence.first_slot}-{fence.last_slot} (move "
-                    f"{fence.move_id}) that crosses this range; move that range back whole"
+                    f"move {o.move_id} of slots {o.first_slot}-{o.last_slot} is still {other.phase}: "
+                    f"finish it (reshard resume {o.move_id}) or abort it first"
                 )
-        failpoints.reached("reshard.start_checked")  # checked, not yet journaled; start lock held
-        return journal.create_move(source, plan)
+    held = {t: n for t, n in rows_in_range(dest, plan).items() if n}
+    if held:
+        raise MoveError(
+            f"{plan.target} already holds rows of slots {plan.first_slot}-{plan.last_slot} ({held}); "
+            "a move may only copy into an empty range"
+        )
+    for fence in fences.fences(dest):
+        inside = fence.first_slot >= plan.first_slot and fence.last_slot <= plan.last_slot
+        overlaps = fence.first_slot <= plan.last_slot and fence.last_slot >= plan.first_slot
+        if overlaps and not inside:
+            raise MoveError(
+                f"{plan.target} has a fence of slots {fence.first_slot}-{fence.last_slot} (move "
+                f"{fence.move_id}) that crosses this range; move that range back whole"
+            )
+    failpoints.reached("reshard.start_checked")  # checked, not yet journaled; start lock held
+    return journal.create_move(source, plan)
 
 
 class Move:

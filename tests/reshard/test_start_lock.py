@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
+import psycopg
 import pytest
 import yaml
 
+from shardrouter.reshard import move as move_module
 from shardrouter.reshard.move import Move, MoveError, MoveSettings, start_move
 from tests.processes import Paused, run_to_failpoint
 from tests.reshard.cluster import FIRST, LAST, Pair, assert_no_leftovers
@@ -46,4 +49,33 @@ def test_a_start_while_another_is_between_its_checks_and_its_journal_is_refused(
     record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
     with Move(record, map_store=pair.map_path, databases=pair.databases, settings=MoveSettings()) as move:
         move.abort()
+    assert_no_leftovers(pair)
+
+
+def test_a_start_lets_its_lock_go_before_it_returns(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A closed connection's backend drops its locks only once it has exited: a start that left its
+    # lock to the closing of its sessions refused the next start meanwhile ("another move is being
+    # started"). Here its sessions stay open after it returns, as a backend still exiting would.
+    kept: list[psycopg.Connection[Any]] = []
+    opened = move_module._connect
+
+    def connect_kept_open(dsn: str) -> psycopg.Connection[Any]:
+        conn = opened(dsn)
+        setattr(conn, "close", lambda: None)  # noqa: B010 (shadows the method on this instance)
+        kept.append(conn)
+        return conn
+
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(move_module, "_connect", connect_kept_open)
+            records = [
+                start_move(pair.map_path, pair.databases, FIRST, FIRST + 9, "shard-1"),
+                start_move(pair.map_path, pair.databases, LAST - 9, LAST, "shard-1"),
+            ]
+    finally:
+        for conn in kept:
+            psycopg.Connection.close(conn)
+    for record in records:
+        with Move(record, map_store=pair.map_path, databases=pair.databases, settings=MoveSettings()) as move:
+            move.abort()
     assert_no_leftovers(pair)
