@@ -151,7 +151,7 @@ def _refuse_open_transaction(conn: Connection) -> None:
     if conn.closed or conn.info.transaction_status not in _OPEN:
         return
     try:
-        conn.rollback()
+        rollback_keeping_prepared(conn)  # the connection's prepared statements stay for its next calls
     except psycopg.Error:
         conn.close()  # its session ends, and the transaction with it
     raise Internal(
