@@ -5,7 +5,9 @@ keepalive pings find a dead connection (a shard whose host vanished without a FI
 instead of at the next call's deadline. With `connections` > 1 each address gets that many channels,
 each on its own TCP connection, and calls take them in turn: a shard served by several processes on
 one port (SO_REUSEPORT) receives connections spread over its processes by the kernel, so one router
-does not pin a whole shard's traffic to one of them.
+does not pin a whole shard's traffic to one of them. A call's turn passes over a channel in reconnect
+backoff (its last connection attempt failed) while another is not: after a shard restarts, its
+channels reconnect one by one, each on its own backoff.
 
 The pool belongs to the router's event loop: every method is called on the loop's thread (the
 forwarder's coroutines, and the shard map listener, which hops onto the loop), so it needs no lock.
@@ -90,7 +92,22 @@ class ChannelPool:
         if len(choices) == 1:
             return choices[0]
         self._turn += 1
-        return choices[self._turn % len(choices)]
+        return choices[self._reachable_turn(self._channels[address], self._turn)]
+
+    @staticmethod
+    def _reachable_turn(channels: tuple[grpc.aio.Channel, ...], turn: int) -> int:
+        """The channel of `turn`, or the next one after it whose last connection attempt did not
+        fail. A channel in reconnect backoff fails a call at once; after a shard restarts, its
+        channels come back one by one, up to a second apart, and a call should not fail on one still
+        waiting while another is connected again."""
+        for step in range(len(channels)):
+            index = (turn + step) % len(channels)
+            if (
+                channels[index].get_state(try_to_connect=False)
+                is not grpc.ChannelConnectivity.TRANSIENT_FAILURE
+            ):
+                return index
+        return turn % len(channels)
 
     def addresses(self) -> frozenset[str]:
         """Addresses with an open channel."""

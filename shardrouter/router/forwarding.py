@@ -588,9 +588,9 @@ class Forwarder(_GenericHandler):
             outcome.details,
             extra={"shard_id": shard.id, "addresses": ",".join(shard.addresses)},
         )
+        resend = " with the same idempotency key, so that it applies at most once" if method.keyed else ""
         return Unavailable(
-            f"shard {shard.id} cannot be reached right now; retry in {SHARD_UNAVAILABLE_RETRY_MS} ms "
-            "(a mutating call with the same idempotency key, so that it applies at most once)",
+            f"shard {shard.id} cannot be reached right now; retry in {SHARD_UNAVAILABLE_RETRY_MS} ms{resend}",
             reason=Reason.SHARD_UNAVAILABLE,
             retry_after_ms=SHARD_UNAVAILABLE_RETRY_MS,
             metadata={"shard_id": shard.id},

@@ -69,3 +69,48 @@ def test_a_call_in_flight_on_a_retired_channel_finishes() -> None:
         asyncio.run(scenario())
     finally:
         fake.stop()
+
+
+def test_a_call_passes_over_a_channel_in_reconnect_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a shard restarts, one of its channels is connected again while another still waits out
+    its reconnect backoff: every call goes out on the connected one instead of failing on the other."""
+    from shardrouter.core import channels as core_channels
+    from tests.router.fakeshard import start_fake_shard
+
+    # A backoff far longer than the test, so that the channel that failed to connect stays failed.
+    long_backoff = tuple(
+        (name, 60_000 if "reconnect_backoff" in name else value)
+        for name, value in core_channels.CHANNEL_OPTIONS
+    )
+    monkeypatch.setattr(core_channels, "CHANNEL_OPTIONS", long_backoff)
+    first = start_fake_shard()
+    port = first.port
+
+    async def scenario() -> None:
+        pool = ChannelPool(connections=2)
+        address = f"127.0.0.1:{port}"
+        waiting, connected = pool.channels(address)
+        method = SERVICE + "GetBalance"
+        for channel in (waiting, connected):
+            await channel.unary_unary(method, None, None)(b"", timeout=5, wait_for_ready=True)
+        first.stop()  # the shard goes away: its connections close
+        for _ in range(100):  # `waiting` tries to connect while nothing listens: into its backoff
+            try:
+                await waiting.unary_unary(method, None, None)(b"", timeout=1)
+            except grpc.aio.AioRpcError as error:
+                assert error.code() is grpc.StatusCode.UNAVAILABLE
+            if waiting.get_state() is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                break
+            await asyncio.sleep(0.01)
+        assert waiting.get_state() is grpc.ChannelConnectivity.TRANSIENT_FAILURE
+        second = start_fake_shard(port)  # the shard is back on its port
+        try:
+            await connected.unary_unary(method, None, None)(b"", timeout=5, wait_for_ready=True)
+            assert waiting.get_state() is grpc.ChannelConnectivity.TRANSIENT_FAILURE
+            answers = [await pool.unary_bytes(address, method)(b"\x0a\x01a", timeout=5) for _ in range(6)]
+            assert answers == [b"\x0a\x01a"] * 6
+        finally:
+            await pool.close()
+            second.stop()
+
+    asyncio.run(scenario())
