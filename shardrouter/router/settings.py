@@ -61,8 +61,9 @@ class RouterSettings:
     #: Upper bound of the deadline given to a shard when the caller set none, or a longer one (s).
     #: Above the 30 s that GetTransfer may wait, so a legitimate long poll is never cut short.
     max_deadline_s: float = 60.0
-    #: Connections (channels) to each shard address, used in turn; more than one spreads a shard's
-    #: calls over its serving processes (`SHARDD_PROCESSES`, which share one port).
+    #: Connections (channels) to each shard address, used in turn (passing over one still in
+    #: reconnect backoff while another is connected); more than one spreads a shard's calls over
+    #: its serving processes (`SHARDD_PROCESSES`, which share one port).
     shard_connections: int = 4
     #: Extra rounds for a keyed call or a read whose shard could not be reached, after each of the
     #: shard's daemons was tried once (a mutating call without a key gets no extra rounds).
