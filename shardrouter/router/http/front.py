@@ -887,7 +887,9 @@ async def start_http_server(front: HttpFront, settings: RouterSettings) -> HttpS
         access_log=False,
         server_header=False,
         timeout_keep_alive=int(settings.http_keep_alive_s),
-        limit_concurrency=settings.http_max_connections,
+        # uvicorn counts the connection asking among the open ones (and refuses at the limit):
+        # one more lets exactly `http_max_connections` connections in.
+        limit_concurrency=settings.http_max_connections + 1,
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
     )
     server = _Server(config)
