@@ -1993,6 +1993,9 @@ def test_approver_policies_refuse_the_router_identity_to_anyone_else() -> None:
             "name": "shard-router-router-ca-2-ab12c",
         },
         "another namespace": {**_request(client), "namespace": "payments"},
+        # The validation's regular expression lets a `.` of the trust domain match any character;
+        # the policy's value, a wildcard pattern, holds it to the letter.
+        "a look-alike trust domain": {**caller, "uris": ["spiffe://cluster-local/ns/payments/sa/team-a"]},
     }
     for what, request in refused.items():
         assert not _approved(policies, request), what
