@@ -52,7 +52,7 @@ from shardrouter.core.errors import (
     Unavailable,
 )
 from shardrouter.core.keys import KEY_METADATA
-from shardrouter.core.ownership import LearnedOwners, RangeOwner, owner_of_slot
+from shardrouter.core.ownership import OWNER_KEY, VERSION_KEY, LearnedOwners, RangeOwner, owner_of_slot
 from shardrouter.core.rpcs import RpcDeclaration
 from shardrouter.core.shardmap import Shard, ShardMap
 from shardrouter.core.shardmap_file import ShardMapFile
@@ -640,8 +640,8 @@ def move_refusal(outcome: Outcome) -> MoveRefusal | None:
     info = our_error_info(outcome.trailing_metadata)
     if info is None or info.reason not in MOVE_REASONS:
         return None
-    owner_id = info.metadata.get("owner_shard_id", "")
-    version = info.metadata.get("map_version", "")
+    owner_id = info.metadata.get(OWNER_KEY, "")
+    version = info.metadata.get(VERSION_KEY, "")
     known = bool(owner_id) and version.isascii() and version.isdigit()
     return MoveRefusal(
         info.reason,
