@@ -1,4 +1,5 @@
-"""A move's copy that PostgreSQL can no longer finish by itself is started again.
+"""A move's copy that PostgreSQL can no longer finish by itself is started again; one aborted in
+the middle leaves no table sync slot behind.
 
 A table sync worker that finished its table's copy (state `f`) then streams from its own slot on
 the old owner until it has caught up, and drops that slot in the transaction that records the table
@@ -26,6 +27,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from shardrouter.core.shardmap import even_shard_map, write_shard_map
 from shardrouter.localcluster.postgres import LocalPostgres, free_port
@@ -199,4 +201,39 @@ def test_a_copy_that_stays_stranded_is_given_up_after_a_few_restarts(split_pair:
         with pytest.raises(MoveError, match=r"accounts.*sync slot.*abort"):
             move.run()
         move.abort()
+    assert_no_leftovers(pair)
+
+
+def test_an_abort_during_the_copy_drops_the_sync_slots_the_new_owner_cannot_reach(split_pair: Pair) -> None:
+    """An abort while a table is being copied, the new owner's server unable to reach the old owner
+    (DROP SUBSCRIPTION then leaves the table sync slots there): the abort drops them itself."""
+    pair = split_pair
+    moving, staying = accounts(pair, 2)
+    seed(pair, moving + staying)
+    record = start_move(pair.map_path, pair.databases, FIRST, LAST, TARGET)
+    name = record.plan.object_name
+    relid = int(pair.sql(TARGET, "SELECT 'accounts'::regclass::oid")[0][0])  # type: ignore[call-overload]
+    currency = str(pair.sql(SOURCE, "SELECT currency FROM accounts LIMIT 1")[0][0])
+    with Move(record, map_store=pair.map_path, databases=pair.databases, settings=QUICK) as move:
+        move.run(until=Phase.PREPARED)
+        with (
+            psycopg.connect(pair.dsns[TARGET]) as copy_holder,
+            psycopg.connect(pair.dsns[TARGET], autocommit=True) as target,
+        ):
+            _hold(copy_holder, moving[0], currency)  # the accounts COPY waits on it
+            replication.create_subscription(
+                target, name, source_conninfo=pair.dsns[SOURCE], publication=name, slot=name
+            )
+            _wait("the accounts COPY waiting", lambda: _tablesync_waiting(pair, relid, "d"))
+            assert _sync_slot(pair, relid) is not None
+            # From now on the new owner's server reaches nothing there.
+            target.execute(
+                sql.SQL("ALTER SUBSCRIPTION {} CONNECTION {}").format(
+                    sql.Identifier(name), sql.Literal(f"host=127.0.0.1 port={free_port()} connect_timeout=1")
+                )
+            )
+            move.abort()
+            copy_holder.rollback()
+    assert record.phase is Phase.ABORTED
+    assert _sync_slot(pair, relid) is None
     assert_no_leftovers(pair)
