@@ -55,12 +55,16 @@ def _writes(db: psycopg.Connection[tuple[object, ...]]) -> tuple[object, ...]:
 
 
 def _locks_held_by_shard(db: psycopg.Connection[tuple[object, ...]]) -> list[tuple[object, ...]]:
-    """Advisory and row-level locks held by the shard's connections (a read holds neither)."""
+    """Advisory and row-level locks held by the shard's connections (a read holds neither), with the
+    statement of each. Not the lock a connection being opened holds on its database while it starts
+    (an object lock on pg_database, RowExclusiveLock): the pool may open one at any time."""
     return db.execute(
-        "SELECT l.locktype, l.mode FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+        "SELECT l.locktype, l.mode, l.classid::regclass::text, l.objid, a.query FROM pg_locks l"
+        " JOIN pg_stat_activity a ON a.pid = l.pid"
         " WHERE a.application_name = 'shardd' AND l.granted"
         " AND (l.locktype = 'advisory' OR l.mode IN ('RowShareLock', 'RowExclusiveLock')"
         " OR l.locktype = 'transactionid')"
+        " AND NOT (l.locktype = 'object' AND l.classid = 'pg_database'::regclass)"
     ).fetchall()
 
 
