@@ -356,10 +356,7 @@ class Move:
                 f"lost on {self.plan.source}), still after {restarts - 1} restart(s); abort the move, "
                 "or resume it to copy again"
             )
-        subscription = replication.subscription_oid(self._target, name)
-        replication.drop_subscription(self._target, name)
-        if subscription is not None:
-            replication.drop_sync_slots(self._source, subscription)
+        replication.drop_subscription_and_sync_slots(self._target, self._source, name)
         removed = self._delete_range(self._target)
         replication.release_slot(self._source, name)  # the old subscription's walsender, if still there
         total = int(self.record.figures.get("copy_restarts") or 0) + 1
@@ -606,12 +603,7 @@ class Move:
         if self.record.phase is Phase.ABORTED:
             return self.record
         name = self.plan.object_name
-        subscription = replication.subscription_oid(self._target, name)
-        replication.drop_subscription(self._target, name)
-        if subscription is not None:
-            # Dropped during the copy, a subscription leaves its table sync slots on the old owner
-            # when the new owner's server cannot reach it: each would keep the old owner's WAL.
-            replication.drop_sync_slots(self._source, subscription)
+        replication.drop_subscription_and_sync_slots(self._target, self._source, name)
         replication.drop_slot(self._source, name)
         replication.drop_publication(self._source, name)
         # The replica identity stays FULL (migration 15), also where an older version's journal

@@ -207,6 +207,18 @@ def drop_subscription(conn: psycopg.Connection[Any], name: str) -> None:
     conn.execute(sql.SQL("DROP SUBSCRIPTION {}").format(ident))
 
 
+def drop_subscription_and_sync_slots(
+    target: psycopg.Connection[Any], source: psycopg.Connection[Any], name: str
+) -> list[str]:
+    """`drop_subscription` on the new owner, then the table sync slots it left on the old owner:
+    dropped while tables are still being copied, a subscription drops those only when the new
+    owner's server reaches the old owner, and each left there keeps the old owner's WAL. Returns
+    the sync slots dropped."""
+    subscription = subscription_oid(target, name)
+    drop_subscription(target, name)
+    return [] if subscription is None else drop_sync_slots(source, subscription)
+
+
 def copy_state(conn: psycopg.Connection[Any], name: str) -> CopyState:
     """The initial copy's progress on the target (`r`: copied and streaming)."""
     rows = conn.execute(
@@ -493,6 +505,7 @@ __all__ = [
     "drop_publication",
     "drop_slot",
     "drop_subscription",
+    "drop_subscription_and_sync_slots",
     "drop_sync_slots",
     "ensure_replica_identity",
     "lacking_replica_identity",
