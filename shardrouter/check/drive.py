@@ -38,6 +38,9 @@ from shardrouter.v1 import transfer_pb2
 _SERVICE = "shardrouter.v1.TransferService"
 DEPOSIT = rpc(_SERVICE, "Deposit").full_name
 TRANSFER = rpc(_SERVICE, "Transfer").full_name
+#: Every account the check opens or names starts so: a run's accounts are its own, and an
+#: authorization policy can allow the check on them alone (`chk-*`).
+ACCOUNT_PREFIX = "chk-"
 #: How old the expired keys are: past any retention a deployment is likely to keep (30 days by
 #: default). A shard that keeps keys longer applies them, which the proofs accept.
 EXPIRED_KEY_AGE_DAYS = 400
@@ -261,7 +264,7 @@ def plan(workload: Workload, shards_of: dict[str, str], tag: str) -> list[Operat
         elif label == "cross_shard":
             destination = rng.choice([a for a in accounts if shards_of[a] != shards_of[account]])
         else:
-            destination = f"chk-{tag}-unopened-{i}"
+            destination = f"{ACCOUNT_PREFIX}{tag}-unopened-{i}"
         ops.append(
             Operation(_new_key(label), "transfer", label, account, destination, amount, workload.currency)
         )
@@ -325,7 +328,7 @@ def drive(
                 str(new_key()),
                 "deposit",
                 "seed",
-                f"chk-{tag}-{i}",
+                f"{ACCOUNT_PREFIX}{tag}-{i}",
                 "",
                 workload.seed_amount,
                 workload.currency,
@@ -344,6 +347,7 @@ def drive(
 
 
 __all__ = [
+    "ACCOUNT_PREFIX",
     "DEPOSIT",
     "TRANSFER",
     "DriveSummary",

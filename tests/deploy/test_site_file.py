@@ -38,6 +38,7 @@ PRODUCTION = (
     "examples/restore/reshard",
     "examples/reshard/prod",
     "examples/reconcile/prod",
+    "examples/check/prod",
 )
 #: Settings other than the example's, each one recognisable where it lands.
 OTHER = {
@@ -247,11 +248,14 @@ def test_every_setting_reaches_its_places(other_site: dict[str, list[dict[str, A
     router = policies["shard-router-router-identity"]["allowed"]
     assert router["uris"]["values"] == [f"spiffe://{trust}/ns/{ns}/sa/router"]
     assert router["dnsNames"]["values"] == router_tls["dnsNames"]
-    # the reshard Job and the reconcile Job made from it
-    for target in ("examples/reshard/prod", "examples/reconcile/prod"):
-        (job,) = other_site[target]
+    # the reshard Job and the reconcile and check Jobs made from it
+    for target in ("examples/reshard/prod", "examples/reconcile/prod", "examples/check/prod"):
+        (job,) = [o for o in other_site[target] if o["kind"] == "Job"]
         (c,) = job["spec"]["template"]["spec"]["containers"]
         assert c["image"] == OTHER["image"] and job["metadata"]["namespace"] == ns
+    # the check's own identity
+    check_tls = _only(other_site["examples/check/prod"], "Certificate", "shard-check-tls")["spec"]
+    assert check_tls["uris"] == [f"spiffe://{trust}/ns/{ns}/sa/shard-check"]
 
 
 # --- the restore component -----------------------------------------------------------------------------
