@@ -235,6 +235,24 @@ def _is_timestamp(value: str, moment: datetime) -> bool:
     return abs((parsed - moment).total_seconds()) < 0.001
 
 
+_LOCAL_SETTING = re.compile(r"set_config\('[^']*',.*?,\s*true\)", re.IGNORECASE | re.DOTALL)
+
+
+def _sent_ahead_of_begin(statements: list[Statement]) -> tuple[int, int] | None:
+    """Where a claim sent ahead of the handler starts and where its transaction ends (the first
+    and the COMMIT's index), or None. Such a claim makes transaction-local settings before BEGIN,
+    in the pipeline's implicit transaction, which BEGIN then takes over: sent one by one, as
+    pgbench sends statements, each would be a transaction of its own and the settings gone."""
+    words = [st.sql.split(None, 1)[0].upper() if st.sql else "" for st in statements]
+    if "BEGIN" not in words or "COMMIT" not in words:
+        return None
+    begin = words.index("BEGIN")
+    first = next((i for i in range(begin) if _LOCAL_SETTING.search(statements[i].sql)), None)
+    if first is None:
+        return None
+    return first, begin + words[begin:].index("COMMIT")
+
+
 def script_from_capture(call: Captured) -> str:
     """A pgbench script sending `call`'s statements with fresh keys, accounts and amounts."""
     key_text = str(call.key)
@@ -281,7 +299,12 @@ def script_from_capture(call: Captured) -> str:
         return _literal(value)
 
     lines: list[str] = []
-    for statement in call.statements:
+    ahead = _sent_ahead_of_begin(call.statements)
+    for i, statement in enumerate(call.statements):
+        if ahead and i == ahead[0]:
+            lines.append("-- sent ahead of BEGIN in the call's pipeline: one pipeline here too, so that")
+            lines.append("-- their transaction-local settings reach the transaction BEGIN takes over")
+            lines.append("\\startpipeline")
         if statement.sql == "":
             # pgbench cannot send an empty query; `SELECT` with no target list is the same round trip.
             lines.append("-- the pool's checkout probe (an empty query in the real call)")
@@ -290,6 +313,8 @@ def script_from_capture(call: Captured) -> str:
         params = statement.params
         sql = re.sub(r"\$(\d+)", lambda m, p=params: expression(p.get(int(m.group(1)))), statement.sql)  # type: ignore[misc]
         lines.append(sql + ";")
+        if ahead and i == ahead[1]:
+            lines.append("\\endpipeline")
     # The variables last: expression() adds one pair per extra UUID it meets in the statements.
     header = [
         f"-- {call.name}: the statements one call sends today, captured from the server log.",
