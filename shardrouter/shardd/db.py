@@ -27,6 +27,7 @@ from psycopg._preparing import Key, Prepare, PrepareManager
 from psycopg._queries import PostgresQuery
 from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg.pq.abc import PGresult
+from psycopg.types.numeric import Int8
 
 from shardrouter.core import tracing
 from shardrouter.core.errors import DeadlineExceeded, Internal, Reason, Unavailable
@@ -262,6 +263,14 @@ def trace_connection(conn: Connection, *, tracer_provider: TracerProvider | None
     return True
 
 
+def bigint(value: int) -> Int8:
+    """An integer parameter sent as a bigint whatever its size. psycopg sends a Python int as int2,
+    int4 or int8 by its value, and PostgreSQL and psycopg's statement cache take each type as a
+    statement of its own: amounts of any size, or account hashes above 2**31, would otherwise make
+    two or three prepared statements (and plans, and pg_stat_statements rows) of one SQL text."""
+    return Int8(value)
+
+
 def rollback_keeping_prepared(conn: Connection) -> None:
     """Send ROLLBACK on `conn` (in pipeline mode too) without losing its prepared statements.
 
@@ -391,6 +400,7 @@ __all__ = [
     "ConnectionChecks",
     "Database",
     "PipelineSafePrepares",
+    "bigint",
     "bind_transaction",
     "current_transaction",
     "mapped_database_errors",

@@ -73,7 +73,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from shardrouter.core.shardmap import account_hash
-from shardrouter.shardd.db import rollback_keeping_prepared
+from shardrouter.shardd.db import bigint, rollback_keeping_prepared
 from shardrouter.shardd.idempotency.record import (
     Claim,
     ClaimStatus,
@@ -318,7 +318,7 @@ def complete_key(
             "trailers": Jsonb(outcome.trailers_json()),
             "created_at": record.created_at,
             "traceparent": record.first_traceparent,
-            "account_hash": account_hash(account_id) if account_id else None,
+            "account_hash": bigint(account_hash(account_id)) if account_id else None,
         },
     )
     if keep_handler_writes:

@@ -17,6 +17,8 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from shardrouter.shardd.db import bigint
+
 Connection = psycopg.Connection[Any]
 
 
@@ -124,8 +126,8 @@ def deposit(
         {
             "id": account_id,
             "currency": currency,
-            "amount": amount_minor,
-            "max": max_balance,
+            "amount": bigint(amount_minor),
+            "max": bigint(max_balance),
             "entry": entry_id,
             "key": idempotency_key,
             "reference": reference,
@@ -166,7 +168,7 @@ def slot_fenced(conn: Connection, account_id: str) -> bool:
 def add_to_balance(conn: Connection, account_id: str, delta: int) -> None:
     """Move an account's balance by `delta` (the CHECK constraints forbid < 0). Nothing is fetched:
     in pipeline mode it travels with the next statement whose result is, or with the COMMIT."""
-    conn.execute("UPDATE accounts SET balance = balance + %s WHERE id = %s", (delta, account_id))
+    conn.execute("UPDATE accounts SET balance = balance + %s WHERE id = %s", (bigint(delta), account_id))
 
 
 def insert_entry(
@@ -184,7 +186,7 @@ def insert_entry(
     conn.execute(
         "INSERT INTO ledger_entries (id, account_id, amount_minor, kind, transfer_id, idempotency_key, reference)"
         " VALUES (%s, %s, %s, %s, %s, %s, %s)",
-        (entry_id, account_id, amount_minor, kind, transfer_id, idempotency_key, reference),
+        (entry_id, account_id, bigint(amount_minor), kind, transfer_id, idempotency_key, reference),
     )
 
 
@@ -205,7 +207,7 @@ def insert_entry_once(
         "INSERT INTO ledger_entries (id, account_id, amount_minor, kind, transfer_id, idempotency_key, reference)"
         " VALUES (%s, %s, %s, %s, %s, %s, %s)"
         " ON CONFLICT (transfer_id, kind) WHERE transfer_id IS NOT NULL DO NOTHING RETURNING id",
-        (entry_id, account_id, amount_minor, kind, transfer_id, idempotency_key, reference),
+        (entry_id, account_id, bigint(amount_minor), kind, transfer_id, idempotency_key, reference),
     ).fetchone()
     return row is not None
 
@@ -244,7 +246,7 @@ def insert_transfer(conn: Connection, transfer: TransferRow) -> None:
             transfer.source_account_id,
             transfer.destination_account_id,
             transfer.destination_shard_id,
-            transfer.amount_minor,
+            bigint(transfer.amount_minor),
             transfer.currency,
             transfer.reference,
             transfer.state,
