@@ -1,13 +1,16 @@
 """The comparison on hand-made facts: the kinds a restore rarely makes (a credit and a refund of one
 transfer, two credits, entries that add up to nothing), what stays in flight, a shard not given, and
-the money identity."""
+the money identity; and `check`'s two reads, one snapshot after the other."""
 
 from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
 
+import pytest
+
 from shardrouter.core.keys import new_key
+from shardrouter.reconcile import check as check_module
 from shardrouter.reconcile.check import Kind, classify
 from shardrouter.reconcile.facts import ShardFacts, reversal_key
 from shardrouter.shardd.ledger.reads import TransferEntryRow
@@ -145,3 +148,39 @@ def test_a_shard_not_given_is_not_judged_and_money_says_so() -> None:
     assert [m.kind for m in report.mismatches] == [Kind.MONEY_NOT_CONSERVED]
     assert report.mismatches[0].effect_minor == -10
     assert any("were not checked" in note and "b" in note for note in report.notes)
+
+
+def test_check_keeps_what_both_reads_saw_and_counts_what_only_the_second_saw_as_moving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`check` reads every shard twice: a mismatch both reads saw is reported; one only the second
+    saw (a transfer moving on between the reads) is left out, its id kept as moving and its money
+    counted in flight; one only the first saw has settled meanwhile."""
+    stays, moves, settles = new_key(), new_key(), new_key()
+    refunded = [_leg("a", stays, "refund", 10, "src")]
+    first = _facts(*_settled(stays), *refunded, *_settled(settles), _leg("a", settles, "refund", 10, "src"))
+    second = _facts(
+        *_settled(stays),
+        *refunded,
+        *_settled(settles),
+        *_settled(moves),
+        _leg("b", moves, "transfer_in", 10, "x"),
+    )
+    for facts, created in ((first, 20), (second, 20)):
+        facts["a"].deposits["EUR"], facts["a"].balances["EUR"] = 100, (100 + created, 2)
+    reads = iter([first, second])
+    monkeypatch.setattr(check_module, "read_all", lambda dsns, since=None: next(reads))
+    monkeypatch.setattr(check_module, "_records_by_key", lambda dsns, ids: {})
+    alone = classify(second)
+    assert {m.transfer_id for m in alone.mismatches} == {stays, moves}, "the second read alone sees both"
+
+    report = check_module.check({"a": "unused", "b": "unused"})
+
+    assert [m.transfer_id for m in report.mismatches] == [stays]
+    assert report.moving_ids == {moves}
+    (moving,) = [m for m in alone.mismatches if m.transfer_id == moves]
+    assert report.money is not None and alone.money is not None
+    assert report.money["EUR"].mismatches == alone.money["EUR"].mismatches - moving.effect_minor
+    assert report.money["EUR"].in_flight == alone.money["EUR"].in_flight - moving.effect_minor
+    assert any("seen by one read only" in note for note in report.notes)
+    assert next(reads, None) is None, "exactly two reads"
