@@ -87,6 +87,10 @@ _PERMANENT = {
 _IDLE_S = 1.0
 #: The channel a commit that queues a credit notifies (migration 11).
 OUTBOX_CHANNEL = "shardrouter_outbox"
+#: The relay's failpoints (core/failpoints.py): a credit delivered and answered OK, not yet marked
+#: delivered; a dead letter committed, its refund not yet sent.
+DELIVERED_BEFORE_MARKED = "shardd.relay_delivered_before_marked"
+DEAD_LETTERED_BEFORE_REFUND = "shardd.relay_dead_lettered_before_refund"
 _MAX_BACKOFF_S = 60.0
 #: How often, at most, the client certificate files are checked for a rotation (s).
 _CERT_POLL_S = CERT_POLL_S
@@ -271,7 +275,7 @@ class OutboxRelay:
         if stats.dead_lettered:
             # Dead letters committed, their refunds not yet sent: the next pass (of whichever daemon)
             # must find them owed (crash tests stop here).
-            failpoints.reached("shardd.relay_dead_lettered_before_refund")
+            failpoints.reached(DEAD_LETTERED_BEFORE_REFUND)
         refunded = self.refund_owed()
         return RelayStats(stats.delivered, stats.postponed, stats.dead_lettered, refunded)
 
@@ -415,7 +419,7 @@ class OutboxRelay:
                 # Delivered, not yet marked in the outbox (the claiming transaction is open): after a
                 # crash here the credit is sent again, and the destination's key makes that harmless
                 # (crash tests stop here).
-                failpoints.reached("shardd.relay_delivered_before_marked")
+                failpoints.reached(DELIVERED_BEFORE_MARKED)
                 store.mark_delivered(conn, row.id)
                 if store.set_transfer_state(conn, row.transfer_id, expected="pending", new="completed"):
                     completed.append(row.transfer_id)
@@ -488,6 +492,8 @@ def _backoff(attempts: int) -> float:
 
 
 __all__ = [
+    "DEAD_LETTERED_BEFORE_REFUND",
+    "DELIVERED_BEFORE_MARKED",
     "OUTBOX_CHANNEL",
     "OutboxRelay",
     "RelayStats",

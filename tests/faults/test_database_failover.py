@@ -38,6 +38,7 @@ import pytest
 
 from shardrouter.core.keys import KEY_METADATA, new_key
 from shardrouter.localcluster.postgres import ReplicatedPostgres
+from shardrouter.shardd.idempotency.steps import CLAIMED_BEFORE_COMMIT, COMMITTED_BEFORE_ANSWER
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.faults.daemons import (
     DEPOSIT,
@@ -200,7 +201,7 @@ def test_database_failover_loses_no_acknowledged_deposit_long(tmp_path: Path) ->
     _drill(tmp_path, before_s=20.0, after_s=20.0, seed=13)
 
 
-@pytest.mark.parametrize("point", ["shardd.claimed_before_commit", "shardd.committed_before_answer"])
+@pytest.mark.parametrize("point", [CLAIMED_BEFORE_COMMIT, COMMITTED_BEFORE_ANSWER])
 def test_a_daemon_killed_at_a_failpoint_across_a_failover_applies_the_retry_once(
     tmp_path: Path, point: str
 ) -> None:
@@ -220,7 +221,7 @@ def test_a_daemon_killed_at_a_failpoint_across_a_failover_applies_the_retry_once
         key, request = str(new_key()), deposit_request("acct-f", 250)
         first = call_in_background(armed.address, DEPOSIT, request, key)
         paused = armed.wait_paused(point)
-        committed = point == "shardd.committed_before_answer"
+        committed = point == COMMITTED_BEFORE_ANSWER
         stored = stored_response(rep.dsn, key)
         assert (stored is not None) is committed
         standby = [r for r in rep.replication() if r["application_name"] == rep.STANDBY_NAME]

@@ -25,6 +25,7 @@ import pytest
 from shardrouter.core.keys import new_key
 from shardrouter.core.wire_names import WAIT_APPLIED_TRAILER
 from shardrouter.localcluster.postgres import LocalPostgres, free_port
+from shardrouter.shardd.idempotency.steps import CLAIMED_BEFORE_COMMIT
 from shardrouter.shardd.idempotency.waiting import DONE_CHANNEL, WAIT_CHANNEL
 from shardrouter.v1 import transfer_pb2
 from tests.faults.daemons import (
@@ -44,7 +45,7 @@ from tests.faults.daemons import (
     wait_for,
 )
 
-CLAIMED = "shardd.claimed_before_commit"
+CLAIMED = CLAIMED_BEFORE_COMMIT
 SRC, DST = "acct-src", "acct-dst"
 
 

@@ -29,7 +29,9 @@ import pytest
 from shardrouter.core.keys import new_key
 from shardrouter.internal.v1 import ledger_pb2
 from shardrouter.localcluster.postgres import LocalPostgres
-from shardrouter.shardd.ledger.service import credit_key, refund_key
+from shardrouter.shardd.idempotency.steps import COMMITTED_BEFORE_ANSWER
+from shardrouter.shardd.ledger.service import REFUND_APPLIED_BEFORE_MARKED, credit_key, refund_key
+from shardrouter.shardd.relay import DEAD_LETTERED_BEFORE_REFUND, DELIVERED_BEFORE_MARKED
 from shardrouter.v1 import transfer_pb2
 from tests.faults.daemons import (
     TRANSFER,
@@ -42,7 +44,7 @@ from tests.faults.daemons import (
     wait_for,
 )
 
-DELIVERED = "shardd.relay_delivered_before_marked"
+DELIVERED = DELIVERED_BEFORE_MARKED
 REFUND = "/shardrouter.internal.v1.ShardLedgerService/RefundTransfer"
 
 
@@ -133,9 +135,9 @@ def test_a_relay_killed_after_delivery_before_marking_it_delivers_again_and_the_
 @pytest.mark.parametrize(
     ("point", "refunded_at_the_kill"),
     [
-        ("shardd.relay_dead_lettered_before_refund", False),
-        ("shardd.refund_applied_before_marked", False),
-        ("shardd.committed_before_answer", True),
+        (DEAD_LETTERED_BEFORE_REFUND, False),
+        (REFUND_APPLIED_BEFORE_MARKED, False),
+        (COMMITTED_BEFORE_ANSWER, True),
     ],
 )
 def test_a_daemon_killed_inside_a_refund_refunds_exactly_once(

@@ -25,6 +25,7 @@ import yaml
 from shardrouter.core.keys import new_key
 from shardrouter.core.shardmap import even_shard_map, shard_map_document
 from shardrouter.localcluster.postgres import LocalPostgres, free_port
+from shardrouter.shardd.idempotency.steps import CLAIMED_BEFORE_COMMIT, COMMITTED_BEFORE_ANSWER
 from shardrouter.v1 import transfer_pb2_grpc
 from tests.faults.daemons import (
     DEPOSIT,
@@ -105,7 +106,7 @@ def _run(postgres: LocalPostgres, tmp_path: Path, seconds: float, seed: int) -> 
             proxy.close()
 
 
-@pytest.mark.parametrize("point", ["shardd.claimed_before_commit", "shardd.committed_before_answer"])
+@pytest.mark.parametrize("point", [CLAIMED_BEFORE_COMMIT, COMMITTED_BEFORE_ANSWER])
 def test_the_router_resends_a_call_whose_daemon_was_killed_at_a_failpoint(
     postgres: LocalPostgres, tmp_path: Path, point: str
 ) -> None:
@@ -120,7 +121,7 @@ def test_the_router_resends_a_call_whose_daemon_was_killed_at_a_failpoint(
         key, request = str(new_key()), deposit_request("acct-r", 250)
         answer = call_in_background(shard.router.address, DEPOSIT, request, key)
         paused = armed.wait_paused(point)
-        committed = point == "shardd.committed_before_answer"
+        committed = point == COMMITTED_BEFORE_ANSWER
         stored = stored_response(shard.dsn, key)
         assert (stored is not None) is committed
         assert not answer.done()

@@ -29,6 +29,7 @@ import pytest
 
 from shardrouter.core.keys import new_key
 from shardrouter.localcluster.postgres import LocalPostgres
+from shardrouter.shardd.idempotency.steps import CLAIMED_BEFORE_COMMIT, COMMITTED_BEFORE_ANSWER
 from shardrouter.v1 import transfer_pb2_grpc
 from tests.faults.daemons import (
     DEPOSIT,
@@ -48,8 +49,8 @@ from tests.faults.daemons import (
 from tests.faults.load import DepositLoad, Ledger, LoadResult
 from tests.processes import ServiceProcess, router_process, shardd_process
 
-CLAIMED = "shardd.claimed_before_commit"
-ANSWERED = "shardd.committed_before_answer"
+CLAIMED = CLAIMED_BEFORE_COMMIT
+ANSWERED = COMMITTED_BEFORE_ANSWER
 SRC, DST = "acct-src", "acct-dst"
 
 

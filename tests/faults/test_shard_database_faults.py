@@ -21,6 +21,7 @@ import grpc
 import pytest
 
 from shardrouter.localcluster.postgres import LocalPostgres
+from shardrouter.shardd.idempotency.steps import CLAIMED_BEFORE_COMMIT, COMMITTED_BEFORE_ANSWER
 from shardrouter.v1 import transfer_pb2_grpc
 from tests.faults.load import TRANSIENT, DepositLoad, Ledger
 from tests.faults.tcp_proxy import TcpProxy
@@ -100,7 +101,7 @@ def _run(tmp_path: Path, seconds: float, seed: int, kill_at: str | None) -> None
         shutil.rmtree(pg.data_dir.parent, ignore_errors=True)
 
 
-@pytest.mark.parametrize("point", ["shardd.claimed_before_commit", "shardd.committed_before_answer"])
+@pytest.mark.parametrize("point", [CLAIMED_BEFORE_COMMIT, COMMITTED_BEFORE_ANSWER])
 def test_faults_between_shard_and_database_and_a_kill_at_a_failpoint(tmp_path: Path, point: str) -> None:
     _run(tmp_path, seconds=6.0, seed=3, kill_at=point)
 

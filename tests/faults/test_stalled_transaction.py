@@ -14,9 +14,10 @@ import grpc
 
 from shardrouter.core.keys import new_key
 from shardrouter.localcluster.postgres import LocalPostgres
+from shardrouter.shardd.idempotency.steps import CLAIMED_BEFORE_COMMIT
 from tests.faults.daemons import DEPOSIT, OneShard, balances, call, deposit_request, entries
 
-POINT = "shardd.claimed_before_commit"
+POINT = CLAIMED_BEFORE_COMMIT
 DEADLINE_S = 1.5
 
 

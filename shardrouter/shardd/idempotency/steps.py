@@ -78,6 +78,12 @@ from shardrouter.shardd.idempotency.record import (
 )
 from shardrouter.shardd.identity import IdentityPolicy
 
+#: A guarded call's failpoints (core/failpoints.py), where the crash tests stop a daemon: the key
+#: claimed and the handler's writes sent, nothing committed; committed, the answer not yet written.
+CLAIMED_BEFORE_COMMIT = "shardd.claimed_before_commit"
+COMMITTED_BEFORE_ANSWER = "shardd.committed_before_answer"
+
+
 # --- building the input: the key rules, the request --------------------------------------------
 
 
@@ -258,7 +264,7 @@ class AnswerFromMemory:
         if made:
             # Committed, the flight landed, the answer not yet written: a crash here leaves the caller
             # without its answer, and its retry must replay the stored one (crash tests stop here).
-            failpoints.reached("shardd.committed_before_answer")
+            failpoints.reached(COMMITTED_BEFORE_ANSWER)
             return record.outcome, OutcomeKind.NEW, record.key_time
         return replay(record, call, source="database"), OutcomeKind.REPLAY, record.key_time
 
@@ -349,7 +355,7 @@ class StoreOutcome:
         record = dataclasses.replace(claimed, state=RecordState.COMPLETED, outcome=self._next(call, conn))
         # The key claimed and the handler's writes sent in its open transaction, nothing committed: a
         # crash here must let the key go with every write (crash tests stop here).
-        failpoints.reached("shardd.claimed_before_commit")
+        failpoints.reached(CLAIMED_BEFORE_COMMIT)
         return self._keys.complete(conn, call, record)
 
 
@@ -661,6 +667,8 @@ _DB_ATTRIBUTES = {"db.system": "postgresql", "db.system.name": "postgresql"}
 
 
 __all__ = [
+    "CLAIMED_BEFORE_COMMIT",
+    "COMMITTED_BEFORE_ANSWER",
     "EXPIRES_AT_TRAILER",
     "Admit",
     "AnswerFromMemory",

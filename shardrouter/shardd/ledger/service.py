@@ -47,6 +47,9 @@ from shardrouter.shardd.transfer_waits import TransferWaits
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 
 MAX_BALANCE = 10**17
+#: A failpoint (core/failpoints.py): a refund's writes made in its open transaction, the transfer not
+#: yet marked refunded.
+REFUND_APPLIED_BEFORE_MARKED = "shardd.refund_applied_before_marked"
 _TRANSFER_STATES = {
     "pending": transfer_pb2.TRANSFER_STATE_PENDING,
     "completed": transfer_pb2.TRANSFER_STATE_COMPLETED,
@@ -392,7 +395,7 @@ class ShardLedgerServicer(ledger_pb2_grpc.ShardLedgerServiceServicer):
         store.set_transfer_state(call.conn, transfer_id, expected="pending", new="refunded")
         # The refund applied in the call's open transaction, its dead letter not yet marked refunded:
         # both commit together or neither does (crash tests stop here).
-        failpoints.reached("shardd.refund_applied_before_marked")
+        failpoints.reached(REFUND_APPLIED_BEFORE_MARKED)
         store.mark_refunded(call.conn, transfer_id)
         return ledger_pb2.RefundTransferResponse(entry_id=str(entry_id))
 
@@ -492,6 +495,7 @@ def _transfer_message(transfer: TransferRow, attempts: list[store.AttemptRow]) -
 __all__ = [
     "ACCOUNT_MOVED_RETRY_MS",
     "MAX_BALANCE",
+    "REFUND_APPLIED_BEFORE_MARKED",
     "REQUEST_VALIDATORS",
     "ShardLedgerServicer",
     "ShardLocator",
