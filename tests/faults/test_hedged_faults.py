@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import signal
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -15,6 +14,7 @@ from shardrouter.localcluster.postgres import LocalPostgres, free_port
 from shardrouter.v1 import transfer_pb2_grpc
 from tests.faults.daemons import OneShard
 from tests.faults.load import DepositLoad, Ledger
+from tests.metrics import scrape
 
 #: The stall: as long as a long GC pause or a CPU-starved node, short for a test.
 STALL_S = 1.0
@@ -22,13 +22,10 @@ STALL_S = 1.0
 
 def _hedges(port: int) -> dict[str, float]:
     """router_hedges_total by result, summed over shards."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        lines = reply.read().decode().splitlines()
     found: dict[str, float] = {}
-    for line in lines:
-        if line.startswith("router_hedges_total{"):
-            result = line.split('result="', 1)[1].split('"', 1)[0]
-            found[result] = found.get(result, 0.0) + float(line.rsplit(" ", 1)[1])
+    for labels, value in scrape(port, "router_hedges_total").items():
+        result = dict(labels)["result"]
+        found[result] = found.get(result, 0.0) + value
     return found
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -16,7 +15,6 @@ from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader, NumberDataPoint
 from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from shardrouter.core.grpcserver import listen_host
 from shardrouter.core.metrics import start_metrics_server
@@ -35,19 +33,13 @@ from shardrouter.shardd.observability import (
 from shardrouter.shardd.server import MONTHS_AHEAD, ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.helpers import deposit, key_metadata, make_settings, money
+from tests.metrics import Labels, all_samples, scrape_text
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+Samples = dict[tuple[str, Labels], float]
 
 
 def scrape(port: int) -> Samples:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        assert reply.status == 200
-        text = reply.read().decode()
-    out: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return out
+    return all_samples(scrape_text(port))
 
 
 def value(samples: Samples, name: str, **labels: str) -> float | None:

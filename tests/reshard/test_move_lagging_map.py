@@ -24,7 +24,6 @@ from __future__ import annotations
 import shutil
 import statistics
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from shardrouter.reshard.move import Move, MoveSettings, start_move
 from shardrouter.reshard.plan import Phase
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.helpers import error_info, key_metadata, money
+from tests.metrics import scrape
 from tests.processes import ServiceProcess, router_process, shardd_process
 from tests.reshard.cluster import (
     FIRST,
@@ -76,12 +76,8 @@ class Lagging:
         return getattr(stub, method)(request, metadata=key_metadata(key), timeout=5)
 
     def gauge(self, process: str, name: str) -> float | None:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics[process]}/metrics", timeout=5) as reply:
-            text = reply.read().decode()
-        for line in text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-        return None
+        found = scrape(self.metrics[process], name)
+        return next(iter(found.values()), None)
 
     def versions(self) -> dict[str, float | None]:
         """The map version each process reports."""

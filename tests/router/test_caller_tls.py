@@ -11,7 +11,6 @@ import ssl
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +18,9 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from shardrouter.localcluster.postgres import free_port
+from tests.metrics import samples, scrape_text
 from tests.processes import ROOT, ServiceProcess, router_process
 from tests.router.fakeshard import single_shard_map, start_fake_shard
 from tests.tls import CertFiles, TestCA, publish_like_a_secret
@@ -54,8 +53,7 @@ class RouterUnderTest:
         return self.process.address
 
     def scrape(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as reply:
-            return str(reply.read().decode())
+        return scrape_text(self.metrics_port)
 
 
 @pytest.fixture
@@ -217,10 +215,9 @@ def _raw_get(
 
 def _failures(text: str) -> dict[str, float]:
     return {
-        sample.labels["reason"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "router_tls_handshake_failures_total" and sample.labels["protocol"] == "http"
+        dict(labels)["reason"]: value
+        for labels, value in samples(text, "router_tls_handshake_failures_total").items()
+        if dict(labels)["protocol"] == "http"
     }
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from shardrouter.core.wire_names import WAIT_METADATA
 from shardrouter.localcluster.postgres import free_port
 from shardrouter.router.forwarding import SLOW_DAEMON_AVOID_S
 from shardrouter.v1 import transfer_pb2
+from tests.metrics import scrape
 from tests.processes import ServiceProcess, router_process
 from tests.router.fakeshard import FakeShard, SeenCall, echo, start_fake_shard
 
@@ -84,13 +84,10 @@ def _timed(channel: grpc.Channel, method: str, body: bytes, metadata: tuple[tupl
 
 
 def _hedges(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        lines = reply.read().decode().splitlines()
     return {
-        result: float(line.rsplit(" ", 1)[1])
-        for line in lines
-        for result in ("sent", "won")
-        if line.startswith("router_hedges_total{") and f'result="{result}"' in line
+        dict(labels)["result"]: value
+        for labels, value in scrape(port, "router_hedges_total").items()
+        if dict(labels)["result"] in ("sent", "won")
     }
 
 

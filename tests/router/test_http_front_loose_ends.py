@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import grpc
 import psycopg
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from shardrouter.core.keys import new_key
 from shardrouter.localcluster.postgres import free_port
@@ -26,12 +25,12 @@ from shardrouter.router.server import RouterThread
 from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2
 from tests.helpers import make_settings, money
+from tests.metrics import Labels, samples
 from tests.router.test_http_front import _router as http_front_router
 
 NIL = "00000000-0000-0000-0000-000000000000"
 DEPOSIT = b'{"accountId":"zed","amount":{"amountMinor":"1","currency":"EUR"}}'
 BODY_TIMEOUT_S = 1.0
-Labels = tuple[tuple[str, str], ...]
 
 
 @dataclass
@@ -86,17 +85,8 @@ def lab(database: str, tmp_path) -> Iterator[Lab]:
         shard.stop(0.5)
 
 
-def _samples(text: str, name: str) -> dict[Labels, float]:
-    return {
-        tuple(sorted(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    }
-
-
 def _delta(before: str, after: str, name: str = "router_requests_total") -> dict[Labels, float]:
-    old, new = _samples(before, name), _samples(after, name)
+    old, new = samples(before, name), samples(after, name)
     return {
         labels: value - old.get(labels, 0.0) for labels, value in new.items() if value != old.get(labels, 0.0)
     }

@@ -12,14 +12,12 @@ from __future__ import annotations
 import http.client
 import socket
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from shardrouter.core.shardmap import even_shard_map, shard_map_document
 from shardrouter.localcluster.postgres import free_port
@@ -27,6 +25,7 @@ from shardrouter.router.server import RouterThread, start_router_thread
 from shardrouter.router.settings import RouterSettings
 from shardrouter.v1 import transfer_pb2
 from tests.helpers import money
+from tests.metrics import Labels, samples, scrape_text
 from tests.router.fakeshard import FakeShard, SeenCall, start_fake_shard
 
 JSON = "application/json"
@@ -34,7 +33,6 @@ DEPOSIT = b'{"accountId":"zed","amount":{"amountMinor":"1","currency":"EUR"}}'
 #: The router's body (and header) timeout here (s): a slow body is cut off after it.
 BODY_TIMEOUT_S = 1.0
 
-Labels = tuple[tuple[str, str], ...]
 
 
 def _balance(call: SeenCall, context: grpc.ServicerContext) -> bytes:
@@ -54,9 +52,7 @@ class Front:
         return self.router.http_port
 
     def scrape(self) -> str:
-        url = f"http://127.0.0.1:{self.router.router.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as reply:
-            return reply.read().decode()
+        return scrape_text(self.router.router.metrics_port)
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> int:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
@@ -92,18 +88,9 @@ def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
         shard.stop()
 
 
-def _samples(text: str, name: str) -> dict[Labels, float]:
-    return {
-        tuple(sorted(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    }
-
-
 def _delta(before: str, after: str, name: str) -> dict[Labels, float]:
     """The samples of `name` that changed between two scrapes, by how much."""
-    old, new = _samples(before, name), _samples(after, name)
+    old, new = samples(before, name), samples(after, name)
     return {labels: value - old.get(labels, 0.0) for labels, value in new.items() if value != old.get(labels, 0.0)}
 
 

@@ -5,12 +5,10 @@ router itself (RESOURCE_EXHAUSTED naming the limit, ErrorInfo REQUEST_TOO_LARGE)
 from __future__ import annotations
 
 import json
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from shardrouter.localcluster.postgres import free_port
 from shardrouter.router.message_limit import grpc_receive_cap
@@ -18,23 +16,16 @@ from shardrouter.router.server import start_router_thread
 from shardrouter.router.settings import RouterSettings
 from shardrouter.v1 import transfer_pb2
 from tests.helpers import error_info
+from tests.metrics import Labels, scrape
 from tests.router.fakeshard import single_shard_map, start_fake_shard
 
 GET_BALANCE = "/shardrouter.v1.TransferService/GetBalance"
 LIMIT = 64 * 1024
 
-Labels = tuple[tuple[str, str], ...]
 
 
 def _counts(port: int) -> dict[Labels, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    return {
-        tuple(sorted(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "router_requests_total"
-    }
+    return scrape(port, "router_requests_total")
 
 
 def _varint(value: int) -> bytes:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 import uuid
 import zlib
 from collections.abc import Iterator
@@ -44,6 +43,7 @@ from shardrouter.shardd.ownership import record_owner
 from shardrouter.shardd.server import ShardDaemon, start_shard
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.helpers import error_info, key_metadata, make_settings, money
+from tests.metrics import scrape_text
 from tests.router.fakeshard import SeenCall, start_fake_shard
 
 SLOW_POLL_S = 60.0  # no poll happens during a test: what a call learns, it learns on demand
@@ -154,8 +154,7 @@ def _deposit(
 
 
 def _scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        return str(reply.read().decode())
+    return scrape_text(port)
 
 
 def _series(text: str, series: str) -> float:

@@ -9,7 +9,6 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from shardrouter.core.shardmap import ShardMap, even_shard_map, shard_map_document
 from shardrouter.localcluster.postgres import free_port
@@ -17,13 +16,13 @@ from shardrouter.router.server import start_router_thread
 from shardrouter.router.settings import RouterSettings
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.helpers import key_metadata, money
+from tests.metrics import samples, scrape_text
 from tests.processes import router_process
 from tests.router.fakeshard import SeenCall, start_fake_shard
 
 
 def _scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        return reply.read().decode()
+    return scrape_text(port)
 
 
 def _value(text: str, series: str) -> float:
@@ -80,16 +79,6 @@ def test_router_counts_answers_by_method_and_code(shard, tmp_path) -> None:
 SLOW_S = 0.3
 
 
-def _samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    """Every sample `name` of a scrape, by its labels (sorted)."""
-    return {
-        tuple(sorted(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    }
-
-
 def _account_on(shard_map: ShardMap, shard_id: str, prefix: str) -> str:
     return next(a for a in (f"{prefix}-{i}" for i in range(10_000)) if shard_map.shard_for(a).id == shard_id)
 
@@ -144,7 +133,7 @@ def test_a_call_counts_under_the_shard_it_was_forwarded_to(tmp_path: Path) -> No
         deadline = time.monotonic() + 5
         while True:
             text = _scrape(metrics_port)
-            counts = _samples(text, "router_requests_total")
+            counts = samples(text, "router_requests_total")
             if sum(counts.values()) >= 8 or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
@@ -164,11 +153,11 @@ def test_a_call_counts_under_the_shard_it_was_forwarded_to(tmp_path: Path) -> No
         series("INVALID_ARGUMENT", "none"): 1.0,
     }, text
     assert (len(fast.calls), len(slow.calls)) == (2, 4)
-    buckets = _samples(text, "router_request_duration_seconds_bucket")
+    buckets = samples(text, "router_request_duration_seconds_bucket")
     # shard-1's slowness shows on shard-1 alone: none of its calls within 0.25 s, all within 0.5 s
     for protocol, calls in (("grpc", 3.0), ("http", 1.0)):
         assert buckets[tuple(sorted((*series("OK", "shard-1", protocol), ("le", "0.25"))))] == 0.0, text
         assert buckets[tuple(sorted((*series("OK", "shard-1", protocol), ("le", "0.5"))))] == calls, text
     assert buckets[tuple(sorted((*series("OK", "shard-0"), ("le", "0.25"))))] == 2.0, text
-    durations = _samples(text, "router_request_duration_seconds_count")
+    durations = samples(text, "router_request_duration_seconds_count")
     assert durations == counts, text

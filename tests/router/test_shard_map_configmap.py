@@ -5,7 +5,6 @@ server, `tests/kube_fake.py`)."""
 from __future__ import annotations
 
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from shardrouter.localcluster.postgres import free_port
 from shardrouter.router.server import start_router_thread
 from shardrouter.router.settings import RouterSettings
 from tests.kube_fake import fake_kube
+from tests.metrics import scrape_text
 
 NS, NAME = "shard-router", "shard-map"
 
@@ -26,10 +26,9 @@ def _data(version: int) -> dict[str, str]:
 
 
 def _metric(port: int, series: str) -> float | None:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        for line in reply.read().decode().splitlines():
-            if line.startswith(series + " "):
-                return float(line.rsplit(" ", 1)[1])
+    for line in scrape_text(port).splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
     return None
 
 

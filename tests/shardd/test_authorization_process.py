@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from shardrouter.core.keys import new_key
 from shardrouter.localcluster.postgres import free_port
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.helpers import key_metadata, money
+from tests.metrics import scrape_text
 from tests.processes import ServiceProcess, shardd_process
 
 
@@ -87,8 +87,7 @@ def _deposit(address: str, account: str) -> grpc.StatusCode:
 
 
 def _metrics(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        return str(response.read().decode())
+    return scrape_text(port)
 
 
 def _within(seconds: float, check: Callable[[], bool]) -> float:

@@ -7,7 +7,6 @@ import json
 import os
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -21,13 +20,12 @@ from shardrouter.router.channels import CHANNEL_OPTIONS
 from shardrouter.shardd.processes import PARENT_PID_ENV, port_is_free, stop_with_parent
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.helpers import money
+from tests.metrics import scrape
 from tests.processes import ServiceProcess, shardd_process
 
 
 def _metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+    return sum(scrape(port, name).values())
 
 
 def _deposits(address: str, connections: int, each: int) -> list[str]:
