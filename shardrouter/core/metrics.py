@@ -28,6 +28,8 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
 from prometheus_client import CollectorRegistry, start_http_server
 
+from shardrouter.core.grpcserver import ListenError
+
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
@@ -96,9 +98,12 @@ def start_metrics_server(port: int, registry: CollectorRegistry, *, host: str = 
     """Serve `registry` at http://host:port/metrics in a daemon thread (port 0: pick a free one).
 
     The default host is every interface (a Prometheus in the cluster scrapes the pod); local runs
-    and tests pass 127.0.0.1.
+    and tests pass 127.0.0.1. grpcserver.ListenError, naming the address, if it cannot be bound.
     """
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:  # the port in use, or the host not this machine's: say which
+        raise ListenError(f"cannot serve /metrics on {host}:{port}: {exc.strerror or exc}") from exc
     bound = int(server.server_port)
     log.info("metrics on http://%s:%d/metrics", host, bound)
     return MetricsServer(host, bound, server, thread)

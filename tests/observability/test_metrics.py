@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -14,9 +15,9 @@ import yaml
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader, NumberDataPoint
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
-from shardrouter.core.grpcserver import listen_host
+from shardrouter.core.grpcserver import ListenError, listen_host
 from shardrouter.core.metrics import start_metrics_server
 from shardrouter.core.shardmap import even_shard_map, shard_map_document
 from shardrouter.localcluster.postgres import free_port
@@ -314,3 +315,14 @@ def test_shard_metrics_are_opentelemetry_instruments() -> None:
         metrics.shutdown()
         metrics.shutdown()  # idempotent: the daemon may reach it twice
     assert list(metrics.registry.collect()) == []
+
+
+def test_a_metrics_port_in_use_is_refused_naming_it() -> None:
+    """A process that cannot bind its /metrics port stops with the address in its one line, as it
+    does for its gRPC port, not with a bare OSError ("cannot start: : Address already in use")."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ListenError, match=rf"cannot serve /metrics on 127\.0\.0\.1:{port}: .*in use"):
+            start_metrics_server(port, CollectorRegistry(), host="127.0.0.1")
