@@ -10,6 +10,8 @@ allowing exactly the calls the check sends.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import re
 from pathlib import Path
@@ -50,8 +52,14 @@ VARIANTS = tuple(CHECK_EXAMPLES)
 CHECK_SPIFFE_ID = "spiffe://cluster.local/ns/shard-router/sa/shard-check"
 
 
-def _rendered(variant: str) -> tuple[dict[str, Any], ...]:
+@functools.cache
+def _rendering(variant: str) -> tuple[dict[str, Any], ...]:
     return kustomize(CHECK_EXAMPLES[variant])
+
+
+def _rendered(variant: str) -> tuple[dict[str, Any], ...]:
+    """A fresh copy of the variant's objects (rendered once per process)."""
+    return copy.deepcopy(_rendering(variant))
 
 
 def _only(rendered: tuple[dict[str, Any], ...], kind: str) -> dict[str, Any]:
