@@ -19,16 +19,6 @@ def scrape_text(port: int) -> str:
     return text
 
 
-def samples(text: str, name: str) -> dict[Labels, float]:
-    """Every sample called `name` in an exposition text, by its labels."""
-    return {
-        tuple(sorted(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    }
-
-
 def all_samples(text: str) -> dict[tuple[str, Labels], float]:
     """Every sample of an exposition text, by its name and labels."""
     return {
@@ -36,6 +26,11 @@ def all_samples(text: str) -> dict[tuple[str, Labels], float]:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+def samples(text: str, name: str) -> dict[Labels, float]:
+    """Every sample called `name` in an exposition text, by its labels."""
+    return {labels: value for (sample, labels), value in all_samples(text).items() if sample == name}
 
 
 def scrape(port: int, name: str) -> dict[Labels, float]:

@@ -153,10 +153,6 @@ def _deposit(
     return stub.Deposit.with_call(request, metadata=metadata, timeout=timeout)  # type: ignore[no-any-return]
 
 
-def _scrape(port: int) -> str:
-    return scrape_text(port)
-
-
 def _series(text: str, series: str) -> float:
     return next(
         (float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series + " ")), 0.0
@@ -210,7 +206,7 @@ def test_a_call_the_old_owner_refuses_reaches_the_new_owner_on_the_same_call(clu
         assert dict(retry.trailing_metadata())["idempotency-replayed"] == "true"
         assert cluster.balance("shard-b", account) == 7
 
-        text = _scrape(router.metrics_port)
+        text = scrape_text(router.metrics_port)
         # the redirect under the shard that refused; each call under the shard that answered it (the
         # first deposit, before the move, under shard-a)
         assert _series(text, 'router_redirects_total{reason="ACCOUNT_MOVED",shard="shard-a"}') == 1.0, text
@@ -287,7 +283,7 @@ def test_daemons_whose_maps_disagree_end_with_the_shards_answer(cluster: Cluster
     for shard_id in SHARDS:
         assert cluster.records_of(shard_id, metadata[0][1]) == 0
         assert cluster.balance(shard_id, account) is None
-    text = _scrape(cluster.router.router.metrics_port)
+    text = scrape_text(cluster.router.router.metrics_port)
     assert _series(text, 'router_redirects_total{reason="ACCOUNT_MOVED",shard="shard-a"}') == 1.0, text
     # the caller got shard-b's refusal: the call counts there
     refusal = 'router_requests_total{code="UNAVAILABLE",method="Deposit",protocol="grpc",shard="shard-b"}'
@@ -410,7 +406,7 @@ def test_a_call_waiting_on_a_cut_over_goes_to_the_new_owner_when_the_map_commits
     assert response.balance.amount_minor == 7
     assert cluster.balance("shard-b", account) == 7
     assert cluster.balance("shard-a", account) is None
-    text = _scrape(cluster.router.router.metrics_port)
+    text = scrape_text(cluster.router.router.metrics_port)
     assert _series(text, 'router_redirects_total{reason="SLOT_RANGE_MOVING",shard="shard-a"}') == 1.0, text
     assert _series(text, 'router_requests_total{code="OK",method="Deposit",protocol="grpc",shard="shard-b"}') == 1.0, text
 

@@ -21,10 +21,6 @@ from tests.processes import router_process
 from tests.router.fakeshard import SeenCall, start_fake_shard
 
 
-def _scrape(port: int) -> str:
-    return scrape_text(port)
-
-
 def _value(text: str, series: str) -> float:
     for line in text.splitlines():
         if line.startswith(series + " "):
@@ -56,12 +52,12 @@ def test_router_counts_answers_by_method_and_code(shard, tmp_path) -> None:
         # The router counts a call as its answer goes out, so the last one may land a moment after
         # the caller has it.
         deadline = time.monotonic() + 5
-        text = _scrape(port)
+        text = scrape_text(port)
         while _value(text, 'router_requests_total{code="NOT_FOUND",method="GetBalance",protocol="grpc",shard="s0"}') < 1 and (
             time.monotonic() < deadline
         ):
             time.sleep(0.05)
-            text = _scrape(port)
+            text = scrape_text(port)
     finally:
         router.stop(0.5)
     # the shard answered every one (the zero amount too): all under its id
@@ -132,7 +128,7 @@ def test_a_call_counts_under_the_shard_it_was_forwarded_to(tmp_path: Path) -> No
             assert reply.status == 200
         deadline = time.monotonic() + 5
         while True:
-            text = _scrape(metrics_port)
+            text = scrape_text(metrics_port)
             counts = samples(text, "router_requests_total")
             if sum(counts.values()) >= 8 or time.monotonic() > deadline:
                 break

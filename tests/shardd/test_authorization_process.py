@@ -86,10 +86,6 @@ def _deposit(address: str, account: str) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def _metrics(port: int) -> str:
-    return scrape_text(port)
-
-
 def _within(seconds: float, check: Callable[[], bool]) -> float:
     started = time.monotonic()
     while not check():
@@ -106,15 +102,15 @@ def test_a_swapped_policy_takes_effect_and_a_broken_one_is_refused(daemon) -> No
     _publish(folder, "v2", _policy("second", ["a-*", "b-*"]))
     took = _within(5, lambda: _deposit(process.address, "b-1") == grpc.StatusCode.OK)
     assert took < 5
-    assert 'shardd_authz_policy_info{hash="' in _metrics(metrics_port)
-    assert 'name="second"' in _metrics(metrics_port)
+    assert 'shardd_authz_policy_info{hash="' in scrape_text(metrics_port)
+    assert 'name="second"' in scrape_text(metrics_port)
 
     _publish(
         folder,
         "v3",
         '{"name": "third", "allow_policies": [{"name": "svc", "source": {"principals": "svc"}}]}',
     )
-    _within(5, lambda: 'shardd_authz_policy_reloads_total{result="refused"} 1.0' in _metrics(metrics_port))
+    _within(5, lambda: 'shardd_authz_policy_reloads_total{result="refused"} 1.0' in scrape_text(metrics_port))
     assert _deposit(process.address, "b-2") == grpc.StatusCode.OK  # the last good policy stays
     assert _deposit(process.address, "c-1") == grpc.StatusCode.PERMISSION_DENIED
 
