@@ -16,10 +16,11 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import psycopg
 import psycopg_pool
+from google.protobuf.message import Message
 from opentelemetry.instrumentation.psycopg import PsycopgInstrumentor
 from opentelemetry.trace import TracerProvider
 from psycopg import errors
@@ -35,15 +36,33 @@ from shardrouter.core.errors import DeadlineExceeded, Internal, Reason, Unavaila
 log = logging.getLogger(__name__)
 
 Connection = psycopg.Connection[Any]
+_Response = TypeVar("_Response", bound=Message)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CallTransaction:
     """The open transaction of a guarded call and the idempotency key it claimed."""
 
     conn: Connection
     #: Its canonical text (a UUID's lower-case form, or an opaque key as sent).
     key: str
+    #: Whether the handler may build its answer in its statement (`answer_sql`) instead of fetching
+    #: what it needs to build it here: the claim, the handler's statements, the record and the
+    #: COMMIT then go in one round trip. Only where the claim travels with the handler.
+    answers_in_database: bool = False
+    #: Whether the handler did (`answer_noted`).
+    answer_noted: bool = False
+
+    def answered_in_database(self, response_type: type[_Response]) -> _Response:
+        """What a handler returns once its statement noted the call's answer (`answer_sql.noting_answer`)
+        in a transaction that `answers_in_database`: an empty `response_type`, which the interceptor
+        never serialises; it stores and answers the bytes the statement built. A statement that wrote
+        nothing noted nothing, and the interceptor runs the handler again, answers fetched."""
+        assert self.answers_in_database, (
+            "the answer can be noted only where the transaction answers in the database"
+        )
+        self.answer_noted = True
+        return response_type()
 
 
 _current: contextvars.ContextVar[CallTransaction | None] = contextvars.ContextVar("shardd_txn", default=None)
@@ -289,8 +308,11 @@ def rollback_keeping_prepared(conn: Connection) -> None:
 
 
 @contextmanager
-def bind_transaction(conn: Connection, key: str) -> Iterator[None]:
-    """Make `conn` (which claimed `key`) the current call's transaction for the handlers below.
+def bind_transaction(
+    conn: Connection, key: str, *, answers_in_database: bool = False
+) -> Iterator[CallTransaction]:
+    """Make `conn` (which claimed `key`) the current call's transaction for the handlers below, and
+    yield it (`answer_noted` tells, after the handler, whether it noted its answer in the database).
 
     While it is bound, psycopg's transaction control on it (`transaction()`, `commit()`,
     `rollback()`) is refused: in the middle of the call's pipeline psycopg cannot see the
@@ -299,11 +321,12 @@ def bind_transaction(conn: Connection, key: str) -> Iterator[None]:
     would do nothing, and `rollback()` would drop the writes and leave the record to be stored
     alone. A handler's statements are the call's transaction.
     """
-    token = _current.set(CallTransaction(conn, key))
+    transaction = CallTransaction(conn, key, answers_in_database)
+    token = _current.set(transaction)
     for name in _TRANSACTION_CONTROL:
         setattr(conn, name, _refuse_transaction_control)
     try:
-        yield
+        yield transaction
     finally:
         for name in _TRANSACTION_CONTROL:
             delattr(conn, name)

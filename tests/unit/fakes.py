@@ -9,7 +9,7 @@ writes. The real store is tested against PostgreSQL (tests/shardd).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
@@ -78,15 +78,17 @@ class FakeKeys:
         return self.ahead
 
     @contextmanager
-    def claiming_transaction(self, conn: FakeTransaction, call: GuardedCall) -> Iterator[FakeTransaction]:
+    def claiming_transaction(
+        self, conn: FakeTransaction, call: GuardedCall
+    ) -> Iterator[Callable[[IdempotencyRecord], IdempotencyRecord]]:
         claim = self.claim(conn, call)
         if claim.status is ClaimStatus.CLAIMED:
             with self.handler_transaction(conn, call):
-                yield conn
+                yield _as_committed
             return
         # The handler runs, but the database skips all it sends: nothing of it is kept.
         with contextlib.suppress(Exception):
-            yield conn
+            yield _as_committed
         raise KeyNotClaimed(claim)
 
     def complete(self, conn: FakeTransaction, call: GuardedCall, record: IdempotencyRecord) -> IdempotencyRecord:
@@ -133,3 +135,8 @@ class FakeContext:
     def abort_with_status(self, status: grpc.Status) -> None:
         self.status = status
         raise Aborted(status.code)
+
+
+def _as_committed(record: IdempotencyRecord) -> IdempotencyRecord:
+    """No handler here builds its answer in the database: the record is committed as completed."""
+    return record

@@ -142,6 +142,17 @@ class KeyNotClaimed(Exception):
         self.claim = claim
 
 
+class AnswerNotNoted(Exception):
+    """A handler that builds its answer in the database noted none: its statement wrote nothing,
+    the COMMIT sent with it stored no record, and the key is still held by the claim (`claim`), for
+    the handler to run again with its answer fetched (where it says why it wrote nothing)."""
+
+    def __init__(self, claim: Claim) -> None:
+        assert claim.status is ClaimStatus.CLAIMED and claim.created_at is not None
+        super().__init__("no answer noted")
+        self.claim = claim
+
+
 class KeyStore(Protocol):
     """What the steps need of the key table: `steps.DatabaseKeys` over PostgreSQL (a fake in unit tests).
 
@@ -168,10 +179,15 @@ class KeyStore(Protocol):
         (`claiming_transaction`) instead of going first on its own (`claim`)."""
         ...
 
-    def claiming_transaction(self, conn: Any, call: GuardedCall) -> AbstractContextManager[Any]:
+    def claiming_transaction(
+        self, conn: Any, call: GuardedCall
+    ) -> AbstractContextManager[Callable[[IdempotencyRecord], IdempotencyRecord]]:
         """The claim and the handler's transaction at once: as `handler_transaction` when the claim
         takes the key; when it finds the key taken, nothing the handler sent is applied and
-        `KeyNotClaimed` is raised, carrying what the claim found (EXISTING or IN_FLIGHT)."""
+        `KeyNotClaimed` is raised, carrying what the claim found (EXISTING or IN_FLIGHT). A handler
+        may build its answer in the database there (`shardd.answer_sql`): it yields what gives the
+        record as committed, once the transaction has ended, with the answer read back; a handler
+        that noted none raises `AnswerNotNoted` at the end, the key still held."""
         ...
 
     def complete(self, conn: Any, call: GuardedCall, record: IdempotencyRecord) -> IdempotencyRecord:
@@ -182,6 +198,7 @@ class KeyStore(Protocol):
 
 
 __all__ = [
+    "AnswerNotNoted",
     "Answered",
     "CallStep",
     "FlightStep",

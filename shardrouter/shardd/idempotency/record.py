@@ -24,6 +24,10 @@ class StoredOutcome:
     details: bytes | None
     response: bytes | None
     trailers: tuple[Trailer, ...]
+    #: A success whose response the handler's statement built and noted in the database
+    #: (`shardd.answer_sql`): `response` is None until the transaction has ended and the stored
+    #: bytes are read back. Never true of a record stored, read or replayed.
+    response_in_database: bool = False
 
     @property
     def is_ok(self) -> bool:

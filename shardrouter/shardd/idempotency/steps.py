@@ -54,6 +54,7 @@ from shardrouter.shardd.error_interceptor import decode_request
 from shardrouter.shardd.idempotency import store
 from shardrouter.shardd.idempotency.call import (
     Answered,
+    AnswerNotNoted,
     FlightStep,
     GuardedCall,
     KeyNotClaimed,
@@ -304,10 +305,14 @@ class ClaimOrReplay:
             call.span.set_attribute("idempotency.claim", "ahead" if ahead else "first")
             if ahead:
                 try:
-                    with keys.claiming_transaction(conn, call):
+                    with keys.claiming_transaction(conn, call) as as_committed:
                         record = self._next(call, conn, self._claimed(call, call.key.time))
+                    record = as_committed(record)
                 except KeyNotClaimed as refused:
                     claim = refused.claim
+                except AnswerNotNoted as unanswered:
+                    # Nothing was written, and the key is still ours: the handler again, the usual way.
+                    claim = unanswered.claim
                 else:
                     flight.mark_claimed()
                     return record, True
@@ -375,7 +380,11 @@ class RunHandler:
         """The handler's outcome, to store."""
         context = call.context
         try:
-            with bind_transaction(conn, call.key.text):
+            # A handler may build its answer in the database only where the claim, its statements,
+            # the record and the COMMIT can go together: with a claim sent ahead, in one pipeline.
+            with bind_transaction(
+                conn, call.key.text, answers_in_database=_CLAIM_AHEAD.get() is not None
+            ) as transaction:
                 response = self._behaviour(call.request, context)
         except ShardRouterError as error:
             if not error.is_stored_outcome:
@@ -386,6 +395,15 @@ class RunHandler:
                 details=to_status_proto(error).SerializeToString(deterministic=True),
                 response=None,
                 trailers=handler_trailers(context),
+            )
+        if transaction.answer_noted:
+            return StoredOutcome(
+                code=0,
+                message="",
+                details=None,
+                response=None,
+                trailers=handler_trailers(context),
+                response_in_database=True,
             )
         if response is None:
             raise Internal(f"{self._method} handler returned no response")
@@ -547,11 +565,17 @@ class DatabaseKeys:
         return self._database.pipeline and call.key.dated_by_key and self.placement.ahead()
 
     @contextmanager
-    def claiming_transaction(self, conn: Any, call: GuardedCall) -> Iterator[Any]:
+    def claiming_transaction(
+        self, conn: Any, call: GuardedCall
+    ) -> Iterator[Callable[[IdempotencyRecord], IdempotencyRecord]]:
         """The claim, BEGIN and the bounds travel with the handler's first statement
         (`store.ClaimAhead`); when the claim finds the key taken, the database skips the rest of
-        the pipeline, and `KeyNotClaimed` says what it found. Otherwise as `handler_transaction`."""
+        the pipeline, and `KeyNotClaimed` says what it found. Otherwise as `handler_transaction`;
+        a handler's answer noted in the database is read back from the record's insert (`complete`)
+        once the pipeline has ended: what this yields puts it in the record, and no answer noted
+        raises `AnswerNotNoted` (the COMMIT stored nothing; the key is still held)."""
         ahead = store.ClaimAhead(conn, scope=call.scope, key=call.key.text, key_time=call.key.time)
+        committed = _NotedAnswer(ahead)
         try:
             failure: Exception | None = None
             try:
@@ -565,7 +589,7 @@ class DatabaseKeys:
                         )
                         token = _CLAIM_AHEAD.set(ahead)
                         try:
-                            yield conn
+                            yield committed.with_answer
                         finally:
                             _CLAIM_AHEAD.reset(token)
                     except Exception as exc:
@@ -579,8 +603,14 @@ class DatabaseKeys:
                 raise KeyNotClaimed(ahead.settle())
             self.placement.note(duplicate=False)
             self._check_ended(conn, call)
+            if ahead.stored is not None:
+                committed.answer = ahead.noted_answer()
+                if committed.answer is None:
+                    raise AnswerNotNoted(claim)
         except KeyNotClaimed:
             self.placement.note(duplicate=True)
+            raise
+        except AnswerNotNoted:
             raise
         except BaseException as exc:
             settled = _settled_elsewhere(ahead) if isinstance(exc, Exception) else None
@@ -614,6 +644,11 @@ class DatabaseKeys:
         outcome = record.outcome
         assert outcome is not None
         ahead = _CLAIM_AHEAD.get()
+        if outcome.response_in_database:
+            # Nothing fetched: the record's insert and the COMMIT go with the handler's statement.
+            assert ahead is not None
+            ahead.stored = store.complete_key_with_noted_answer(conn, record=record, account_id=call.account_id)
+            return record
         if ahead is not None:
             claim = ahead.claim()
             if claim.status is not ClaimStatus.CLAIMED:
@@ -627,6 +662,30 @@ class DatabaseKeys:
             keep_handler_writes=outcome.code == 0,
         )
         return record
+
+
+class _NotedAnswer:
+    """What a handler noted in the database, put in its record once the transaction has ended."""
+
+    __slots__ = ("_ahead", "answer")
+
+    def __init__(self, ahead: store.ClaimAhead) -> None:
+        self._ahead = ahead
+        self.answer: bytes | None = None
+
+    def with_answer(self, record: IdempotencyRecord) -> IdempotencyRecord:
+        """`record` as committed: a response noted in the database in it, dated by the claim."""
+        outcome = record.outcome
+        if outcome is None or not outcome.response_in_database:
+            return record
+        assert self.answer is not None
+        created_at = self._ahead.claim().created_at
+        assert created_at is not None
+        return dataclasses.replace(
+            record,
+            created_at=created_at,
+            outcome=dataclasses.replace(outcome, response=self.answer, response_in_database=False),
+        )
 
 
 #: The claim sent ahead of the running handler, for `DatabaseKeys.complete` (None: claimed first).

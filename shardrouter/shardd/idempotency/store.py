@@ -6,10 +6,12 @@ UUID version, an opaque key) is dated by its first receipt: its record is found 
 the live partitions.
 
 A guarded call with a UUIDv7 key takes two round trips when it applies, the claim sent ahead of the
-handler's statements in their pipeline (`ClaimAhead`); with its claim sent first (a key dated by
-receipt, or while many recent claims were duplicates: `placement.py`) three when it applies (four
-for a key dated by receipt) and one when it replays. `tests/shardd/test_statement_budget.py` pins
-the statements each runs, `bench/statement_cost.py` lists them.
+handler's statements in their pipeline (`ClaimAhead`), and one when its handler builds its answer in
+the database (a Deposit: `shardd.answer_sql`, `complete_key_with_noted_answer`); with its claim sent
+first (a key dated by receipt, or while many recent claims were duplicates: `placement.py`) three
+when it applies (four for a key dated by receipt) and one when it replays.
+`tests/shardd/test_statement_budget.py` pins the statements each runs, `bench/statement_cost.py`
+lists them.
 
 Claim sent ahead (pipeline mode, a UUIDv7 key), the first round trip:
 
@@ -21,7 +23,12 @@ Claim sent ahead (pipeline mode, a UUIDv7 key), the first round trip:
        A key already taken: PostgreSQL skips everything after the failing statement until the Sync,
        which rolls the implicit transaction back; what the claim's row says decides the answer
        (EXISTING replayed; a refused lock read once more after the pipeline: EXISTING or IN_FLIGHT)
-    3  as below, the second round trip
+    3  as below, the second round trip; or, when the handler noted its answer in the database
+       (its statement built the serialised response and set it in a transaction-local setting),
+       the record's insert storing what was noted and the COMMIT go in the same pipeline, so the
+       call is one round trip. A statement that wrote nothing noted nothing: no record is stored,
+       the COMMIT commits nothing, the session lock still holds the key, and the handler runs again
+       as after a claim sent first (2 and 3 below), fetching what it needs to say why
 
 Claim sent first, the three round trips:
 
@@ -73,6 +80,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from shardrouter.core.shardmap import account_hash
+from shardrouter.shardd.answer_sql import NOTED_ANSWER
 from shardrouter.shardd.db import bigint, rollback_keeping_prepared
 from shardrouter.shardd.idempotency.record import (
     Claim,
@@ -107,11 +115,13 @@ _CLAIM_SQL = (
     " r.* FROM (SELECT 1) AS one LEFT JOIN LATERAL ({record}) AS r ON true"
 )
 #: The hand-over of a claimed key, once per row of `{rows}`: its transaction lock taken (the COMMIT
-#: lets it go), then its session lock let go; OFFSET 0 keeps the two in that order.
-HAND_OVER = (
-    f"SELECT pg_advisory_unlock({_KEY_LOCK}) FROM"
-    f" (SELECT pg_advisory_xact_lock({_KEY_LOCK}) FROM {{rows}} OFFSET 0) AS handed_over"
+#: lets it go), then its session lock let go; OFFSET 0 keeps the two in that order. `{columns}`:
+#: what else each row returns ("" or ", " and columns of `{rows}`).
+HAND_OVER_RETURNING = (
+    f"SELECT pg_advisory_unlock({_KEY_LOCK}){{columns}} FROM"
+    f" (SELECT pg_advisory_xact_lock({_KEY_LOCK}), * FROM {{rows}} OFFSET 0) AS handed_over"
 )
+HAND_OVER = HAND_OVER_RETURNING.replace("{columns}", "")
 _CLAIM_DATED = _CLAIM_SQL.format(record=_DATED_RECORD)
 _CLAIM_UNDATED = _CLAIM_SQL.format(record=_UNDATED_RECORD)
 
@@ -235,13 +245,15 @@ class ClaimAhead:
     statement's failure from any statement sent after it, `send` included.
     """
 
-    __slots__ = ("_claim", "_cursor", "_params")
+    __slots__ = ("_claim", "_cursor", "_params", "stored")
 
     def __init__(self, conn: psycopg.Connection[Any], *, scope: str, key: str, key_time: datetime) -> None:
         """The claim of a key dated by itself (a UUIDv7), on `conn`, before it is sent."""
         self._cursor = conn.cursor(row_factory=dict_row)
         self._params: dict[str, Any] = {"scope": scope, "key": key, "key_time": key_time}
         self._claim: Claim | None = None
+        #: The record's insert, when the handler noted its answer (`complete_key_with_noted_answer`).
+        self.stored: psycopg.Cursor[Any] | None = None
 
     def send(self, *, lock_timeout_ms: int | None = None, statement_timeout_ms: int | None = None) -> None:
         """Queue, in the connection's pipeline, the claim, the statement that stops the pipeline
@@ -269,6 +281,13 @@ class ClaimAhead:
                 self._claim = Claim(ClaimStatus.IN_FLIGHT)
         return self._claim
 
+    def noted_answer(self) -> bytes | None:
+        """After the pipeline, when the handler noted its answer: the answer as stored, or None
+        when it noted none (no record was stored, and the key is still held)."""
+        assert self.stored is not None
+        row = self.stored.fetchone()
+        return None if row is None else bytes(row[-1])
+
     def settle(self) -> Claim:
         """After the pipeline: `claim()`, where a refused lock is read again, in a statement started
         after it was refused (as `claim_key` does): EXISTING if the holder has just committed."""
@@ -278,6 +297,30 @@ class ClaimAhead:
         with self._cursor.connection.cursor(row_factory=dict_row) as again:
             found = again.execute(_DATED_RECORD, self._params).fetchone()
         return claim if found is None else Claim(ClaimStatus.EXISTING, _record(found))
+
+
+_INSERT_COMPLETED = (
+    "INSERT INTO idempotency_record (scope, key, key_time, method, request_hash, state, status_code,"
+    " status_message, status_details, response, trailers, created_at, completed_at, first_traceparent,"
+    " account_hash)"
+)
+#: The completed record's insert and the key's hand-over (`HAND_OVER`), in one statement.
+_STORE_COMPLETED = (
+    f"WITH stored AS ({_INSERT_COMPLETED}"
+    " VALUES (%(scope)s, %(key)s, %(key_time)s, %(method)s, %(hash)s, 'completed', %(code)s, %(message)s,"
+    " %(details)s, %(response)s, %(trailers)s, %(created_at)s, now(), %(traceparent)s, %(account_hash)s)"
+    " RETURNING 1) " + HAND_OVER.format(rows="stored")
+)
+#: As `_STORE_COMPLETED` for a success whose answer the handler's statement noted (`answer_sql`):
+#: the record holds the noted bytes, dated by this transaction's start (the claim's, sent ahead in
+#: it), and the statement returns them; no answer noted, no record and no hand-over (no row).
+_STORE_NOTED_ANSWER = (
+    f"WITH stored AS ({_INSERT_COMPLETED}"
+    " SELECT %(scope)s, %(key)s, %(key_time)s, %(method)s, %(hash)s, 'completed', 0, '', NULL, noted.answer,"
+    " %(trailers)s, now(), now(), %(traceparent)s, %(account_hash)s"
+    f" FROM (SELECT {NOTED_ANSWER} AS answer) AS noted WHERE noted.answer IS NOT NULL"
+    " RETURNING response) " + HAND_OVER_RETURNING.format(rows="stored", columns=", response")
+)
 
 
 def complete_key(
@@ -299,30 +342,47 @@ def complete_key(
     outcome = record.outcome
     assert outcome is not None
     conn.execute(
-        "WITH stored AS (INSERT INTO idempotency_record (scope, key, key_time, method, request_hash, state,"
-        " status_code, status_message, status_details, response, trailers, created_at, completed_at,"
-        " first_traceparent, account_hash)"
-        " VALUES (%(scope)s, %(key)s, %(key_time)s, %(method)s, %(hash)s, 'completed', %(code)s, %(message)s,"
-        " %(details)s, %(response)s, %(trailers)s, %(created_at)s, now(), %(traceparent)s, %(account_hash)s)"
-        " RETURNING 1) " + HAND_OVER.format(rows="stored"),
+        _STORE_COMPLETED,
         {
-            "scope": record.scope,
-            "key": record.key,
-            "key_time": record.key_time,
-            "method": record.method,
-            "hash": record.request_hash,
+            **_record_params(record, account_id),
             "code": outcome.code,
             "message": outcome.message,
             "details": outcome.details,
             "response": outcome.response,
-            "trailers": Jsonb(outcome.trailers_json()),
             "created_at": record.created_at,
-            "traceparent": record.first_traceparent,
-            "account_hash": bigint(account_hash(account_id)) if account_id else None,
         },
     )
     if keep_handler_writes:
         conn.execute("COMMIT")
+
+
+def complete_key_with_noted_answer(
+    conn: psycopg.Connection[Any], *, record: IdempotencyRecord, account_id: str | None
+) -> psycopg.Cursor[Any]:
+    """Store the completed record of a claimed key whose handler noted its answer in this
+    transaction (`answer_sql`), release the key at the COMMIT, and commit; nothing is fetched. The
+    cursor's one row, once the pipeline has ended, holds the answer as stored; no row: the handler
+    noted none (its statement wrote nothing), so the COMMIT stored nothing and the key stays held."""
+    outcome = record.outcome
+    assert outcome is not None
+    stored = conn.execute(_STORE_NOTED_ANSWER, _record_params(record, account_id))
+    conn.execute("COMMIT")
+    return stored
+
+
+def _record_params(record: IdempotencyRecord, account_id: str | None) -> dict[str, Any]:
+    """The parameters of a completed record's insert that do not depend on how its answer is built."""
+    assert record.outcome is not None
+    return {
+        "scope": record.scope,
+        "key": record.key,
+        "key_time": record.key_time,
+        "method": record.method,
+        "hash": record.request_hash,
+        "trailers": Jsonb(record.outcome.trailers_json()),
+        "traceparent": record.first_traceparent,
+        "account_hash": bigint(account_hash(account_id)) if account_id else None,
+    }
 
 
 def release_claim(conn: psycopg.Connection[Any], *, scope: str, key: str) -> None:
@@ -441,6 +501,7 @@ __all__ = [
     "begin_handler",
     "claim_key",
     "complete_key",
+    "complete_key_with_noted_answer",
     "end_stalled_claim",
     "find_key",
     "find_keys",

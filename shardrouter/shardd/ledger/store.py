@@ -17,7 +17,9 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from shardrouter.shardd import answer_sql
 from shardrouter.shardd.db import bigint
+from shardrouter.v1 import transfer_pb2
 
 Connection = psycopg.Connection[Any]
 
@@ -96,6 +98,44 @@ class DeadLetterRow:
     currency: str
 
 
+#: A deposit in one statement (`deposit`); `{answer}` adds nothing, or the noted answer's column.
+_DEPOSIT = (
+    "WITH account AS ("
+    " INSERT INTO accounts AS a (id, currency, balance)"
+    " SELECT %(id)s, %(currency)s, %(amount)s WHERE %(amount)s <= %(max)s"
+    " ON CONFLICT (id) DO UPDATE SET balance = a.balance + excluded.balance"
+    " WHERE a.state = 'open' AND a.currency = excluded.currency"
+    " AND a.balance + excluded.balance <= %(max)s"
+    " RETURNING a.balance),"
+    " entry AS ("
+    " INSERT INTO ledger_entries (id, account_id, amount_minor, kind, idempotency_key, reference)"
+    " SELECT %(entry)s, %(id)s, %(amount)s, 'deposit', %(key)s, %(reference)s FROM account)"
+    " SELECT balance{answer} FROM account"
+)
+_BALANCE_FIELD = transfer_pb2.DepositResponse.DESCRIPTOR.fields_by_name["balance"].number
+_AMOUNT_FIELD = transfer_pb2.Money.DESCRIPTOR.fields_by_name["amount_minor"].number
+
+
+def deposit_answer(balance: str) -> str:
+    """A Deposit's answer, its serialised `DepositResponse`, as a bytea expression of `balance` (a
+    bigint expression: the balance after it) and two parameters protobuf serialised in Python
+    (`deposit_answer_parts`): the fields before the balance, and the balance's after its amount."""
+    money = f"{answer_sql.int64_field(_AMOUNT_FIELD, balance)} || %(balance_tail)s::bytea"
+    return f"(%(answer_head)s::bytea || {answer_sql.message_field(_BALANCE_FIELD, money)})"
+
+
+def deposit_answer_parts(entry_id: str, currency: str) -> dict[str, bytes]:
+    """The parameters of `deposit_answer`: the entry id's field, and the balance's currency field."""
+    return {
+        "answer_head": transfer_pb2.DepositResponse(entry_id=entry_id).SerializeToString(),
+        "balance_tail": transfer_pb2.Money(currency=currency).SerializeToString(),
+    }
+
+
+_DEPOSIT_FETCHED = _DEPOSIT.format(answer="")
+_DEPOSIT_NOTING_ANSWER = _DEPOSIT.format(answer=", " + answer_sql.noting_answer(deposit_answer("balance")))
+
+
 def deposit(
     conn: Connection,
     *,
@@ -106,33 +146,29 @@ def deposit(
     idempotency_key: str,
     entry_id: uuid.UUID,
     reference: str,
+    noting_answer: bool = False,
 ) -> int | None:
     """A deposit in one statement: open the account with it, or add it to an open account of the same
     currency that stays within `max_balance`, and append its ledger entry. The new balance, or None
     when nothing was written (the account is closed, holds another currency, or would pass the
-    limit; the account's row stays locked, so a read in this transaction says which)."""
-    row = conn.execute(
-        "WITH account AS ("
-        " INSERT INTO accounts AS a (id, currency, balance)"
-        " SELECT %(id)s, %(currency)s, %(amount)s WHERE %(amount)s <= %(max)s"
-        " ON CONFLICT (id) DO UPDATE SET balance = a.balance + excluded.balance"
-        " WHERE a.state = 'open' AND a.currency = excluded.currency"
-        " AND a.balance + excluded.balance <= %(max)s"
-        " RETURNING a.balance),"
-        " entry AS ("
-        " INSERT INTO ledger_entries (id, account_id, amount_minor, kind, idempotency_key, reference)"
-        " SELECT %(entry)s, %(id)s, %(amount)s, 'deposit', %(key)s, %(reference)s FROM account)"
-        " SELECT balance FROM account",
-        {
-            "id": account_id,
-            "currency": currency,
-            "amount": bigint(amount_minor),
-            "max": bigint(max_balance),
-            "entry": entry_id,
-            "key": idempotency_key,
-            "reference": reference,
-        },
-    ).fetchone()
+    limit; the account's row stays locked, so a read in this transaction says which).
+
+    `noting_answer`: the statement is sent without waiting for its result, and notes the call's
+    answer (a `DepositResponse` of the entry and the new balance) for the record stored after it in
+    this transaction (`answer_sql`), or nothing when it wrote nothing; None is returned."""
+    params = {
+        "id": account_id,
+        "currency": currency,
+        "amount": bigint(amount_minor),
+        "max": bigint(max_balance),
+        "entry": entry_id,
+        "key": idempotency_key,
+        "reference": reference,
+    }
+    if noting_answer:
+        conn.execute(_DEPOSIT_NOTING_ANSWER, {**params, **deposit_answer_parts(str(entry_id), currency)})
+        return None
+    row = conn.execute(_DEPOSIT_FETCHED, params).fetchone()
     return None if row is None else int(row[0])
 
 
@@ -513,6 +549,8 @@ __all__ = [
     "dead_letter",
     "dead_letter_counts",
     "deposit",
+    "deposit_answer",
+    "deposit_answer_parts",
     "entry_of_transfer",
     "insert_entry",
     "insert_entry_once",
