@@ -63,9 +63,9 @@ class ShardSettings:
     migration_lock_timeout_s: float = 5.0
     #: RetryInfo delay after a transient database failure (ms).
     transient_retry_ms: int = 250
-    #: Run a claimed key's handler transaction in psycopg's pipeline mode: a new-key Deposit in 2
-    #: round trips (claim with the handler's statement, record with COMMIT), not 5. Off only to
-    #: debug statement by statement.
+    #: Run a claimed key's handler transaction in psycopg's pipeline mode: a new-key Deposit in 1
+    #: round trip (the claim, the Deposit, the record and the COMMIT in one pipeline; other handlers
+    #: 2), not 5. Off only to debug statement by statement.
     db_pipeline: bool = True
     #: Where a UUIDv7 key's claim goes: `adaptive` sends it with the handler's first statements
     #: (one round trip less per new key) while few recent claims found their key taken, and on its

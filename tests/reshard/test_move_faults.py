@@ -447,13 +447,16 @@ def _new_orchestrator(case: Case, record: MoveRecord, at: Phase, then: str, watc
     return resumed
 
 
+# Both phases resumed in the default suite (a resumed subscription is what broke before); the aborts
+# after the same kills with --run-slow, since an abort after the old owner's PostgreSQL died is run
+# by the copy's kill below in every suite.
 @pytest.mark.parametrize(
     ("at", "then"),
     [
         (Phase.COPIED, "resume"),
         (Phase.FENCED, "resume"),
-        (Phase.COPIED, "abort"),
-        (Phase.FENCED, "abort"),
+        pytest.param(Phase.COPIED, "abort", marks=pytest.mark.slow),
+        pytest.param(Phase.FENCED, "abort", marks=pytest.mark.slow),
     ],
     ids=["catching-up-resume", "fenced-resume", "catching-up-abort", "fenced-abort"],
 )

@@ -24,6 +24,7 @@ from shardrouter.localcluster.postgres import LocalPostgres, free_port
 from shardrouter.shardd.ledger.service import credit_key
 from shardrouter.shardd.relay import OutboxRelay
 from shardrouter.shardd.server import ShardDaemon, start_shard
+from shardrouter.shardd.transfer_waits import TransferWaits
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.helpers import error_info, key_metadata, make_settings, money
 
@@ -301,17 +302,20 @@ def test_a_commit_that_queues_a_credit_wakes_the_relay(two_shards, monkeypatch):
     monkeypatch.setattr(relay_module, "_IDLE_S", 60.0)  # a poll would come far too late to pass
     src, dst = _opened_pair(two_shards)
     daemon = two_shards.daemons["shard-0"]
+    waits = TransferWaits()
     relay = OutboxRelay(
-        dataclasses.replace(daemon.settings, relay_workers=1), daemon.database, lambda: two_shards.shard_map
+        dataclasses.replace(daemon.settings, relay_workers=1),
+        daemon.database,
+        lambda: two_shards.shard_map,
+        waits=waits,
     )
     relay.start()
     try:
-        with two_shards.db(src) as conn:
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and not conn.execute(
-                "SELECT 1 FROM pg_stat_activity WHERE query = 'LISTEN shardrouter_outbox'"
-            ).fetchone():
-                time.sleep(0.02)  # waiting for the listener's connection, not for the relay
+        # The relay's own listener tells its waits once every channel's LISTEN was issued.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not waits.listening:
+            time.sleep(0.01)  # waiting for the listener's connection, not for the relay
+        assert waits.listening, "the relay's listener never started listening"
         _transfer(two_shards, src, dst, 250)
         started = time.monotonic()
         while _balance(two_shards, dst) != 251 and time.monotonic() - started < 10:
