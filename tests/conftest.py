@@ -15,9 +15,11 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 # a killed process loses nothing that way, and no test cuts the power (see localcluster/postgres.py).
 os.environ.setdefault("SHARD_ROUTER_PG_FSYNC", "off")
 
+import fcntl
 import functools
 import itertools
 import re
+import tempfile
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -34,17 +36,51 @@ from shardrouter.v1 import transfer_pb2_grpc
 from tests.helpers import make_settings, own_postgres
 from tests.processes import ServiceProcess
 
+#: Test runs one machine holds at once, each in its own part of the ports (`_run_slot`). A worker
+#: of a full run hands out up to about 1,000 ports; each gets 2,500 this way.
+_RUN_SLOTS = 3
+#: The run's slot, which the controlling process takes and its xdist workers inherit.
+_RUN_SLOT_ENV = "SHARD_ROUTER_TEST_RUN_SLOT"
+#: The descriptor of the lock file of the slot this process holds (open for the whole run).
+_held_slot: list[int] = []
+
+
+def _run_slot() -> int:
+    """This run's slot: the first of `_RUN_SLOTS` that no other run on this machine holds (a lock
+    file held until this process exits), so two suites at once (a clone's CI beside the working
+    copy's) draw their ports from different parts. All taken: the first, shared."""
+    inherited = os.environ.get(_RUN_SLOT_ENV)
+    if inherited is not None:
+        return int(inherited)
+    for slot in range(_RUN_SLOTS):
+        lock = os.open(
+            Path(tempfile.gettempdir()) / f"shard-router-tests-ports-{slot}.lock", os.O_CREAT | os.O_RDWR
+        )
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock)
+            continue
+        _held_slot.append(lock)
+        os.environ[_RUN_SLOT_ENV] = str(slot)  # before xdist starts the workers, which inherit it
+        return slot
+    os.environ[_RUN_SLOT_ENV] = "0"
+    return 0
+
 
 def _worker_port_range() -> str | None:
-    """Under pytest-xdist, this worker's share of the ports below the kernel's ephemeral range, so
-    that no two workers (nor the processes they start) hand out the same port."""
+    """Under pytest-xdist, this worker's share of its run's part of the ports below the kernel's
+    ephemeral range, so that no two workers (nor the processes they start), of this run or of
+    another on the machine, hand out the same port."""
+    slot = _run_slot()
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if not worker or not count:
         return None
     with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
         ephemeral_low = int(ranges.read().split()[0])
-    span = (min(ephemeral_low, 32768) - 10_000) // int(count)
-    low = 10_000 + int(worker.removeprefix("gw")) * span
+    run_span = (min(ephemeral_low, 32768) - 10_000) // _RUN_SLOTS
+    span = run_span // int(count)
+    low = 10_000 + slot * run_span + int(worker.removeprefix("gw")) * span
     return f"{low}-{low + span - 1}"
 
 

@@ -27,12 +27,21 @@ from shardrouter.core.moves import Phase
 from shardrouter.core.shard_dsns import read_shard_dsns
 from shardrouter.core.shardmap import load_shard_map
 from shardrouter.localcluster.cluster import LocalCluster, installed_command
-from shardrouter.reshard.move import ShardDatabases, find_move
+from shardrouter.reshard.move import COMMITTED, PUBLISHED, ShardDatabases, find_move, phase_failpoint
 
 #: The steps an orchestrator is killed after, in turn: each side of the commit, the catch-up, the
 #: fence and verification. Not during the copy: a resume after a crash there is a known open defect
 #: of the move (a table can stay in state 'f'), which this schedule is not meant to hunt.
 KILL_AFTER = ("fenced", "committed", "caught_up", "verified", "published", "copied")
+#: The move's failpoint after each of those steps.
+_FAILPOINT_AFTER = {
+    "fenced": phase_failpoint(Phase.FENCED),
+    "committed": COMMITTED,
+    "caught_up": phase_failpoint(Phase.CAUGHT_UP),
+    "verified": phase_failpoint(Phase.VERIFIED),
+    "published": PUBLISHED,
+    "copied": phase_failpoint(Phase.COPIED),
+}
 #: How long one orchestrator (a move, or its resume) may take before the schedule gives up (s).
 MOVE_TIMEOUT_S = 300.0
 #: How many times a move whose orchestrator stopped on an error is resumed before the schedule gives up.
@@ -141,7 +150,7 @@ class Moves:
         move's id, the killed orchestrator's pid or 0, the exit code of an unkilled one.)"""
         for attempt in range(MAX_RESUMES + 1):
             if kill_after:
-                pid, code = self._run_to_pause(args, f"reshard.{kill_after}", log)
+                pid, code = self._run_to_pause(args, _FAILPOINT_AFTER[kill_after], log)
             else:
                 pid, code = 0, self._run(args, log)
             found = _MOVE_ID.findall(log.read_text(encoding="utf-8", errors="replace"))

@@ -41,6 +41,9 @@ from shardrouter.shardd.ledger.service import credit_key, credit_payload
 from shardrouter.shardd.relay import OUTBOX_CHANNEL
 from shardrouter.v1 import transfer_pb2
 
+#: The failpoint (core/failpoints.py) reached after each repair committed, the next not begun.
+REPAIRED = "reconcile.repaired"
+
 _NOTE = "reconcile: credit re-queued (the destination did not hold it)"
 
 
@@ -189,7 +192,7 @@ def apply(
         except psycopg.Error as exc:
             done, said = False, f"refused by the database, nothing changed: {exc.diag.message_primary or exc}"
         outcomes.append(Outcome(m, done, f"{m.kind.value} {m.transfer_id} on {shard}: {said}"))
-        failpoints.reached("reconcile.repaired")  # one repair committed, the next not begun
+        failpoints.reached(REPAIRED)  # one repair committed, the next not begun
     return outcomes
 
 
@@ -212,4 +215,4 @@ def _source_repair(repair: str, conn: Connection, shard: str, transfer_id: uuid.
     return done, "handed back to the refund path" if done else "already handed back (or refunded meanwhile)"
 
 
-__all__ = ["Outcome", "apply", "queue", "refund", "requeue", "reverse"]
+__all__ = ["REPAIRED", "Outcome", "apply", "queue", "refund", "requeue", "reverse"]

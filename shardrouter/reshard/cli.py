@@ -47,6 +47,7 @@ from shardrouter.reshard.move import (
     current_map,
     find_move,
     list_moves,
+    phase_failpoint,
     start_move,
 )
 from shardrouter.reshard.plan import ACTIVE_PHASES, MoveError, Phase, parse_slot_range
@@ -442,7 +443,7 @@ def _start(args: argparse.Namespace, store: MapStore, databases: ShardDatabases)
     _print_progress(
         f"move {record.plan.move_id}: slots {first}-{last} from {record.plan.source} to {record.plan.target}"
     )
-    failpoints.reached("reshard.planned")  # journaled, nothing made yet
+    failpoints.reached(phase_failpoint(Phase.PLANNED))  # journaled, nothing made yet
     return record
 
 

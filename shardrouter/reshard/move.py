@@ -46,6 +46,20 @@ from shardrouter.shardd.fences import SlotFence
 from shardrouter.shardd.migrations import FENCED_TABLES, schema_version
 from shardrouter.shardd.ownership import record_owner, recorded_owners
 
+#: A move's failpoints (core/failpoints.py), where the crash tests stop its orchestrator: the start
+#: checked, not yet journaled (the start lock held); each phase once journaled (`phase_failpoint`);
+#: the commit point recorded in the old owner's database, not yet handed over; handed over and the
+#: map replaced, not yet cleaned up.
+START_CHECKED = "reshard.start_checked"
+COMMITTED = "reshard.committed"
+PUBLISHED = "reshard.published"
+
+
+def phase_failpoint(phase: Phase) -> str:
+    """The failpoint a move reaches once `phase` is journaled (`planned` by the command that plans it)."""
+    return f"reshard.{phase.value}"
+
+
 Progress = Callable[[str], None]
 
 #: The order rows are deleted in, children before the rows they reference.
@@ -203,7 +217,7 @@ def _checked_and_journaled(
                 f"{plan.target} has a fence of slots {fence.first_slot}-{fence.last_slot} (move "
                 f"{fence.move_id}) that crosses this range; move that range back whole"
             )
-    failpoints.reached("reshard.start_checked")  # checked, not yet journaled; start lock held
+    failpoints.reached(START_CHECKED)  # checked, not yet journaled; start lock held
     return journal.create_move(source, plan)
 
 
@@ -528,14 +542,14 @@ class Move:
             f"committed: shard map version {version} gives slots {p.first_slot}-{p.last_slot} to {p.target} "
             f"(recorded in {p.source}'s database)"
         )
-        failpoints.reached("reshard.committed")  # committed, not yet handed over
+        failpoints.reached(COMMITTED)  # committed, not yet handed over
         self._hand_over(fact)
         pause = time.time() - float(self.record.figures.get("fenced_at_unix", time.time()))
         journal.add_figures(self._source, self.record, write_pause_s=round(pause, 3))
         self._publish(fact)
         journal.add_figures(self._source, self.record, commit_s=round(time.monotonic() - started, 3))
         self._progress(f"handed over to {p.target} and published to {self._store.where}")
-        failpoints.reached("reshard.published")
+        failpoints.reached(PUBLISHED)
 
     def _hand_over(self, fact: RangeOwner) -> None:
         """Record the commit's fact in the new owner's database and lower its fence, in one
@@ -625,7 +639,7 @@ class Move:
     def _phase(self, phase: Phase, **figures: Any) -> None:
         journal.set_phase(self._source, self.record, phase, **figures)
         self._progress(f"{phase.value}: " + ", ".join(f"{k}={v}" for k, v in figures.items()))
-        failpoints.reached(f"reshard.{phase.value}")  # crash tests stop here (core/failpoints.py)
+        failpoints.reached(phase_failpoint(phase))  # crash tests stop here (core/failpoints.py)
 
     def _record(self, kind: str, name: str, shard: str) -> None:
         journal.record_object(self._source, self.record, MoveObject(kind, name, shard))
@@ -797,12 +811,16 @@ def list_moves(databases: ShardDatabases, *, active_only: bool = False) -> list[
 
 
 __all__ = [
+    "COMMITTED",
+    "PUBLISHED",
+    "START_CHECKED",
     "Move",
     "MoveSettings",
     "ShardDatabases",
     "current_map",
     "find_move",
     "list_moves",
+    "phase_failpoint",
     "recorded_facts",
     "start_move",
 ]

@@ -28,6 +28,7 @@ from shardrouter.core.shardmap import load_shard_map
 from shardrouter.localcluster.cluster import LocalCluster
 from shardrouter.localcluster.postgres import free_port
 from shardrouter.reconcile import cli
+from shardrouter.reconcile.repair import REPAIRED
 from shardrouter.shardd.ledger.service import credit_key, refund_key
 from shardrouter.v1 import transfer_pb2, transfer_pb2_grpc
 from tests.helpers import key_metadata, money, pg_data_dir
@@ -278,7 +279,7 @@ def reconcile_killed_after_first_repair(cluster: LocalCluster, *args: str) -> No
     command = Path(sys.executable).with_name("shard-router")
     run_to_failpoint(
         [str(command), "reconcile", "--databases", str(cluster.databases_path), "--repair", *args],
-        "reconcile.repaired",
+        REPAIRED,
     )
 
 

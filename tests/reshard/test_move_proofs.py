@@ -19,7 +19,7 @@ import yaml
 
 from shardrouter.core.shardmap import load_shard_map
 from shardrouter.localcluster.postgres import LocalPostgres
-from shardrouter.reshard.move import Move, MoveSettings, find_move, start_move
+from shardrouter.reshard.move import PUBLISHED, Move, MoveSettings, find_move, start_move
 from shardrouter.reshard.plan import MoveError, Phase
 from shardrouter.reshard.verify import rows_in_range
 from tests.processes import Paused, run_to_failpoint
@@ -143,7 +143,7 @@ def test_clean_up_refuses_to_delete_rows_that_changed_after_verification(pair: P
 
     killed = run_to_failpoint(
         _reshard(pair, databases, "--slots", f"{FIRST}-{LAST}", "--to", "shard-1"),
-        "reshard.published",
+        PUBLISHED,
         while_paused=straggler,
     )
     found = re.search(r"move (m\w+):", killed.output)

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from shardrouter.core.shardmap import load_shard_map, parse_shard_map, write_shard_map
-from shardrouter.reshard.move import find_move
+from shardrouter.reshard.move import COMMITTED, PUBLISHED, find_move, phase_failpoint
 from shardrouter.reshard.plan import Phase
 from tests.processes import run_to_failpoint
 from tests.reshard.cluster import (
@@ -38,14 +38,9 @@ from tests.reshard.cluster import (
 #: commit point, recorded in the old owner's database, not yet handed over nor published; published:
 #: handed over and the map file replaced, not yet cleaned up).
 KILL_POINTS = {
-    "planned": "reshard.planned",
-    "prepared": "reshard.prepared",
-    "copied": "reshard.copied",
-    "caught_up": "reshard.caught_up",
-    "fenced": "reshard.fenced",
-    "verified": "reshard.verified",
-    "committed": "reshard.committed",
-    "published": "reshard.published",
+    **{phase.value: phase_failpoint(phase) for phase in Phase if phase.rank < Phase.COMMITTED.rank},
+    "committed": COMMITTED,
+    "published": PUBLISHED,
 }
 BEFORE_COMMIT = [k for k in KILL_POINTS if k not in ("committed", "published")]
 

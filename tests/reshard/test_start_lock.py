@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from shardrouter.reshard import move as move_module
-from shardrouter.reshard.move import Move, MoveError, MoveSettings, start_move
+from shardrouter.reshard.move import START_CHECKED, Move, MoveError, MoveSettings, start_move
 from tests.processes import Paused, run_to_failpoint
 from tests.reshard.cluster import FIRST, LAST, Pair, assert_no_leftovers
 
@@ -44,7 +44,7 @@ def test_a_start_while_another_is_between_its_checks_and_its_journal_is_refused(
             with pytest.raises(MoveError, match="another move is being started on shard-0 right now"):
                 start_move(pair.map_path, pair.databases, first_slot, last_slot, "shard-1")
 
-    run_to_failpoint(command, "reshard.start_checked", while_paused=refused_meanwhile)
+    run_to_failpoint(command, START_CHECKED, while_paused=refused_meanwhile)
     # Killed before it journaled anything: its lock went with its connections, and a start goes on.
     record = start_move(pair.map_path, pair.databases, FIRST, LAST, "shard-1")
     with Move(record, map_store=pair.map_path, databases=pair.databases, settings=MoveSettings()) as move:

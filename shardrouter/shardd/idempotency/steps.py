@@ -630,8 +630,14 @@ class DatabaseKeys:
         """After a failed handler transaction on a claimed key: roll back and let the key go; a
         twin's record met at the COMMIT is answered as in flight."""
         if isinstance(exc, psycopg.Error):
+            if _answered_by_the_server(exc) and not conn.closed:
+                # The server is there (it answered): roll back and let the key go before the call
+                # is answered. Closing alone lets it go only once the server's session has exited,
+                # and a retry sent at once (a router resending through a move's cut-over) could
+                # meet this call's claim still held and be answered in flight.
+                store.release_claim(conn, scope=call.scope, key=call.key.text)
             # A failed statement aborts the pipeline; closing the connection ends its session,
-            # which rolls the transaction back and lets the key go, whatever state the pipeline
+            # which rolls back and lets the key go if nothing did, whatever state the pipeline
             # was left in.
             conn.close()
         else:
@@ -707,6 +713,13 @@ def _settled_elsewhere(ahead: store.ClaimAhead) -> Claim | None:
         return ahead.settle()
     except psycopg.Error:
         return claim  # the holder was in flight when the claim looked: the retry looks again
+
+
+def _answered_by_the_server(exc: psycopg.Error) -> bool:
+    """Whether the failure is the server's answer to a statement (a SQLSTATE of its own), its
+    session alive; not a lost connection (class 08) nor a session the server ended (57P)."""
+    state = exc.sqlstate
+    return state is not None and not state.startswith(("08", "57P"))
 
 
 def _twin_holds_the_key(exc: BaseException) -> bool:
