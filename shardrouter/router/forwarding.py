@@ -453,7 +453,14 @@ class Forwarder(_GenericHandler):
                 outcome = await self._hedged_attempt(shard, turn, method, raw, metadata, context, note)
             else:
                 address = addresses[turn % len(addresses)]
-                outcome = await self._attempt(shard, address, method, raw, metadata, context, note)
+                sent = metadata
+                if attempt and method.keyed:
+                    # The attempt before may have reached a daemon that died with the key claimed:
+                    # its database session lets the claim go only once it has exited, so the resend
+                    # waits for a twin in flight (as a hedge does) instead of being answered in
+                    # flight for its own earlier attempt.
+                    sent = with_wait(metadata, int((self._timeout(context) - HEDGE_ANSWER_MARGIN_S) * 1000))
+                outcome = await self._attempt(shard, address, method, raw, sent, context, note)
             if not unreached(outcome.code, outcome.trailing_metadata) and not (
                 resendable and interrupted(outcome)
             ):

@@ -26,6 +26,7 @@ from grpc_status import rpc_status
 
 from shardrouter.core.errors import ERROR_DOMAIN, Reason
 from shardrouter.core.keys import new_key
+from shardrouter.core.wire_names import WAIT_METADATA
 from shardrouter.v1 import transfer_pb2
 from tests.processes import ServiceProcess, router_process
 from tests.router.fakeshard import FakeShard, SeenCall, single_shard_map, start_fake_shard
@@ -373,6 +374,10 @@ def test_keyless_deposit_is_not_retried_keyed_one_is(setup: Setup, fake: FakeSha
     assert response == request  # the third attempt reached the echo
     assert len(fake.calls) == 3
     assert all(c.request == request and ("idempotency-key", key) in c.metadata for c in fake.calls)
+    # A resend asks the daemon to wait for a twin in flight (its own earlier attempt, on a daemon that
+    # died with the key claimed, holds it until that session has exited); the first send does not.
+    waits = [[int(v) for k, v in c.metadata if k == WAIT_METADATA] for c in fake.calls]
+    assert waits[0] == [] and all(len(w) == 1 and 0 < w[0] <= 5000 for w in waits[1:]), waits
 
 
 def test_a_read_is_resent_like_a_keyed_call(setup: Setup, fake: FakeShard) -> None:
@@ -382,6 +387,7 @@ def test_a_read_is_resent_like_a_keyed_call(setup: Setup, fake: FakeShard) -> No
     fake.reset(_fail_first(2))
     assert setup.raw("GetBalance")(request, timeout=5) == request  # the third attempt reached the echo
     assert len(fake.calls) == 3
+    assert not any(k == WAIT_METADATA for c in fake.calls for k, _ in c.metadata)  # no key, no twin
 
 
 def test_keyed_retries_are_bounded(setup: Setup, fake: FakeShard) -> None:
