@@ -459,7 +459,7 @@ class Forwarder(_GenericHandler):
                     # its database session lets the claim go only once it has exited, so the resend
                     # waits for a twin in flight (as a hedge does) instead of being answered in
                     # flight for its own earlier attempt.
-                    sent = with_wait(metadata, int((self._timeout(context) - HEDGE_ANSWER_MARGIN_S) * 1000))
+                    sent = with_wait(metadata, self._twin_wait_ms(context))
                 outcome = await self._attempt(shard, address, method, raw, sent, context, note)
             if not unreached(outcome.code, outcome.trailing_metadata) and not (
                 resendable and interrupted(outcome)
@@ -475,6 +475,11 @@ class Forwarder(_GenericHandler):
             if delay:
                 await asyncio.sleep(delay)
             attempt += 1
+
+    def _twin_wait_ms(self, context: CallContext) -> int:
+        """How long a second attempt of a keyed call asks the daemon to wait for a twin in flight
+        (`idempotency-wait-ms`): the call's deadline less a margin to answer in."""
+        return int((self._timeout(context) - HEDGE_ANSWER_MARGIN_S) * 1000)
 
     async def _hedged_attempt(
         self,
@@ -502,8 +507,7 @@ class Forwarder(_GenericHandler):
             if self._metrics is not None:
                 self._metrics.hedged(shard.id, won=False)
             # The hedge waits for a twin in flight (the call's deadline less a margin to answer).
-            wait_ms = int((self._timeout(context) - HEDGE_ANSWER_MARGIN_S) * 1000) if method.keyed else 0
-            return attempt_at(second, with_wait(metadata, wait_ms))
+            return attempt_at(second, with_wait(metadata, self._twin_wait_ms(context) if method.keyed else 0))
 
         primary = attempt_at(first, metadata)
         outcome, hedge_won = await first_decisive(

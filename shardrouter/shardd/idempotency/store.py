@@ -363,8 +363,6 @@ def complete_key_with_noted_answer(
     transaction (`answer_sql`), release the key at the COMMIT, and commit; nothing is fetched. The
     cursor's one row, once the pipeline has ended, holds the answer as stored; no row: the handler
     noted none (its statement wrote nothing), so the COMMIT stored nothing and the key stays held."""
-    outcome = record.outcome
-    assert outcome is not None
     stored = conn.execute(_STORE_NOTED_ANSWER, _record_params(record, account_id))
     conn.execute("COMMIT")
     return stored
